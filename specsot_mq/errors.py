@@ -1,0 +1,5 @@
+"""The one exception type a user can cause; the CLI prints its message as a single line."""
+
+
+class SpecSotError(Exception):
+    """A problem the user can fix (bad flag, missing model, no network); the message says how."""

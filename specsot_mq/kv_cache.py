@@ -1,0 +1,130 @@
+"""The KV cache: one buffer allocated once per process and updated in place.
+
+Layout is [layers, slots, kv_heads, capacity, head_dim] so that one slot's keys for one head are
+contiguous for the attention matmul. A slot is one sequence (a question, or one branch of it).
+Lengths are plain Python ints: reading them never synchronises with the device.
+
+Everything a decode loop needs happens in place: append at the slot's length, move an accepted draft
+path to its final positions (one gather + one copy for all layers), truncate by length (nothing is
+freed; later writes overwrite), copy a prefix into other slots (branches sharing a question).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specsot_mq.errors import SpecSotError
+
+
+class KVCacheOverflow(SpecSotError):
+    """A write would go past the cache capacity."""
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.lengths = [0] * num_slots
+
+    @classmethod
+    def for_model(cls, config, num_slots: int, capacity: int, dtype, device) -> "KVCache":
+        return cls(config.num_layers, num_slots, config.num_kv_heads, capacity, config.head_dim, dtype, device)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.lengths)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def reserve(self, slots: Sequence[int], n: int) -> list[int]:
+        """Claim `n` positions at the end of each slot; return where each slot's new entries start."""
+        starts = [self.lengths[s] for s in slots]
+        for s, start in zip(slots, starts):
+            if start + n > self.capacity:
+                raise KVCacheOverflow(
+                    f"KV cache slot {s} holds {start} of {self.capacity} positions and {n} more do not "
+                    "fit: shorten the prompt or max tokens, or raise the cache length (--max-len)"
+                )
+        for s, start in zip(slots, starts):
+            self.lengths[s] = start + n
+        return starts
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Forget everything from `length` on (nothing is freed; later writes overwrite it)."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {length}")
+        self.lengths[slot] = length
+
+    def reset(self, slot: int | None = None) -> None:
+        for s in range(self.num_slots) if slot is None else [slot]:
+            self.lengths[s] = 0
+
+    # -- data --------------------------------------------------------------------------------
+
+    def write(self, layer: int, slots: Sequence[int], starts: Sequence[int], k: torch.Tensor, v: torch.Tensor):
+        """Store new entries k, v [B, kv_heads, T, head_dim] of batch row b at slots[b], from starts[b]."""
+        t = k.shape[2]
+        if len(set(starts)) == 1 and _is_range(slots):
+            s0, st = slots[0], starts[0]
+            self.k[layer, s0 : s0 + len(slots), :, st : st + t] = k
+            self.v[layer, s0 : s0 + len(slots), :, st : st + t] = v
+            return
+        slot_idx = torch.tensor(slots, device=k.device)[:, None]
+        pos_idx = torch.tensor(starts, device=k.device)[:, None] + torch.arange(t, device=k.device)
+        # Index a [slots, capacity, heads, dim] view so each (slot, position) pair picks one row.
+        self.k[layer].transpose(1, 2)[slot_idx, pos_idx] = k.transpose(1, 2)
+        self.v[layer].transpose(1, 2)[slot_idx, pos_idx] = v.transpose(1, 2)
+
+    def view(self, layer: int, slots: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, kv_heads, length, head_dim] for the given slots (a view when they are
+        consecutive, a gathered copy otherwise)."""
+        if _is_range(slots):
+            s0 = slots[0]
+            return self.k[layer, s0 : s0 + len(slots), :, :length], self.v[layer, s0 : s0 + len(slots), :, :length]
+        idx = torch.tensor(slots, device=self.k.device)
+        return self.k[layer, idx, :, :length], self.v[layer, idx, :, :length]
+
+    def move(self, slot: int, src: Sequence[int] | torch.Tensor, dst: int) -> None:
+        """Copy the entries at cache positions `src` to positions dst, dst+1, ... (all layers), then
+        set the slot's length to dst + len(src). This compacts an accepted draft-tree path."""
+        src = torch.as_tensor(src, dtype=torch.long, device=self.k.device)
+        n = src.numel()
+        if dst + n > self.capacity:
+            raise KVCacheOverflow(f"moving {n} entries to position {dst} overflows capacity {self.capacity}")
+        if n:
+            # index_select gathers into a new tensor first, so overlapping src/dst ranges are safe.
+            self.k[:, slot, :, dst : dst + n].copy_(self.k[:, slot].index_select(2, src))
+            self.v[:, slot, :, dst : dst + n].copy_(self.v[:, slot].index_select(2, src))
+        self.lengths[slot] = dst + n
+
+    def copy_prefix(self, src_slot: int, dst_slots: Sequence[int], length: int | None = None) -> None:
+        """Give every slot in dst_slots the first `length` entries of src_slot (a shared prompt)."""
+        length = self.lengths[src_slot] if length is None else length
+        if length > self.lengths[src_slot]:
+            raise ValueError(f"slot {src_slot} holds {self.lengths[src_slot]} entries, not {length}")
+        for d in dst_slots:
+            if d == src_slot:
+                continue
+            self.k[:, d, :, :length].copy_(self.k[:, src_slot, :, :length])
+            self.v[:, d, :, :length].copy_(self.v[:, src_slot, :, :length])
+            self.lengths[d] = length
+
+
+def _is_range(slots: Sequence[int]) -> bool:
+    return all(b - a == 1 for a, b in zip(slots, slots[1:]))

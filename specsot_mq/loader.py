@@ -1,0 +1,103 @@
+"""Load a Hugging Face-format model folder (config.json + safetensors) into our LlamaModel."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from specsot_mq.config import ModelConfig
+from specsot_mq.errors import SpecSotError
+from specsot_mq.model import LlamaModel
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: one model.safetensors or the shards its index names."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / s for s in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    missing = [f.name for f in files if not f.exists()]
+    if not files or missing:
+        raise SpecSotError(
+            f"{folder} has no complete safetensors weights (missing: {', '.join(missing) or '*.safetensors'}): "
+            "re-pull the model or point --model at a complete folder"
+        )
+    return files
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for f in weight_files(folder):
+        try:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    state[name] = st.get_tensor(name)
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise SpecSotError(f"{f} cannot be read ({e}): the file is damaged; re-pull the model") from None
+    return state
+
+
+def hf_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename Hugging Face weights to ours, fusing q/k/v and gate/up, and folding the attention
+    scale 1/sqrt(head_dim) into the q projection (or the q norm, which comes after it)."""
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    out = {"embed.weight": state["model.embed_tokens.weight"], "norm.weight": state["model.norm.weight"]}
+    out["lm_head.weight"] = state["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        q_scale = 1.0 if cfg.qk_norm else scale
+        out[q + "qkv.weight"] = torch.cat(
+            [state[a + "q_proj.weight"] * q_scale, state[a + "k_proj.weight"], state[a + "v_proj.weight"]]
+        )
+        if cfg.qkv_bias:
+            out[q + "qkv.bias"] = torch.cat(
+                [state[a + "q_proj.bias"] * q_scale, state[a + "k_proj.bias"], state[a + "v_proj.bias"]]
+            )
+        out[q + "o.weight"] = state[a + "o_proj.weight"]
+        if cfg.o_bias:
+            out[q + "o.bias"] = state[a + "o_proj.bias"]
+        if cfg.qk_norm:
+            out[q + "q_norm.weight"] = state[a + "q_norm.weight"] * scale
+            out[q + "k_norm.weight"] = state[a + "k_norm.weight"]
+        out[q + "input_norm.weight"] = state[p + "input_layernorm.weight"]
+        out[q + "post_norm.weight"] = state[p + "post_attention_layernorm.weight"]
+        out[q + "gate_up.weight"] = torch.cat([state[m + "gate_proj.weight"], state[m + "up_proj.weight"]])
+        out[q + "down.weight"] = state[m + "down_proj.weight"]
+        if cfg.mlp_bias:
+            out[q + "gate_up.bias"] = torch.cat([state[m + "gate_proj.bias"], state[m + "up_proj.bias"]])
+            out[q + "down.bias"] = state[m + "down_proj.bias"]
+    return out
+
+
+def load_model(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    prepack: bool = True,
+) -> LlamaModel:
+    """Build the model of a Hugging Face-format folder, in `dtype` on `device`, ready for inference."""
+    folder = Path(folder)
+    cfg = ModelConfig.from_folder(folder)
+    try:
+        weights = hf_to_ours(read_state_dict(folder), cfg)
+    except KeyError as e:
+        raise SpecSotError(f"{folder} lacks weight {e} that its config.json implies: re-pull the model") from None
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model.load_state_dict(weights, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise SpecSotError(f"{folder} lacks weights {missing[:3]}: re-pull the model")
+    rope = model.rope_cos, model.rope_sin
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model.rope_cos, model.rope_sin = rope[0].to(device), rope[1].to(device)  # rope stays fp32
+    return model.prepack() if prepack else model

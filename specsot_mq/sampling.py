@@ -1,0 +1,75 @@
+"""Sampling parameters and the token sampler (greedy, temperature, top-k, top-p, seeded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specsot_mq.errors import SpecSotError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request is decoded. temperature 0 means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings; the output ends before the first one
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SpecSotError(message)
+        self.stop = tuple(s for s in self.stop if s)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Draws tokens for one request; owns its random generator so a seed reproduces the output."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+        self.params = params
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator(device=device)
+            if params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(params.seed)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution [N, V] actually sampled from: temperature, then top-k, then top-p."""
+        p = self.params
+        logits = logits.float() / max(p.temperature, 1e-5)
+        if p.top_k:
+            kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1:
+            sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+            # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token).
+            drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token id per row of logits [N, V]."""
+        if self.params.greedy:
+            return logits.argmax(dim=-1)
+        return torch.multinomial(self.probs(logits), 1, generator=self.generator).squeeze(-1)
