@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -85,27 +85,33 @@ class PlainDecoder:
 
 @dataclass
 class _StopState:
-    """Stop-string bookkeeping: text is released only once no stop string can still begin in it."""
+    """Stop-string bookkeeping: text is released unless it could be the start of a stop string."""
 
     stops: tuple[str, ...]
     text: str = ""
     released: int = 0
-    hold: int = field(init=False)
-
-    def __post_init__(self):
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
 
     def feed(self, piece: str, final: bool) -> tuple[str, bool]:
         """Add decoded text; return (text safe to release now, whether a stop string was hit)."""
         self.text += piece
         hits = [i for s in self.stops if (i := self.text.find(s, self.released)) >= 0]
         if hits:
-            end, stopped = min(hits), True
+            end = min(hits)
             self.text = self.text[:end]
         else:
-            end, stopped = (len(self.text) if final else max(self.released, len(self.text) - self.hold)), False
-        out, self.released = self.text[self.released : end], max(self.released, end)
-        return out, stopped
+            end = len(self.text) if final else self._safe_end()
+        out, self.released = self.text[self.released : end], end
+        return out, bool(hits)
+
+    def _safe_end(self) -> int:
+        """Where the first possible beginning of a stop string lies in the unreleased tail."""
+        n = len(self.text)
+        longest = max((len(s) for s in self.stops), default=1)
+        for i in range(max(self.released, n - longest + 1), n):
+            tail = self.text[i:]
+            if any(s.startswith(tail) for s in self.stops):
+                return i
+        return n
 
 
 class Generator:

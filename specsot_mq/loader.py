@@ -101,3 +101,39 @@ def load_model(
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.rope_cos, model.rope_sin = rope[0].to(device), rope[1].to(device)  # rope stays fp32
     return model.prepack() if prepack else model
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 / AMX), fp32 elsewhere."""
+    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+    if dtype == "auto":
+        fast_bf16 = device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    if dtype not in names:
+        raise SpecSotError(f"unknown dtype '{dtype}': use auto, bf16 or fp32")
+    return names[dtype]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise SpecSotError(f"unknown device '{device}': use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpecSotError(f"device '{device}' asked for but this machine has no CUDA GPU: use --device cpu")
+    return dev
+
+
+def load_generator(model: str | None = None, dtype: str = "auto", device: str | None = None, max_len: int = 4096):
+    """The model named or given by path (pulled if it is a known name not yet cached), its
+    tokenizer, and a Generator with a cache of `max_len` positions."""
+    from specsot_mq.generate import Generator
+    from specsot_mq.pull import resolve_model
+    from specsot_mq.tokenizer import load_tokenizer
+
+    folder = resolve_model(model)
+    dev = resolve_device(device)
+    net = load_model(folder, dtype=resolve_dtype(dtype, dev), device=dev)
+    return Generator(net, load_tokenizer(folder), max_len=max_len)

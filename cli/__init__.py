@@ -1,0 +1,1 @@
+"""The `specsot` command line (installed as specsot_mq.cli)."""

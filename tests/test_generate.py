@@ -1,0 +1,156 @@
+"""The generation loop on a tiny model: stopping, streaming, sampling, and text deltas."""
+
+import asyncio
+
+import pytest
+import torch
+
+from conftest import ours_from_hf, tiny_hf
+from specsot_mq.errors import SpecSotError
+from specsot_mq.generate import Generator, _StopState
+from specsot_mq.sampling import Sampler, SamplingParams
+
+
+class CharTokenizer:
+    """Token i is chr(65 + i); token 0 is the EOS; enough of the tokenizer API for the loop."""
+
+    eos_token_id = 0
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i) for i in ids if not (skip_special_tokens and i == 0))
+
+    def encode(self, text):
+        return [ord(c) - 65 for c in text]
+
+
+@pytest.fixture(scope="module")
+def gen():
+    return Generator(ours_from_hf(tiny_hf("llama")), CharTokenizer(), max_len=128)
+
+
+def greedy_reference(gen, prompt, n):
+    """Greedy decoding by re-running the whole sequence each step (no cache reuse)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            cache = gen.model.new_cache(1, 128)
+            logits = gen.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache).logits
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_greedy_equals_full_recompute_and_stops_at_max_tokens(gen):
+    prompt = [5, 6, 7, 8]
+    done = gen.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert done.token_ids == greedy_reference(gen, prompt, 12)
+    assert done.finish_reason == "length" and done.prompt_tokens == 4
+
+
+def test_eos_stops_and_has_no_text(gen):
+    prompt = [5, 6, 7, 8]
+    free = gen.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True)).token_ids
+    gen.eos_ids = frozenset({free[3]})
+    try:
+        done = gen.generate(prompt, SamplingParams(max_tokens=12))
+    finally:
+        gen.eos_ids = frozenset({0})
+    cut = free.index(free[3])
+    assert done.token_ids == free[: cut + 1] and done.finish_reason == "stop"
+    assert done.text == CharTokenizer().decode(free[:cut])
+
+
+def test_stop_string_ends_the_text_before_it(gen):
+    prompt = [5, 6, 7, 8]
+    free = gen.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True)).text
+    stop = free[5:7]
+    done = gen.generate(prompt, SamplingParams(max_tokens=12, stop=(stop,), ignore_eos=True))
+    assert done.text == free[: free.index(stop)] and done.finish_reason == "stop"
+
+
+def test_callback_and_async_stream_see_the_same_deltas(gen):
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    seen = []
+    done = gen.generate([1, 2, 3], params, on_delta=seen.append)
+
+    async def collect():
+        return [d async for d in gen.astream([1, 2, 3], params)]
+
+    streamed = asyncio.run(collect())
+    assert [d.token_ids for d in streamed] == [d.token_ids for d in seen]
+    assert "".join(d.text for d in streamed) == done.text
+    assert [d.finish_reason for d in streamed] == [None] * 9 + ["length"]
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(gen):
+    params = SamplingParams(max_tokens=16, temperature=1.5, seed=7, ignore_eos=True)
+    a = gen.generate([1, 2, 3], params).token_ids
+    b = gen.generate([1, 2, 3], params).token_ids
+    greedy = gen.generate([1, 2, 3], SamplingParams(max_tokens=16, ignore_eos=True)).token_ids
+    assert a == b and a != greedy
+
+
+def test_prompt_longer_than_the_cache_is_a_clear_error():
+    g = Generator(ours_from_hf(tiny_hf("llama")), CharTokenizer(), max_len=8)
+    with pytest.raises(SpecSotError, match="do not fit"):
+        g.generate(list(range(1, 10)))
+
+
+# ---- the sampler ------------------------------------------------------------------------
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    k2 = Sampler(SamplingParams(temperature=1.0, top_k=2)).probs(logits)
+    assert torch.allclose(k2, torch.tensor([[2 / 3, 1 / 3, 0, 0]]))
+    p = Sampler(SamplingParams(temperature=1.0, top_p=0.7)).probs(logits)  # 0.5 + 0.25 reaches 0.7
+    assert torch.allclose(p, torch.tensor([[2 / 3, 1 / 3, 0, 0]]))
+    tiny_p = Sampler(SamplingParams(temperature=1.0, top_p=0.01)).probs(logits)
+    assert torch.allclose(tiny_p, torch.tensor([[1.0, 0, 0, 0]]))
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    target = torch.tensor([0.6, 0.3, 0.1])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3))
+    draws = sampler(torch.log(target).expand(20000, 3))
+    freq = torch.bincount(draws, minlength=3).float() / 20000
+    assert (freq - target).abs().max() < 0.02
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_bad_sampling_params_are_named(kwargs, message):
+    with pytest.raises(SpecSotError, match=message):
+        SamplingParams(**kwargs)
+
+
+# ---- stop strings over streamed pieces --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "pieces, stops, released, stopped",
+    [
+        (["Hello", " wor", "ld"], (), ["Hello", " wor", "ld"], False),
+        (["Hel", "lo ST", "OP more"], ("STOP",), ["Hel", "lo ", ""], True),
+        (["abc", "S", "TOxyz"], ("STOP",), ["abc", "", "STOxyz"], False),  # a near miss is released
+        (["x</s", "> tail"], ("</s>", "zz"), ["x", ""], True),  # the earliest stop wins
+        (["aXb"], ("X", "b"), ["a"], True),
+    ],
+)
+def test_stop_state_holds_back_only_what_could_start_a_stop(pieces, stops, released, stopped):
+    state = _StopState(stops)
+    out, hit = [], False
+    for i, piece in enumerate(pieces):
+        text, hit = state.feed(piece, final=i == len(pieces) - 1)
+        out.append(text)
+        if hit:
+            break
+    assert out == released and hit == stopped

@@ -1,0 +1,139 @@
+"""Our Llama-family decoder against transformers' own implementations (fp32, max abs diff <= 1e-4)."""
+
+import pytest
+import torch
+
+from conftest import ours_from_hf, tiny_hf
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+TOL = 1e-4
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("prepack", [False, True], ids=["plain", "prepacked"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_and_incremental_decode_match_transformers(arch, prepack):
+    hf = tiny_hf(arch)
+    ours = ours_from_hf(hf, prepack=prepack)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        cache = ours.new_cache(2, 32)
+        pre = ours(ids[:, :8], torch.arange(8).expand(2, 8), cache).logits
+        assert (pre - ref[:, :8]).abs().max() <= TOL
+        for t in range(8, 12):  # one token at a time against the cache
+            step = ours(ids[:, t : t + 1], torch.full((2, 1), t), cache).logits
+            assert (step[:, 0] - ref[:, t]).abs().max() <= TOL
+    assert cache.lengths == [12, 12]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_mask_step_matches_each_path_decoded_alone(arch):
+    """A draft tree (several branches after one prefix) in one forward == each root-to-node path
+    run through transformers on its own."""
+    hf = tiny_hf(arch)
+    ours = ours_from_hf(hf, prepack=True)
+    prefix = [5, 17, 3, 60, 42]
+    tokens = [7, 11, 13, 19, 23, 29, 31]
+    parents = [-1, 0, 0, 1, 1, 2, 4]  # node 0 is the root; depth grows along parents
+    depth, anc = [], []
+    for i, p in enumerate(parents):
+        depth.append(0 if p < 0 else depth[p] + 1)
+        anc.append({i} | (anc[p] if p >= 0 else set()))
+    n = len(tokens)
+    mask = torch.tensor([[j in anc[i] for j in range(n)] for i in range(n)])[None]
+    with torch.no_grad():
+        cache = ours.new_cache(1, 32)
+        ours(torch.tensor([prefix]), torch.arange(5)[None], cache)
+        positions = torch.tensor([[5 + d for d in depth]])
+        tree = ours(torch.tensor([tokens]), positions, cache, mask=mask).logits[0]
+    for i in range(n):
+        path = sorted(anc[i], key=lambda j: depth[j])
+        ref = hf_logits(hf, prefix + [tokens[j] for j in path])[-1]
+        assert (tree[i] - ref).abs().max() <= TOL, f"node {i}"
+
+
+def test_rows_of_different_lengths_in_one_batch():
+    """Slots at different lengths decode together; each row equals that sequence alone."""
+    hf = tiny_hf("llama")
+    ours = ours_from_hf(hf, prepack=True)
+    seqs = [[1, 2, 3, 4, 5, 6], [9, 8, 7], [40, 41, 42, 43]]
+    cache = ours.new_cache(4, 32)
+    with torch.no_grad():
+        for slot, s in zip([3, 0, 2], seqs):  # non-consecutive slots exercise the gather path
+            ours(torch.tensor([s[:-1]]), torch.arange(len(s) - 1)[None], cache, slots=[slot])
+        last = torch.tensor([[s[-1]] for s in seqs])
+        pos = torch.tensor([[len(s) - 1] for s in seqs])
+        out = ours(last, pos, cache, slots=[3, 0, 2]).logits[:, 0]
+    for row, s in enumerate(seqs):
+        assert (out[row] - hf_logits(hf, s)[-1]).abs().max() <= TOL
+
+
+def test_full_mask_over_cache_gives_branch_isolation():
+    """A [B, T, K] mask can hide cached entries: two branches packed in one sequence (a
+    branch-index map) see the shared prefix and themselves only, at restarted positions."""
+    hf = tiny_hf("qwen2")
+    ours = ours_from_hf(hf)
+    prefix, a, b = [3, 1, 4, 1], [5, 9], [2, 6]
+    cache = ours.new_cache(1, 32)
+    with torch.no_grad():
+        ours(torch.tensor([prefix]), torch.arange(4)[None], cache)
+        mask = torch.zeros(1, 4, 8, dtype=torch.bool)
+        mask[:, :, :4] = True
+        mask[0, 0, 4] = mask[0, 1, 4:6] = True  # branch a: cache entries 4, 5
+        mask[0, 2, 6] = mask[0, 3, 6:8] = True  # branch b: cache entries 6, 7
+        pos = torch.tensor([[4, 5, 4, 5]])
+        out = ours(torch.tensor([a + b]), pos, cache, mask=mask).logits[0]
+    assert (out[:2] - hf_logits(hf, prefix + a)[-2:]).abs().max() <= TOL
+    assert (out[2:] - hf_logits(hf, prefix + b)[-2:]).abs().max() <= TOL
+
+
+def test_sliding_window_matches_mistral():
+    hf = tiny_hf("mistral", sliding_window=4)
+    ours = ours_from_hf(hf)
+    ids = list(range(10, 22))
+    with torch.no_grad():
+        cache = ours.new_cache(1, 32)
+        out = ours(torch.tensor([ids[:8]]), torch.arange(8)[None], cache).logits[0]
+        step = ours(torch.tensor([ids[8:9]]), torch.tensor([[8]]), cache).logits[0]
+    ref = hf_logits(hf, ids[:9])
+    assert (out - ref[:8]).abs().max() <= TOL
+    assert (step[0] - ref[8]).abs().max() <= TOL
+
+
+def test_hidden_states_are_counted_as_transformers_counts_them():
+    hf = tiny_hf("llama")
+    ours = ours_from_hf(hf)
+    ids = torch.tensor([[4, 8, 15, 16, 23]])
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True).hidden_states
+        out = ours(ids, torch.arange(5)[None], ours.new_cache(1, 8), hidden_layers=(2, 0, 1))
+    assert [h.shape for h in out.hidden] == [ref[2].shape, ref[0].shape, ref[1].shape]
+    for got, want in zip(out.hidden, (ref[2], ref[0], ref[1])):
+        assert (got - want).abs().max() <= TOL
+
+
+def test_last_only_logits_and_bad_mask_shape():
+    ours = ours_from_hf(tiny_hf("llama"))
+    ids = torch.tensor([[4, 8, 15]])
+    with torch.no_grad():
+        full = ours(ids, torch.arange(3)[None], ours.new_cache(1, 8)).logits
+        last = ours(ids, torch.arange(3)[None], ours.new_cache(1, 8), last_only=True).logits
+        assert last.shape == (1, 1, 97) and (last[:, 0] - full[:, -1]).abs().max() <= 1e-5
+        with pytest.raises(ValueError, match="mask must be"):
+            ours(ids, torch.arange(3)[None], ours.new_cache(1, 8), mask=torch.ones(1, 3, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bf16_and_fp32_run_and_agree_roughly(dtype):
+    hf = tiny_hf("qwen3")
+    ours = ours_from_hf(hf).to(dtype).prepack()
+    ids = torch.tensor([[4, 8, 15, 16]])
+    with torch.no_grad():
+        out = ours(ids, torch.arange(4)[None], ours.new_cache(1, 8)).logits.float()
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert (out - hf(ids).logits).abs().max() < 0.1
