@@ -183,7 +183,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    out = Console(quiet=args.json_only)
+    out = Console(quiet=args.json_only, soft_wrap=True)  # long lines stay whole in logs and pipes
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     prompts, source = load_prompts(args.questions, args.limit)
@@ -194,6 +194,7 @@ def main(argv=None) -> dict:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # ours is the one progress bar
     folder = resolve_model(args.model)
     tokenizer = load_tokenizer(folder)
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in prompts]
@@ -244,8 +245,10 @@ def main(argv=None) -> dict:
         bar.advance(task)
 
     def rate(runs: list[list[Sample]]) -> float:
-        """Median over runs of (all decoded tokens / all decode time) of that run."""
-        return statistics.median(sum(len(s.token_ids) - 1 for s in run) / sum(s.decode_s for s in run) for run in runs)
+        """All decoded tokens / the sum over prompts of each prompt's median decode time: one slow
+        sample (another process woke up) moves a median, not the total."""
+        decode_s = [statistics.median(run[i].decode_s for run in runs) for i in range(len(prompts))]
+        return len(prompts) * (n - 1) / sum(decode_s)
 
     def prefill(runs: list[list[Sample]]) -> float:
         return statistics.median(s.prefill_s for run in runs for s in run)

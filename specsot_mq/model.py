@@ -169,7 +169,7 @@ class LlamaModel(nn.Module):
         slots = list(range(b)) if slots is None else list(slots)
         starts = cache.reserve(slots, t)
         kv_len = max(starts) + t
-        bias = self._attention_bias(mask, starts, t, kv_len)
+        bias = attention_bias(mask, starts, t, kv_len, self.cfg.sliding_window, self.dtype, self.device)
         cos = self.rope_cos[positions].unsqueeze(2).to(self.dtype)
         sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)
 
@@ -187,28 +187,30 @@ class LlamaModel(nn.Module):
             saved[self.cfg.num_layers] = x
         return ForwardOutput(self.lm_head(x), [saved[i] for i in hidden_layers])
 
-    def _attention_bias(self, mask, starts, t, kv_len) -> torch.Tensor | None:
-        """Additive bias [B, 1, 1, T, K] (0 or -inf), built once per forward and shared by all layers."""
-        b = len(starts)
-        dev = self.device
-        window = self.cfg.sliding_window
-        if mask is None and len(set(starts)) == 1 and t == 1 and (window is None or kv_len <= window):
-            return None  # one new token per row at the same length: every cached entry is visible
-        start = torch.tensor(starts, device=dev)[:, None, None]
-        key = torch.arange(kv_len, device=dev)[None, None, :]
-        query = start + torch.arange(t, device=dev)[None, :, None]  # cache index of each query
-        if mask is None:
-            allowed = key <= query
-            if window is not None:
-                allowed &= query - key < window
-        elif tuple(mask.shape) == (b, t, kv_len):
-            allowed = mask.to(torch.bool)
-        elif tuple(mask.shape) == (b, t, t):
-            # New-token mask: each row sees its own cache, then the mask over its T new entries.
-            allowed = key < start
-            cols = (start + torch.arange(t, device=dev)[None, None, :]).expand(b, t, t)
-            allowed = allowed.expand(b, t, kv_len).clone().scatter_(2, cols, mask.to(torch.bool))
-        else:
-            raise ValueError(f"mask must be [B, T, T] or [B, T, K] = {[b, t, t]} or {[b, t, kv_len]}, got {list(mask.shape)}")
-        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
-        return bias[:, None, None]
+
+def attention_bias(mask, starts, t, kv_len, window, dtype, device) -> torch.Tensor | None:
+    """Additive attention bias [B, 1, 1, T, K] (0 or -inf), built once per forward for all layers.
+
+    mask: None (causal, within the sliding window if any), [B, T, T] over the new tokens (each row
+    also sees its whole cached prefix), or [B, T, K] over every cache entry. See LlamaModel.forward.
+    """
+    b = len(starts)
+    if mask is None and len(set(starts)) == 1 and t == 1 and (window is None or kv_len <= window):
+        return None  # one new token per row at the same length: every cached entry is visible
+    start = torch.tensor(starts, device=device)[:, None, None]
+    key = torch.arange(kv_len, device=device)[None, None, :]
+    query = start + torch.arange(t, device=device)[None, :, None]  # cache index of each query
+    if mask is None:
+        allowed = key <= query
+        if window is not None:
+            allowed &= query - key < window
+    elif tuple(mask.shape) == (b, t, kv_len):
+        allowed = mask.to(torch.bool)
+    elif tuple(mask.shape) == (b, t, t):
+        # New-token mask: each row sees its own cache, then the mask over its T new entries.
+        cols = (start + torch.arange(t, device=device)[None, None, :]).expand(b, t, t)
+        allowed = (key < start).expand(b, t, kv_len).clone().scatter_(2, cols, mask.to(torch.bool))
+    else:
+        raise ValueError(f"mask must be [B, T, T] = {[b, t, t]} or [B, T, K] = {[b, t, kv_len]}, got {list(mask.shape)}")
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return bias[:, None, None]
