@@ -1,9 +1,11 @@
 """The one generation loop.
 
-`Generator.stream()` is the loop: a decoder proposes tokens (one per step for plain decoding; several
-for speculative decoding), the loop checks EOS, stop strings and max tokens token by token,
-detokenises incrementally and yields text deltas. `generate()` (callback) and `astream()` (async
-generator) are thin wrappers over it, so every mode runs the same code.
+`Generator.stream_many()` is the loop: a decoder proposes tokens for every running sequence (one
+per step for plain decoding, several for speculative decoding, all sequences in one batched
+forward), the loop checks EOS, stop strings and max tokens token by token, detokenises
+incrementally and yields text deltas per sequence. `stream()`, `generate()` (callback),
+`generate_many()` and `astream()` (async generator) are thin wrappers over it, so every mode runs
+the same code.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.model import LlamaModel
 from specsot_mq.sampling import Sampler, SamplingParams
@@ -50,37 +53,47 @@ class Completion:
 
 
 class Decoder(Protocol):
-    """What the loop drives: plain decoding here, speculative decoding elsewhere."""
+    """What the loop drives: plain decoding here, speculative decoding elsewhere.
 
-    def prefill(self, prompt_ids: list[int]) -> list[int]: ...
+    Sequences are numbered by their place in the prefill list; step() returns new tokens for each
+    sequence still running, and drop() tells the decoder a sequence is finished.
+    """
 
-    def step(self) -> list[int]: ...
+    def prefill(self, prompts: list[list[int]]) -> dict[int, list[int]]: ...
+
+    def step(self) -> dict[int, list[int]]: ...
+
+    def drop(self, seq: int) -> None: ...
 
 
 class PlainDecoder:
-    """One token per forward, from one cache slot."""
+    """One token per sequence per forward; sequence i lives in cache slot i; all running sequences
+    share each forward."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, sampler: Sampler, slot: int = 0):
-        self.model, self.cache, self.sampler, self.slot = model, cache, sampler, slot
-        self.last = 0  # the token fed to the next step
-        self.pos = 0  # its position
+    def __init__(self, model: LlamaModel, cache: KVCache, sampler: Sampler):
+        self.model, self.cache, self.sampler = model, cache, sampler
+        self.last: dict[int, int] = {}  # running sequence -> the token fed to its next step
 
-    def _forward(self, ids: list[int]) -> int:
+    def prefill(self, prompts: list[list[int]]) -> dict[int, list[int]]:
         dev = self.model.device
-        input_ids = torch.tensor([ids], device=dev)
-        positions = torch.arange(self.pos, self.pos + len(ids), device=dev)[None]
-        logits = self.model(input_ids, positions, self.cache, slots=[self.slot], last_only=True).logits
-        self.pos += len(ids)
-        self.last = int(self.sampler(logits[:, -1])[0])
-        return self.last
+        for seq, ids in enumerate(prompts):  # prompts differ in length: one forward each
+            self.cache.truncate(seq, 0)
+            out = self.model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None],
+                             self.cache, slots=[seq], last_only=True)  # fmt: skip
+            self.last[seq] = int(self.sampler(out.logits[:, -1])[0])
+        return {seq: [tok] for seq, tok in self.last.items()}
 
-    def prefill(self, prompt_ids: list[int]) -> list[int]:
-        self.cache.truncate(self.slot, 0)
-        self.pos = 0
-        return [self._forward(prompt_ids)]
+    def step(self) -> dict[int, list[int]]:
+        seqs = list(self.last)
+        dev = self.model.device
+        ids = torch.tensor([[self.last[s]] for s in seqs], device=dev)
+        positions = torch.tensor([[self.cache.lengths[s]] for s in seqs], device=dev)
+        logits = self.model(ids, positions, self.cache, slots=seqs).logits[:, -1]
+        self.last = dict(zip(seqs, self.sampler(logits).tolist()))
+        return {seq: [tok] for seq, tok in self.last.items()}
 
-    def step(self) -> list[int]:
-        return [self._forward([self.last])]
+    def drop(self, seq: int) -> None:
+        self.last.pop(seq, None)
 
 
 @dataclass
@@ -114,6 +127,34 @@ class _StopState:
         return n
 
 
+class _Output:
+    """One sequence's side of the loop: counts, EOS, detokenisation and stop strings."""
+
+    def __init__(self, tokenizer, params: SamplingParams, eos_ids: frozenset[int]):
+        self.params, self.eos_ids = params, eos_ids
+        self.detok = Detokenizer(tokenizer)
+        self.stop = _StopState(params.stop)
+        self.produced = 0
+
+    def take(self, new: list[int]) -> Delta:
+        """Accept proposed tokens up to the first stopping point; return the resulting delta."""
+        accepted, finish = [], None
+        for tok in new:
+            accepted.append(tok)
+            self.produced += 1
+            if tok in self.eos_ids and not self.params.ignore_eos:
+                finish = "stop"
+                break
+            if self.produced >= self.params.max_tokens:
+                finish = "length"
+                break
+        piece = self.detok.add(accepted[:-1] if finish == "stop" else accepted)  # EOS has no text
+        if finish:
+            piece += self.detok.flush()
+        text, hit = self.stop.feed(piece, final=finish is not None)
+        return Delta(text, accepted, "stop" if hit else finish)
+
+
 class Generator:
     """A model, its tokenizer and one KV cache allocated up front; generates one request at a time."""
 
@@ -132,42 +173,41 @@ class Generator:
             return list(prompt)
         return chat_prompt_ids(self.tokenizer, prompt)
 
-    def stream(self, prompt, params: SamplingParams | None = None, decoder: Decoder | None = None) -> Iterator[Delta]:
-        """The generation loop. Yields Deltas; the last one has finish_reason set."""
+    def stream_many(
+        self, prompts: list, params: SamplingParams | None = None, decoder: Decoder | None = None
+    ) -> Iterator[tuple[int, Delta]]:
+        """The generation loop: all prompts decoded together. Yields (sequence index, Delta); each
+        sequence's last delta has finish_reason set."""
         params = params or SamplingParams()
-        prompt_ids = self.prompt_ids(prompt)
+        prompt_ids = [self.prompt_ids(p) for p in prompts]
+        if len(prompt_ids) > self.cache.num_slots:
+            raise SpecSotError(
+                f"{len(prompt_ids)} sequences at once need as many cache slots; this generator has "
+                f"{self.cache.num_slots}: create it with num_slots={len(prompt_ids)}"
+            )
         if decoder is None:
             decoder = PlainDecoder(self.model, self.cache, Sampler(params, self.model.device))
-        detok = Detokenizer(self.tokenizer)
-        stop = _StopState(params.stop)
-        produced = 0
+        outputs = {seq: _Output(self.tokenizer, params, self.eos_ids) for seq in range(len(prompt_ids))}
         # Grad mode is per thread and astream() may run each step in a different worker thread,
         # so inference mode is entered around each model call rather than around the loop.
         with torch.inference_mode():
             new = decoder.prefill(prompt_ids)
         while True:
-            accepted, finish = [], None
-            for tok in new:
-                accepted.append(tok)
-                produced += 1
-                if tok in self.eos_ids and not params.ignore_eos:
-                    finish = "stop"
-                    break
-                if produced >= params.max_tokens:
-                    finish = "length"
-                    break
-            text_ids = accepted[:-1] if finish == "stop" else accepted  # EOS has no text
-            piece = detok.add(text_ids)
-            if finish:
-                piece += detok.flush()
-            text, hit = stop.feed(piece, final=finish is not None)
-            if hit:
-                finish = "stop"
-            yield Delta(text, accepted, finish)
-            if finish:
+            for seq, tokens in new.items():
+                delta = outputs[seq].take(tokens)
+                if delta.finish_reason:
+                    del outputs[seq]
+                    decoder.drop(seq)
+                yield seq, delta
+            if not outputs:
                 return
             with torch.inference_mode():
                 new = decoder.step()
+
+    def stream(self, prompt, params: SamplingParams | None = None, decoder: Decoder | None = None) -> Iterator[Delta]:
+        """One prompt through the loop. Yields Deltas; the last one has finish_reason set."""
+        for _, delta in self.stream_many([prompt], params, decoder):
+            yield delta
 
     def generate(
         self,
@@ -177,19 +217,35 @@ class Generator:
         decoder: Decoder | None = None,
     ) -> Completion:
         """Run the loop to the end, calling on_delta for each piece; return the whole completion."""
+        callback = None if on_delta is None else (lambda _seq, delta: on_delta(delta))
+        return self.generate_many([prompt], params, callback, decoder)[0]
+
+    def generate_many(
+        self,
+        prompts: list,
+        params: SamplingParams | None = None,
+        on_delta: Callable[[int, Delta], None] | None = None,
+        decoder: Decoder | None = None,
+    ) -> list[Completion]:
+        """Several prompts decoded together (one batched forward per step); completions in order."""
         start = time.perf_counter()
-        prompt_ids = self.prompt_ids(prompt)
-        texts, ids, steps, first_at, finish = [], [], -1, None, "length"
-        for delta in self.stream(prompt_ids, params, decoder):
-            first_at = first_at or time.perf_counter()
-            steps += 1
-            texts.append(delta.text)
-            ids.extend(delta.token_ids)
-            finish = delta.finish_reason or finish
+        prompt_ids = [self.prompt_ids(p) for p in prompts]
+        n = len(prompts)
+        texts, ids = [[] for _ in range(n)], [[] for _ in range(n)]
+        steps, first, last, finish = [-1] * n, [0.0] * n, [0.0] * n, ["length"] * n
+        for seq, delta in self.stream_many(prompt_ids, params, decoder):
+            last[seq] = time.perf_counter()
+            first[seq] = first[seq] or last[seq]
+            steps[seq] += 1
+            texts[seq].append(delta.text)
+            ids[seq].extend(delta.token_ids)
+            finish[seq] = delta.finish_reason or finish[seq]
             if on_delta is not None:
-                on_delta(delta)
-        end = time.perf_counter()
-        return Completion("".join(texts), ids, finish, len(prompt_ids), end - start, first_at - start, steps)
+                on_delta(seq, delta)
+        return [
+            Completion("".join(texts[i]), ids[i], finish[i], len(prompt_ids[i]), last[i] - start, first[i] - start, steps[i])
+            for i in range(n)
+        ]
 
     async def astream(self, prompt, params: SamplingParams | None = None, decoder: Decoder | None = None) -> AsyncIterator[Delta]:
         """The same loop as an async generator; each model step runs in a worker thread, so the

@@ -154,3 +154,31 @@ def test_stop_state_holds_back_only_what_could_start_a_stop(pieces, stops, relea
         if hit:
             break
     assert out == released and hit == stopped
+
+
+def test_several_sequences_decoded_together_equal_each_alone():
+    g = Generator(ours_from_hf(tiny_hf("qwen2")), CharTokenizer(), max_len=64, num_slots=3)
+    prompts = [[5, 6, 7, 8, 9], [12, 3], [40, 41, 42]]
+    maxes = SamplingParams(max_tokens=9, ignore_eos=True)
+    together = g.generate_many(prompts, maxes)
+    for prompt, done in zip(prompts, together):
+        assert done.token_ids == greedy_reference(g, prompt, 9)
+        assert done.finish_reason == "length"
+
+
+def test_sequences_finish_independently():
+    g = Generator(ours_from_hf(tiny_hf("llama")), CharTokenizer(), max_len=64, num_slots=2)
+    prompts = [[5, 6, 7], [9, 10]]
+    free = g.generate_many(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    g.eos_ids = frozenset({free[0].token_ids[2]})  # sequence 0 meets its EOS at its third token
+    both = g.generate_many(prompts, SamplingParams(max_tokens=8))
+    first_eos = free[0].token_ids.index(free[0].token_ids[2])
+    assert both[0].token_ids == free[0].token_ids[: first_eos + 1] and both[0].finish_reason == "stop"
+    cut = [i for i, t in enumerate(free[1].token_ids) if t in g.eos_ids]
+    expected = free[1].token_ids[: cut[0] + 1] if cut else free[1].token_ids
+    assert both[1].token_ids == expected
+
+
+def test_more_sequences_than_slots_is_a_clear_error(gen):
+    with pytest.raises(SpecSotError, match="num_slots=2"):
+        gen.generate_many([[1], [2]])

@@ -1,0 +1,160 @@
+"""The EAGLE draft head: one decoder layer of the base model's own code, fed with base features.
+
+At position i the head reads [embedding of token i+1 ; base feature(s) at position i] through a
+fully connected layer into one decoder layer, whose output is its guess of the base feature at
+position i+1; the base output layer restricted to a reduced draft vocabulary turns that guess into
+draft logits for token i+2. The head reuses the base embedding and the base output layer's rows
+(nothing of them is stored); it owns only fc, the layer, and the map from draft to base ids.
+
+`feature_layers` names the base hidden states fed in (counted as transformers counts
+`output_hidden_states`): EAGLE-1 uses the last one (after the final norm); EAGLE-3-style heads
+can name several (low, middle, high), and fc widens to match.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from specsot_mq.config import ModelConfig
+from specsot_mq.errors import SpecSotError
+from specsot_mq.kv_cache import KVCache
+from specsot_mq.model import DecoderLayer, Linear, LlamaModel, attention_bias
+
+FORMAT = "specsot-eagle-1"
+
+
+@dataclass(slots=True)
+class DraftConfig:
+    """What a draft checkpoint carries besides its weights."""
+
+    layer: dict  # ModelConfig fields of the one decoder layer (the base's, with num_layers=1)
+    feature_layers: tuple[int, ...]  # base hidden states fed in, transformers counting
+    draft_vocab_size: int  # rows of the draft output layer
+    base_vocab_size: int
+    training: dict | None = None  # how the head was made (command, data, time, tau), for people
+
+    def layer_config(self) -> ModelConfig:
+        return ModelConfig(**self.layer)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **asdict(self)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "DraftConfig":
+        data = json.loads(text)
+        if data.pop("format", None) != FORMAT:
+            raise SpecSotError(f"not a {FORMAT} checkpoint: train one with `specsot train-draft`")
+        data["feature_layers"] = tuple(data["feature_layers"])
+        return cls(**data)
+
+    @classmethod
+    def for_base(cls, base: ModelConfig, draft_vocab_size: int, feature_layers: tuple[int, ...] | None = None):
+        layer = {f: getattr(base, f) for f in ModelConfig.__slots__}
+        layer["num_layers"] = 1
+        layer["eos_token_ids"] = list(base.eos_token_ids)
+        return cls(layer, feature_layers or (base.num_layers,), draft_vocab_size, base.vocab_size)
+
+
+class DraftHead(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        lc = cfg.layer_config()
+        h = lc.hidden_size
+        self.fc = Linear((1 + len(cfg.feature_layers)) * h, h, bias=True)
+        self.layer = DecoderLayer(lc)
+        # Draft id -> base id. Filled from training data (the most frequent tokens first).
+        self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=True)
+        cos, sin = LlamaModel.rope_tables(lc)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.embed: nn.Embedding | None = None  # the base's, set by attach()
+        self.lm_head: Linear | None = None  # base output rows at d2t, set by attach()
+
+    def attach(self, base: LlamaModel) -> "DraftHead":
+        """Share the base embedding and build the draft output layer from the base's rows."""
+        if base.cfg.vocab_size != self.cfg.base_vocab_size or base.cfg.hidden_size != self.cfg.layer["hidden_size"]:
+            raise SpecSotError(
+                "this draft head was trained for another base model (vocabulary or hidden size differ): "
+                "pass --draft none or train one with `specsot train-draft`"
+            )
+        object.__setattr__(self, "embed", base.embed)  # not a submodule: not saved, not trained
+        head = Linear(base.cfg.hidden_size, self.cfg.draft_vocab_size, bias=False)
+        head.weight = nn.Parameter(base.lm_head.weight.detach()[self.d2t].clone(), requires_grad=False)
+        object.__setattr__(self, "lm_head", head)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def prepack(self) -> "DraftHead":
+        if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            for m in (self.fc, self.layer.qkv, self.layer.o, self.layer.gate_up, self.layer.down, self.lm_head):
+                m.prepack()
+        return self
+
+    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        return KVCache.for_model(self.cfg.layer_config(), num_slots, capacity, self.dtype, self.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        *,
+        slots: list[int] | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T] (base ids of token i+1), features [B, T, F*H] (base features at i),
+        positions [B, T]; mask as LlamaModel.forward. Returns (predicted features [B, T, H],
+        draft logits [B, T, draft_vocab])."""
+        b, t = tokens.shape
+        slots = list(range(b)) if slots is None else list(slots)
+        starts = cache.reserve(slots, t)
+        kv_len = max(starts) + t
+        bias = attention_bias(mask, starts, t, kv_len, None, self.dtype, self.device)
+        cos = self.rope_cos[positions].unsqueeze(2).to(self.dtype)
+        sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)
+        x = self.fc(torch.cat([self.embed(tokens).to(self.dtype), features.to(self.dtype)], dim=-1))
+        hidden = self.layer(x, cos, sin, cache, 0, slots, starts, kv_len, bias)
+        return hidden, self.lm_head(hidden)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """Weights (bf16, to stay small) and config in one safetensors file."""
+        state = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+                 for k, v in self.state_dict().items()}  # fmt: skip
+        save_file(state, str(path), metadata={"config": self.cfg.to_json()})
+
+    @classmethod
+    def load(cls, path: str | Path, base: LlamaModel) -> "DraftHead":
+        """A saved head, attached to `base`, in the base's dtype and device."""
+        path = Path(path)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                cfg = DraftConfig.from_json((f.metadata() or {}).get("config", "{}"))
+                state = {k: f.get_tensor(k) for k in f.keys()}
+        except (OSError, ValueError, json.JSONDecodeError) as e:
+            raise SpecSotError(f"draft head {path} cannot be read ({e}): pass --draft none or retrain it") from None
+        with torch.device("meta"):
+            head = cls(cfg)
+        head.load_state_dict(state, strict=False, assign=True)
+        head = head.to(device=base.device, dtype=base.dtype).eval().requires_grad_(False)
+        cos, sin = LlamaModel.rope_tables(cfg.layer_config())  # rope stays fp32
+        head.rope_cos, head.rope_sin = cos.to(base.device), sin.to(base.device)
+        head.d2t = head.d2t.to(device=base.device, dtype=torch.long)
+        return head.attach(base)
