@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Annotated, Optional
 
@@ -73,6 +74,37 @@ def ask(
         f"{done.tokens_per_second:.1f} tok/s decode · prefill {done.prompt_tokens} tokens "
         f"in {done.prefill_seconds:.2f} s · {done.finish_reason}[/]"
     )
+
+
+@app.command("train-draft")
+def train_draft(
+    model: ModelOpt = None,
+    out: Annotated[Optional[str], typer.Option(help="Where to write the head (.safetensors).")] = None,
+    work_dir: Annotated[Optional[str], typer.Option(help="Data and checkpoints (resumable).")] = None,
+    questions: Annotated[int, typer.Option(help="Questions the model writes for itself.")] = 640,
+    epochs: Annotated[int, typer.Option(help="Training epochs.")] = 8,
+    draft_vocab: Annotated[int, typer.Option(help="Draft vocabulary size (most frequent tokens).")] = 8192,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = None,
+):
+    """Train an EAGLE draft head for a base model on the base model's own outputs."""
+    from pathlib import Path
+
+    from specsot_mq import train_draft as recipe
+    from specsot_mq.loader import load_model, resolve_device, resolve_dtype
+    from specsot_mq.pull import resolve_model, specsot_home
+    from specsot_mq.tokenizer import load_tokenizer
+
+    folder = resolve_model(model)
+    name = folder.name
+    dev = resolve_device(device)
+    base = load_model(folder, dtype=resolve_dtype(dtype, dev), device=dev)
+    cfg = recipe.TrainConfig(questions=questions, epochs=epochs, draft_vocab=draft_vocab)
+    out_path = Path(out) if out else specsot_home() / "drafts" / f"{name}.safetensors"
+    work = Path(work_dir) if work_dir else specsot_home() / "train" / name
+    record = recipe.run(base, load_tokenizer(folder), out_path, work, cfg)
+    err.print(f"[green]draft head written to {out_path}[/]")
+    print(json.dumps(record))
 
 
 def main() -> None:

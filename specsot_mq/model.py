@@ -180,11 +180,13 @@ class LlamaModel(nn.Module):
             if i in want:
                 saved[i] = x
             x = layer(x, cos, sin, cache, i, slots, starts, kv_len, bias)
-        if last_only:
-            x = x[:, -1:]
+        # The final norm runs before last_only slices, so hidden state num_layers (EAGLE features)
+        # covers every position like the other layers do; only the logits are last-only.
         x = self.norm(x)
         if self.cfg.num_layers in want:
             saved[self.cfg.num_layers] = x
+        if last_only:
+            x = x[:, -1:]
         return ForwardOutput(self.lm_head(x), [saved[i] for i in hidden_layers])
 
 

@@ -1,0 +1,51 @@
+"""Prompt formats as data files: `<name>.json` beside this module."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from specsot_mq.errors import SpecSotError
+from specsot_mq.tokenizer import chat_prompt_ids
+
+FOLDER = Path(__file__).parent
+
+
+@dataclass(frozen=True, slots=True)
+class PromptFormat:
+    """One format's templates; {question}, {skeleton}, {index}, {title} are filled in."""
+
+    name: str
+    skeleton_user: str
+    skeleton_prefix: str  # the assistant's answer starts with this (prefilled, not generated)
+    point_user: str
+    point_prefix: str
+
+    def skeleton_ids(self, tokenizer, question: str) -> list[int]:
+        """Chat prompt for the skeleton, ending inside the assistant turn after the prefix."""
+        ids = chat_prompt_ids(tokenizer, self.skeleton_user.format(question=question))
+        return ids + tokenizer.encode(self.skeleton_prefix, add_special_tokens=False)
+
+    def point_ids(self, tokenizer, question: str, skeleton: str, index: int, title: str) -> list[int]:
+        """Chat prompt that expands one point, prefilled with the point's number and title."""
+        ids = chat_prompt_ids(tokenizer, self.point_user.format(question=question, skeleton=skeleton))
+        prefix = self.point_prefix.format(index=index, title=title)
+        return ids + tokenizer.encode(prefix, add_special_tokens=False)
+
+
+@cache
+def load_format(name: str = "sot") -> PromptFormat:
+    path = FOLDER / f"{name}.json"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in FOLDER.glob("*.json")))
+        raise SpecSotError(f"unknown prompt format '{name}': use one of {known}")
+    data = json.loads(path.read_text())
+    return PromptFormat(
+        data["name"],
+        data["skeleton"]["user"],
+        data["skeleton"]["assistant_prefix"],
+        data["point"]["user"],
+        data["point"]["assistant_prefix"],
+    )

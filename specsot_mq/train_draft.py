@@ -1,0 +1,343 @@
+"""`specsot train-draft`: build an EAGLE head for a base model from the base model's own outputs.
+
+1. data: the base model writes its own user questions (Magpie-style: the chat template up to the
+   user turn, sampled), answers them greedily, and also writes Skeleton-of-Thought skeletons and
+   point expansions for them, since those are what the head will draft. Saved as JSONL, resumable.
+2. features: one base forward per sequence captures the hidden states the head reads.
+3. training: EAGLE-1 objective (regress the next feature + cross-entropy on the next token over the
+   draft vocabulary) plus a second unrolled step fed with the head's own predicted features, so
+   deeper draft steps are trained on what they will see. Checkpoint per epoch, resumable.
+4. evaluation: draft accuracy per depth on held-out sequences (teacher-forced, unrolled).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from specsot_mq.draft import DraftConfig, DraftHead
+from specsot_mq.generate import Generator
+from specsot_mq.model import LlamaModel
+from specsot_mq.prompts import load_format
+from specsot_mq.sampling import SamplingParams
+from specsot_mq.tokenizer import chat_prompt_ids
+
+console = Console(stderr=True)
+POINT_LINE = re.compile(r"^\s*(\d+)\.\s*(.+?)\s*$", re.M)
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    questions: int = 640  # self-written questions; 5% are held out for evaluation
+    batch: int = 16  # sequences generated together
+    answer_tokens: int = 192
+    skeleton_tokens: int = 96
+    point_tokens: int = 64
+    draft_vocab: int = 8192
+    epochs: int = 8
+    lr: float = 5e-4
+    tokens_per_batch: int = 4096  # training batch size in tokens
+    unroll_weight: float = 0.5  # weight of the second (self-fed) step
+    ce_weight: float = 0.1  # EAGLE-1 weighting: feature regression dominates
+    train_context: int = 64  # prompt tokens kept before each generated part when training
+    seed: int = 0
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console,
+    )  # fmt: skip
+
+
+# -- 1. data ---------------------------------------------------------------------------------
+
+
+def _magpie_prefix(tokenizer) -> list[int]:
+    """The chat template up to where the user's words begin."""
+    marker = "\x00QUESTION"
+    text = tokenizer.decode(chat_prompt_ids(tokenizer, marker))
+    return tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
+
+
+def _parse_points(skeleton: str, limit: int = 8) -> list[tuple[int, str]]:
+    seen, points = set(), []
+    for number, title in POINT_LINE.findall(skeleton):
+        if int(number) not in seen and title:
+            seen.add(int(number))
+            points.append((int(number), title[:80]))
+    return points[:limit]
+
+
+def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
+    """Rows {kind, prompt, output} (token ids). Appends to `path`; resumes where it stopped."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    tok = gen.tokenizer
+    fmt = load_format("sot")
+    questions = [r["question"] for r in rows if r["kind"] == "answer"]
+    done_answers = len(questions)
+    rng = random.Random(cfg.seed)
+    with _progress() as bar, path.open("a") as out:
+        task = bar.add_task("self-written data", total=cfg.questions, info="")
+        bar.update(task, completed=done_answers)
+        prefix = _magpie_prefix(tok)
+        while done_answers < cfg.questions:
+            n = min(cfg.batch, cfg.questions - done_answers)
+            ask = SamplingParams(max_tokens=64, temperature=1.0, top_p=0.95, seed=rng.randrange(1 << 30))
+            qs = [c.text.strip() for c in gen.generate_many([prefix] * n, ask)]
+            qs = [q for q in qs if len(q) > 10] or ["Give me some advice for learning to cook."]
+            batch_rows = _rows_for(qs, fmt, gen, cfg)
+            for r in batch_rows:
+                out.write(json.dumps(r) + "\n")
+            out.flush()
+            rows.extend(batch_rows)
+            done_answers += len(qs)
+            tokens = sum(len(r["output"]) for r in rows)
+            bar.update(task, completed=min(done_answers, cfg.questions), info=f"{tokens} tokens")
+    return rows
+
+
+def _rows_for(qs: list[str], fmt, gen: Generator, cfg: TrainConfig) -> list[dict]:
+    """Greedy answers, skeletons and up to two point expansions per skeleton, for a batch of
+    questions: the three kinds of text the head will draft."""
+    tok = gen.tokenizer
+    rows = []
+
+    def run(kind, prompts, max_tokens, questions):
+        for i in range(0, len(prompts), cfg.batch):
+            chunk = prompts[i : i + cfg.batch]
+            for p, d, q in zip(chunk, gen.generate_many(chunk, SamplingParams(max_tokens=max_tokens)), questions[i:]):
+                rows.append({"kind": kind, "question": q, "prompt": p, "output": d.token_ids})
+
+    run("answer", [chat_prompt_ids(tok, q) for q in qs], cfg.answer_tokens, qs)
+    run("skeleton", [fmt.skeleton_ids(tok, q) for q in qs], cfg.skeleton_tokens, qs)
+    point_prompts, point_qs = [], []
+    for row in rows[-len(qs) :]:
+        skeleton = fmt.skeleton_prefix + tok.decode(row["output"], skip_special_tokens=True)
+        for index, title in _parse_points(skeleton)[:2]:
+            point_prompts.append(fmt.point_ids(tok, row["question"], skeleton, index, title))
+            point_qs.append(row["question"])
+    run("point", point_prompts, cfg.point_tokens, point_qs)
+    return rows
+
+
+# -- 2. features -----------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...], context: int, batch: int = 8):
+    """(token ids, features [L, F*H] in bf16, prompt length) per sequence, keeping only the last
+    `context` prompt tokens (features are computed on the whole sequence first, so they are exact;
+    the head trains on the part around what the base wrote)."""
+    out = [None] * len(rows)
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]) + len(rows[i]["output"]))
+    longest = max(len(r["prompt"]) + len(r["output"]) for r in rows)
+    cache = base.new_cache(batch, longest)
+    with _progress() as bar:
+        task = bar.add_task("base features", total=len(rows), info="")
+        for k in range(0, len(order), batch):
+            idx = order[k : k + batch]
+            seqs = [rows[i]["prompt"] + rows[i]["output"] for i in idx]
+            n = max(len(s) for s in seqs)
+            ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])  # right padding is never attended
+            cache.reset()
+            res = base(ids, torch.arange(n).expand(len(idx), n), cache, slots=range(len(idx)), hidden_layers=layers, last_only=True)
+            feats = torch.cat(res.hidden, dim=-1).to(torch.bfloat16)
+            for row, (i, s) in enumerate(zip(idx, seqs)):
+                cut = max(0, len(rows[i]["prompt"]) - context)
+                out[i] = (torch.tensor(s[cut:]), feats[row, cut : len(s)].clone(), len(rows[i]["prompt"]) - cut)
+            bar.advance(task, len(idx))
+    return out
+
+
+def draft_vocabulary(samples, size: int, eos_ids) -> torch.Tensor:
+    """The `size` most frequent generated tokens (EOS always in), as base ids."""
+    counts = Counter()
+    for ids, _, plen in samples:
+        counts.update(ids[plen:].tolist())
+    for e in eos_ids:
+        counts[e] += 1 << 30
+    return torch.tensor([t for t, _ in counts.most_common(size)])
+
+
+# -- 3. training -----------------------------------------------------------------------------
+
+
+def _batches(samples, tokens_per_batch: int, rng: random.Random):
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i][0]))
+    batches, cur, longest = [], [], 0
+    for i in order:
+        longest = max(longest, len(samples[i][0]))
+        if cur and longest * (len(cur) + 1) > tokens_per_batch:
+            batches.append(cur)
+            cur, longest = [], len(samples[i][0])
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def _pad(samples, idx, t2d):
+    """Padded tensors for a batch: tokens, features, draft-id targets, and which tokens the base
+    generated (only those are prediction targets)."""
+    length = max(len(samples[i][0]) for i in idx)
+    b = len(idx)
+    hdim = samples[idx[0]][1].shape[-1]
+    tokens = torch.zeros(b, length, dtype=torch.long)
+    feats = torch.zeros(b, length, hdim)
+    generated = torch.zeros(b, length, dtype=torch.bool)
+    for row, i in enumerate(idx):
+        ids, f, plen = samples[i]
+        tokens[row, : len(ids)], feats[row, : len(ids)] = ids, f.float()
+        generated[row, plen : len(ids)] = True
+    return tokens, feats, t2d[tokens], generated
+
+
+def head_losses(head: DraftHead, tokens, feats, targets, generated, unroll: bool):
+    """Per depth: (feature regression, cross-entropy, correct top-1 count, target count).
+
+    Depth 1 at draft position i reads (x[i+1], F[i]) and predicts F[i+1] and x[i+2], as at
+    inference. Depth 2 at position i+1 reads (x[i+2], the head's own prediction of F[i+1]) and
+    predicts F[i+2] and x[i+3].
+    """
+    b, n = tokens.shape
+    results, inp = [], feats
+    for depth in (1, 2) if unroll else (1,):
+        t = n - depth - 1
+        if t <= 0:
+            break
+        positions = torch.arange(depth - 1, depth - 1 + t).expand(b, t)
+        pred, logits = head(tokens[:, depth : depth + t], inp[:, :t], positions, head.new_cache(b, n))
+        valid = generated[:, depth + 1 : depth + 1 + t]
+        reg = (F.smooth_l1_loss(pred, feats[:, depth : depth + t], reduction="none").mean(-1) * valid).sum()
+        reg = reg / valid.sum().clamp(min=1)
+        tgt = targets[:, depth + 1 : depth + 1 + t]
+        ok = valid & (tgt >= 0)
+        ce = F.cross_entropy(logits[ok], tgt[ok]) if ok.any() else logits.sum() * 0
+        correct = (logits[ok].argmax(-1) == tgt[ok]).sum()
+        results.append((reg, ce, correct, ok.sum()))
+        inp = pred  # the next depth reads the head's own predictions
+    return results
+
+
+def train_head(
+    base: LlamaModel, samples, cfg: TrainConfig, work: Path, held_out: int
+) -> tuple[DraftHead, dict]:
+    torch.manual_seed(cfg.seed)
+    layers = (base.cfg.num_layers,)
+    train, evals = samples[held_out:], samples[:held_out]
+    d2t = draft_vocabulary(train, cfg.draft_vocab, base.cfg.eos_token_ids)
+    t2d = torch.full((base.cfg.vocab_size,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    generated = sum(len(s[0]) - s[2] for s in train)
+    covered = sum((t2d[s[0][s[2] :]] >= 0).sum().item() for s in train)
+    dcfg = DraftConfig.for_base(base.cfg, len(d2t), layers)
+    head = DraftHead(dcfg)
+    head.d2t.copy_(d2t)
+    # Start the layer from the base's last layer: same shapes, a better start than noise.
+    head.layer.load_state_dict(base.layers[-1].state_dict())
+    head.float().attach(_float_view(base))
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    rng = random.Random(cfg.seed)
+    ckpt = work / "checkpoint.pt"
+    start_epoch = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        start_epoch = state["epoch"]
+        console.print(f"resuming from {ckpt} after epoch {start_epoch}")
+    steps_per_epoch = len(_batches(train, cfg.tokens_per_batch, random.Random(0)))
+    total = steps_per_epoch * cfg.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+    )
+    for _ in range(start_epoch * steps_per_epoch):
+        sched.step()
+    history = []
+    with _progress() as bar:
+        task = bar.add_task("training", total=total, info="")
+        bar.update(task, completed=start_epoch * steps_per_epoch)
+        for epoch in range(start_epoch, cfg.epochs):
+            head.train()
+            sums = torch.zeros(4)
+            for idx in _batches(train, cfg.tokens_per_batch, rng):
+                tokens, feats, targets, mask = _pad(train, idx, t2d)
+                res = head_losses(head, tokens, feats, targets, mask, unroll=cfg.unroll_weight > 0)
+                loss = sum((w * (reg + cfg.ce_weight * ce)) for w, (reg, ce, _, _) in zip((1.0, cfg.unroll_weight), res))
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 0.5)
+                opt.step()
+                sched.step()
+                sums += torch.tensor([res[0][0].item(), res[0][1].item(), res[0][2].item(), res[0][3].item()])
+                bar.update(task, advance=1, info=f"epoch {epoch + 1} loss {loss.item():.3f} acc1 {sums[2] / max(sums[3], 1):.3f}")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1}, ckpt)
+            history.append({"epoch": epoch + 1, "train_acc1": round((sums[2] / max(sums[3], 1)).item(), 4)})
+    head.eval()
+    accuracy = evaluate_head(head, evals, t2d)
+    info = {"draft_vocab_coverage": round(covered / max(generated, 1), 4), "history": history, **accuracy}
+    return head, info
+
+
+@torch.no_grad()
+def evaluate_head(head: DraftHead, samples, t2d) -> dict:
+    """Teacher-forced top-1 accuracy of depth 1 and of the self-fed depth 2 on held-out sequences."""
+    sums = [[0.0, 0.0], [0.0, 0.0]]
+    for i in range(len(samples)):
+        tokens, feats, targets, mask = _pad(samples, [i], t2d)
+        for d, (_, _, acc, n) in enumerate(head_losses(head, tokens, feats, targets, mask, unroll=True)):
+            sums[d][0] += acc.item()
+            sums[d][1] += n.item()
+    return {"heldout_acc_depth1": round(sums[0][0] / max(sums[0][1], 1), 4),
+            "heldout_acc_depth2": round(sums[1][0] / max(sums[1][1], 1), 4)}  # fmt: skip
+
+
+def _float_view(base: LlamaModel) -> LlamaModel:
+    """The base's embedding and output layer in fp32 for training (the base may run in bf16)."""
+    if base.dtype == torch.float32:
+        return base
+    shim = torch.nn.Module()
+    shim.cfg = base.cfg
+    shim.embed = torch.nn.Embedding.from_pretrained(base.embed.weight.float())
+    shim.lm_head = torch.nn.Linear(base.cfg.hidden_size, base.cfg.vocab_size, bias=False)
+    shim.lm_head.weight = torch.nn.Parameter(base.lm_head.weight.float(), requires_grad=False)
+    return shim
+
+
+def run(base: LlamaModel, tokenizer, out: Path, work: Path, cfg: TrainConfig) -> dict:
+    """The whole recipe; returns the record stored with the head."""
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    gen = Generator(base, tokenizer, max_len=1024, num_slots=cfg.batch)
+    rows = generate_data(gen, cfg, work / "data.jsonl")
+    data_s = time.time() - started
+    samples = capture_features(base, rows, (base.cfg.num_layers,), cfg.train_context)
+    held_out = max(1, len(samples) // 20)
+    rng = random.Random(cfg.seed)
+    rng.shuffle(samples)
+    head, info = train_head(base, samples, cfg, work, held_out)
+    record = {
+        "data": {"sequences": len(rows), "generated_tokens": sum(len(r["output"]) for r in rows),
+                 "kinds": dict(Counter(r["kind"] for r in rows))},
+        "config": {k: getattr(cfg, k) for k in TrainConfig.__slots__},
+        "seconds": {"data": round(data_s), "total": round(time.time() - started)},
+        **info,
+    }  # fmt: skip
+    head.cfg.training = record
+    out.parent.mkdir(parents=True, exist_ok=True)
+    head.save(out)
+    return record
