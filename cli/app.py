@@ -25,6 +25,19 @@ ModelOpt = Annotated[
 DtypeOpt = Annotated[str, typer.Option(help="auto, bf16 or fp32 (auto: bf16 where the hardware runs it fast).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda if present).")]
 
+DraftOpt = Annotated[str, typer.Option(help="EAGLE draft head: auto (the shipped one), none, or a .safetensors path.")]
+NumDraftOpt = Annotated[Optional[int], typer.Option(help="Draft tree nodes verified per step.")]
+DepthOpt = Annotated[Optional[int], typer.Option(help="Deepest level of the draft tree.")]
+TopkOpt = Annotated[Optional[int], typer.Option(help="Children per expanded node in the draft tree.")]
+
+
+def tree_params(num_draft_tokens, depth, topk):
+    """TreeParams from the flags, defaults where a flag is not given; it validates itself."""
+    from specsot_mq.speculative import TreeParams
+
+    given = {"num_draft_tokens": num_draft_tokens, "depth": depth, "topk": topk}
+    return TreeParams(**{k: v for k, v in given.items() if v is not None})
+
 
 @app.command()
 def pull(
@@ -50,6 +63,10 @@ def ask(
     seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     max_len: Annotated[int, typer.Option(help="KV cache length (prompt + answer).")] = 4096,
+    draft: DraftOpt = "auto",
+    num_draft_tokens: NumDraftOpt = None,
+    draft_depth: DepthOpt = None,
+    draft_topk: TopkOpt = None,
 ):
     """Answer one question, streaming the answer as it is decoded."""
     from specsot_mq.loader import load_generator
@@ -61,7 +78,8 @@ def ask(
     if not question:
         raise SpecSotError("the question is empty: pass it as an argument or on stdin with '-'")
     params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop or ()))
-    gen = load_generator(model, dtype=dtype, device=device, max_len=max_len)
+    tree = tree_params(num_draft_tokens, draft_depth, draft_topk)
+    gen = load_generator(model, dtype=dtype, device=device, max_len=max_len, draft=draft, tree=tree)
 
     def show(delta):
         sys.stdout.write(delta.text)
@@ -69,8 +87,9 @@ def ask(
 
     done = gen.generate(question, params, on_delta=show)
     sys.stdout.write("\n")
+    mode = "plain" if done.tau is None else f"eagle · tau {done.tau:.2f}"
     err.print(
-        f"[dim]mode plain · {len(done.token_ids)} tokens · {done.seconds:.2f} s · "
+        f"[dim]mode {mode} · {len(done.token_ids)} tokens · {done.seconds:.2f} s · "
         f"{done.tokens_per_second:.1f} tok/s decode · prefill {done.prompt_tokens} tokens "
         f"in {done.prefill_seconds:.2f} s · {done.finish_reason}[/]"
     )

@@ -45,6 +45,7 @@ class Completion:
     seconds: float  # wall time from the call to the last token
     prefill_seconds: float
     steps: int  # decoder steps after prefill (= tokens - 1 for plain decoding)
+    tau: float | None = None  # speculative decoding: mean tokens per verify step over the call
 
     @property
     def tokens_per_second(self) -> float:
@@ -158,10 +159,20 @@ class _Output:
 class Generator:
     """A model, its tokenizer and one KV cache allocated up front; generates one request at a time."""
 
-    def __init__(self, model: LlamaModel, tokenizer, max_len: int = 4096, num_slots: int = 1):
+    def __init__(self, model: LlamaModel, tokenizer, max_len: int = 4096, num_slots: int = 1, draft=None, tree=None):
+        """draft: an EAGLE DraftHead attached to `model` (None: plain decoding); tree: its
+        TreeParams. Both caches are allocated here, once."""
         self.model = model
         self.tokenizer = tokenizer
         self.cache = model.new_cache(num_slots, max_len)
+        self.draft, self.tree, self.draft_cache = draft, tree, None
+        if draft is not None:
+            from specsot_mq.speculative import TreeParams
+
+            self.tree = tree or TreeParams()
+            # Tree entries go past the sequence while drafting: room for one full tree more.
+            room = (self.tree.depth + 1) * (self.tree.topk + 1)
+            self.draft_cache = draft.new_cache(num_slots, max_len + room)
         eos = set(model.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -172,6 +183,15 @@ class Generator:
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             return list(prompt)
         return chat_prompt_ids(self.tokenizer, prompt)
+
+    def new_decoder(self, params: SamplingParams) -> Decoder:
+        """The decoder for one call: EAGLE when the generator has a draft head, else plain."""
+        sampler = Sampler(params, self.model.device)
+        if self.draft is None:
+            return PlainDecoder(self.model, self.cache, sampler)
+        from specsot_mq.speculative import EagleDecoder
+
+        return EagleDecoder(self.model, self.draft, self.cache, sampler, self.tree, draft_cache=self.draft_cache)
 
     def stream_many(
         self, prompts: list, params: SamplingParams | None = None, decoder: Decoder | None = None
@@ -185,8 +205,7 @@ class Generator:
                 f"{len(prompt_ids)} sequences at once need as many cache slots; this generator has "
                 f"{self.cache.num_slots}: create it with num_slots={len(prompt_ids)}"
             )
-        if decoder is None:
-            decoder = PlainDecoder(self.model, self.cache, Sampler(params, self.model.device))
+        decoder = decoder or self.new_decoder(params)
         outputs = {seq: _Output(self.tokenizer, params, self.eos_ids) for seq in range(len(prompt_ids))}
         # Grad mode is per thread and astream() may run each step in a different worker thread,
         # so inference mode is entered around each model call rather than around the loop.
@@ -230,6 +249,7 @@ class Generator:
         """Several prompts decoded together (one batched forward per step); completions in order."""
         start = time.perf_counter()
         prompt_ids = [self.prompt_ids(p) for p in prompts]
+        decoder = decoder or self.new_decoder(params or SamplingParams())
         n = len(prompts)
         texts, ids = [[] for _ in range(n)], [[] for _ in range(n)]
         steps, first, last, finish = [-1] * n, [0.0] * n, [0.0] * n, ["length"] * n
@@ -242,8 +262,10 @@ class Generator:
             finish[seq] = delta.finish_reason or finish[seq]
             if on_delta is not None:
                 on_delta(seq, delta)
+        stats = getattr(decoder, "stats", None)
+        tau = stats.tau if stats is not None else None
         return [
-            Completion("".join(texts[i]), ids[i], finish[i], len(prompt_ids[i]), last[i] - start, first[i] - start, steps[i])
+            Completion("".join(texts[i]), ids[i], finish[i], len(prompt_ids[i]), last[i] - start, first[i] - start, steps[i], tau)
             for i in range(n)
         ]
 

@@ -126,9 +126,38 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def load_generator(model: str | None = None, dtype: str = "auto", device: str | None = None, max_len: int = 4096):
+SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
+
+
+def resolve_draft(draft: str | None, model_folder: Path) -> Path | None:
+    """'none' -> no draft; 'auto' (or None) -> the head shipped with the project for this model, or
+    one trained into the cache by `specsot train-draft`, else none; anything else is a path."""
+    from specsot_mq.pull import specsot_home
+
+    if draft == "none":
+        return None
+    if draft in (None, "auto"):
+        name = f"{model_folder.name}.safetensors"
+        return next((p for p in (SHIPPED_DRAFTS / name, specsot_home() / "drafts" / name) if p.is_file()), None)
+    path = Path(draft).expanduser()
+    if not path.is_file():
+        raise SpecSotError(f"draft head {path} not found: pass a .safetensors head, 'auto' or 'none'")
+    return path
+
+
+def load_generator(
+    model: str | None = None,
+    dtype: str = "auto",
+    device: str | None = None,
+    max_len: int = 4096,
+    num_slots: int = 1,
+    draft: str | None = "auto",
+    tree=None,
+):
     """The model named or given by path (pulled if it is a known name not yet cached), its
-    tokenizer, and a Generator with a cache of `max_len` positions."""
+    tokenizer, its EAGLE draft head (see resolve_draft), and a Generator with caches of
+    `max_len` positions for `num_slots` sequences."""
+    from specsot_mq.draft import DraftHead
     from specsot_mq.generate import Generator
     from specsot_mq.pull import resolve_model
     from specsot_mq.tokenizer import load_tokenizer
@@ -136,4 +165,6 @@ def load_generator(model: str | None = None, dtype: str = "auto", device: str | 
     folder = resolve_model(model)
     dev = resolve_device(device)
     net = load_model(folder, dtype=resolve_dtype(dtype, dev), device=dev)
-    return Generator(net, load_tokenizer(folder), max_len=max_len)
+    draft_path = resolve_draft(draft, folder)
+    head = DraftHead.load(draft_path, net).prepack() if draft_path else None
+    return Generator(net, load_tokenizer(folder), max_len=max_len, num_slots=num_slots, draft=head, tree=tree)

@@ -1,0 +1,298 @@
+"""EAGLE speculative decoding as a Decoder for the one generation loop.
+
+One step for all running sequences: draft() grows an EAGLE-2 tree per sequence with the draft
+head (tree.py), verify() runs ONE base forward over every tree ([B, N+1], each row its own slot and
+length), accept (verify.py) walks each tree, and the caches are compacted in place: the base cache
+moves the accepted entries right after the root with one `move` per sequence, the draft cache is
+truncated back and extended with the accepted tokens (draft_extend), whose last output seeds the
+next tree.
+
+Conventions (shared with train_draft.py): base features F_i are the concatenated hidden states
+`head.cfg.feature_layers` at position i. Draft position i reads (token x_{i+1}, feature F_i) at rope
+position i and predicts F_{i+1} and the draft logits of x_{i+2}. A tree node at depth d (base
+position n + d) thus has its draft entry at position n + d - 1, fed with its parent's predicted
+feature. Between steps both caches hold x_0..x_{n-1} (length n) and the root x_n is not yet in
+either.
+
+Usage, with `gen` a Generator and `head` a DraftHead attached to gen.model:
+
+    decoder = EagleDecoder(gen.model, head, gen.cache, Sampler(params), TreeParams())
+    for seq, delta in gen.stream_many(prompts, params, decoder=decoder): ...
+    decoder.stats.tau  # mean tokens per verify step
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specsot_mq.draft import DraftHead
+from specsot_mq.errors import SpecSotError
+from specsot_mq.kv_cache import KVCache
+from specsot_mq.model import LlamaModel
+from specsot_mq.sampling import Sampler
+from specsot_mq.tree import DraftTree, TreeSearch, grow_search, make_tree, select_nodes, start_search
+from specsot_mq.verify import Acceptance, accept_greedy, accept_sampled
+
+
+@dataclass(slots=True)
+class TreeParams:
+    """The shape of the draft trees.
+
+    Defaults suit a CPU: a verify pass of up to ~16 tokens costs about as much as one token (the
+    weights are read once either way) and more grows fast, so root + 12 nodes. Depth 5 lets a good
+    head gain up to 6 tokens a step; topk 4 keeps each draft forward at 4 rows, where the draft
+    output layer (the draft's main cost) is still cheap, and 4 forwards per step (depth - 1).
+    """
+
+    num_draft_tokens: int = 12  # tree nodes verified besides the root (--num-draft-tokens)
+    depth: int = 5  # deepest level of the tree (--draft-depth)
+    topk: int = 4  # children per expanded node and nodes expanded per level (--draft-topk)
+
+    def __post_init__(self):
+        flags = {"--num-draft-tokens": self.num_draft_tokens, "--draft-depth": self.depth, "--draft-topk": self.topk}
+        for flag, value in flags.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpecSotError(f"{flag} must be a whole number of at least 1, got {value!r}")
+        if self.num_draft_tokens > self.max_nodes:
+            raise SpecSotError(
+                f"--num-draft-tokens {self.num_draft_tokens} is more than a tree of --draft-depth {self.depth} and "
+                f"--draft-topk {self.topk} holds ({self.max_nodes} nodes): lower it or raise the depth or topk"
+            )
+        if self.depth > self.num_draft_tokens:
+            raise SpecSotError(
+                f"--draft-depth {self.depth} is deeper than --num-draft-tokens {self.num_draft_tokens} nodes can "
+                f"reach: lower --draft-depth to at most {self.num_draft_tokens}"
+            )
+
+    @property
+    def max_nodes(self) -> int:
+        """Nodes the search draws: topk at depth 1, then topk x topk per level."""
+        return self.topk + (self.depth - 1) * self.topk * self.topk
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Counters for benchmarks. A step of B sequences counts B sequence-steps."""
+
+    steps: int = 0  # sequence-steps verified
+    drafted: int = 0  # tree nodes verified (root excluded)
+    accepted: int = 0  # drafted tokens accepted (bonus tokens excluded)
+    accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: accepted nodes at depth d
+    draft_seconds: float = 0.0  # tree search, draft-head forwards and draft_extend
+    verify_seconds: float = 0.0  # the base forward, acceptance and cache compaction
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per sequence per verify step (vLLM's mean acceptance length)."""
+        return 1 + self.accepted / self.steps if self.steps else 0.0
+
+
+@dataclass(slots=True)
+class DraftState:
+    """Where the draft stands for one running sequence between steps."""
+
+    root: int  # x_n: decided, not yet in either cache
+    logits: torch.Tensor  # [Vd] draft logits at position n-1: the root's children
+    feature: torch.Tensor  # [H] the head's predicted feature at position n (the root's)
+
+
+class EagleDecoder:
+    """Speculative decoding with an EAGLE head; sequence i uses slot i of both caches."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        head: DraftHead,
+        cache: KVCache,
+        sampler: Sampler,
+        tree: TreeParams | None = None,
+        draft_cache: KVCache | None = None,
+    ):
+        self.model, self.head, self.cache, self.sampler = model, head, cache, sampler
+        self.tree = tree or TreeParams()
+        # Tree entries and padded extends go past the base length; give the draft cache room for them.
+        room = (self.tree.depth + 1) * (self.tree.topk + 1)
+        self.draft_cache = draft_cache or head.new_cache(cache.num_slots, cache.capacity + room)
+        self.state: dict[int, DraftState] = {}  # running sequence -> its draft state
+        self.stats = SpecStats(accepted_at_depth=[0] * self.tree.depth)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(self.head.cfg.feature_layers)
+
+    # -- the Decoder protocol ------------------------------------------------------------------
+
+    def prefill(self, prompts: list[list[int]]) -> dict[int, list[int]]:
+        dev = self.model.device
+        for seq, ids in enumerate(prompts):  # prompts differ in length: one forward each
+            n = len(ids)
+            self.cache.truncate(seq, 0)
+            self.draft_cache.truncate(seq, 0)
+            out = self.model(torch.tensor([ids], device=dev), torch.arange(n, device=dev)[None], self.cache,
+                             slots=[seq], hidden_layers=self.layers, last_only=True)  # fmt: skip
+            root = int(self.sampler(out.logits[:, -1])[0])
+            tokens = torch.tensor([ids[1:] + [root]], device=dev)
+            start = time.perf_counter()
+            hidden, logits = self.head(tokens, torch.cat(out.hidden, -1), torch.arange(n, device=dev)[None],
+                                       self.draft_cache, slots=[seq])  # fmt: skip
+            self.stats.draft_seconds += time.perf_counter() - start
+            self.state[seq] = DraftState(root, logits[0, -1], hidden[0, -1])
+        return {seq: [s.root] for seq, s in self.state.items()}
+
+    def step(self) -> dict[int, list[int]]:
+        seqs = list(self.state)
+        start = time.perf_counter()
+        trees = self.draft(seqs)
+        mid = time.perf_counter()
+        logits, features = self.verify(seqs, trees)
+        results = [self.accept(tree, logits[i, : tree.size]) for i, tree in enumerate(trees)]
+        for seq, tree, res in zip(seqs, trees, results):
+            n = int(tree.positions[0])
+            self.cache.move(seq, [n + i for i in res.nodes], n + 1)
+        end = time.perf_counter()
+        self.draft_extend(seqs, trees, results, features)
+        self.stats.draft_seconds += mid - start + time.perf_counter() - end
+        self.stats.verify_seconds += end - mid
+        self._count(trees, results)
+        return {seq: res.tokens for seq, res in zip(seqs, results)}
+
+    def drop(self, seq: int) -> None:
+        self.state.pop(seq, None)
+
+    # -- the three phases of a step ------------------------------------------------------------
+
+    def draft(self, seqs: list[int]) -> list[DraftTree]:
+        """Grow one EAGLE-2 tree per sequence; the draft cache is left as it was."""
+        tp, head = self.tree, self.head
+        dev = self.model.device
+        states = [self.state[s] for s in seqs]
+        lengths = [self.cache.lengths[s] for s in seqs]
+        gen = None if self.sampler.params.greedy else self.sampler.generator
+        # Every row's tree must fit in the base cache: near its end, trees get smaller and shallower.
+        room = min(self.cache.capacity - n for n in lengths) - 1
+        logq, q = self._draft_dist(torch.stack([s.logits for s in states]))
+        search = start_search(logq, tp.topk, gen)
+        qs = [None if q is None else q[:, None]]  # draft distributions of the expanded nodes...
+        expanded = [torch.full((len(seqs), 1), -1, device=dev)]  # ...and their search nodes (-1 = root)
+        parent_feature = torch.stack([s.feature for s in states])[:, None].expand(-1, search.beam.shape[1], -1)
+        for depth in range(1, min(tp.depth, room)):
+            beam = search.beam
+            expanded.append(beam)
+            tokens = head.d2t[search.ids.gather(1, beam)]
+            positions = torch.tensor(lengths, device=dev)[:, None].expand_as(beam) + depth - 1
+            mask = self._draft_mask(search, torch.cat(expanded[1:], 1), lengths)
+            hidden, logits = head(tokens, parent_feature, positions, self.draft_cache, slots=seqs, mask=mask)
+            logq, q = self._draft_dist(logits)
+            qs.append(q)
+            search = grow_search(search, logq, tp.topk, gen)
+            # The new beam's parents sit in the old beam; their predicted features feed the next level.
+            from_slot = (search.parents.gather(1, search.beam)[:, :, None] == beam[:, None, :]).int().argmax(-1)
+            parent_feature = hidden.gather(1, from_slot[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        for s, n in zip(seqs, lengths):
+            self.draft_cache.truncate(s, n)
+        kept = select_nodes(search, max(0, min(tp.num_draft_tokens, room)))
+        if gen is not None:
+            qs = self._tree_q(search, torch.cat(expanded, 1), torch.cat(qs, 1), kept)
+        return [
+            make_tree(search, i, kept[i], st.root, n, head.d2t, None if gen is None else qs[i])
+            for i, (st, n) in enumerate(zip(states, lengths))
+        ]
+
+    def verify(self, seqs: list[int], trees: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One base forward over every tree, padded to the largest; returns (logits [B, T, V],
+        features [B, T, F*H]). Padding rows see only themselves (and their prefix)."""
+        dev = self.model.device
+        t = max(tree.size for tree in trees)
+        ids = torch.zeros(len(trees), t, dtype=torch.long, device=dev)
+        positions = torch.zeros(len(trees), t, dtype=torch.long, device=dev)
+        mask = torch.eye(t, dtype=torch.bool, device=dev).repeat(len(trees), 1, 1)
+        for i, tree in enumerate(trees):
+            n = tree.size
+            ids[i, :n] = tree.tokens
+            positions[i, :n] = tree.positions
+            positions[i, n:] = tree.positions[0]
+            mask[i, :n, :n] = tree.mask
+        out = self.model(ids, positions, self.cache, slots=seqs, mask=mask, hidden_layers=self.layers)
+        return out.logits, torch.cat(out.hidden, -1)
+
+    def accept(self, tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+        """Walk one tree given the base logits [N+1, V] at its nodes."""
+        if self.sampler.params.greedy:
+            return accept_greedy(tree, logits)
+        return accept_sampled(tree, logits, self.sampler.probs, self.head.d2t, self.sampler.generator)
+
+    def draft_extend(
+        self, seqs: list[int], trees: list[DraftTree], results: list[Acceptance], features: torch.Tensor
+    ) -> None:
+        """Feed the accepted tokens (and the bonus) to the draft at the positions after its real
+        length, with the root's and accepted nodes' base features; the last output seeds the next tree."""
+        dev = self.model.device
+        t = max(len(r.tokens) for r in results)
+        tokens = torch.zeros(len(seqs), t, dtype=torch.long, device=dev)
+        feats = features.new_zeros(len(seqs), t, features.shape[-1])
+        positions = torch.zeros(len(seqs), t, dtype=torch.long, device=dev)
+        for i, (tree, res) in enumerate(zip(trees, results)):
+            k, n = len(res.tokens), int(tree.positions[0])
+            tokens[i, :k] = torch.tensor(res.tokens, device=dev)
+            feats[i, :k] = features[i, [0] + res.nodes]
+            # Padding goes last, where causal rows never see it (and repeats the last position).
+            positions[i] = torch.arange(n, n + t, device=dev).clamp(max=n + k - 1)
+        hidden, logits = self.head(tokens, feats, positions, self.draft_cache, slots=seqs)
+        for i, (seq, tree, res) in enumerate(zip(seqs, trees, results)):
+            k = len(res.tokens)
+            self.draft_cache.truncate(seq, int(tree.positions[0]) + k)
+            self.state[seq] = DraftState(res.tokens[-1], logits[i, k - 1], hidden[i, k - 1])
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _draft_dist(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log q, q) of draft logits: raw softmax for greedy (EAGLE-2's scores), the request's
+        processed distribution (temperature, top-k, top-p) when sampling, since the children are
+        drawn from it and rejection sampling compares against it."""
+        if self.sampler.params.greedy:
+            return torch.log_softmax(logits.float(), dim=-1), None
+        q = self.sampler.probs(logits)
+        return torch.log(q), q
+
+    def _draft_mask(self, search: TreeSearch, entries: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """[B, K, max(n) + E] mask for the beam's draft forward: each row sees its sequence's real
+        draft entries and the tree entries (entries [B, E]: the search node of each, in cache order)
+        of its ancestors and itself."""
+        b, e = entries.shape
+        beam = search.beam
+        width = beam.shape[1]
+        # ancestor-or-self of each beam node among the entries: walk up the parents depth times.
+        node = beam.clone()
+        hit = torch.zeros(b, width, e, dtype=torch.bool, device=beam.device)
+        while bool((node >= 0).any()):
+            hit |= (entries[:, None, :] == node[:, :, None]) & (node[:, :, None] >= 0)
+            node = torch.where(node >= 0, search.parents.gather(1, node.clamp(min=0)), node)
+        kv = max(lengths) + e
+        mask = torch.zeros(b, width, kv, dtype=torch.bool, device=beam.device)
+        for i, n in enumerate(lengths):
+            mask[i, :, :n] = True
+            mask[i, :, n : n + e] = hit[i]
+        return mask
+
+    @staticmethod
+    def _tree_q(
+        search: TreeSearch, expanded: torch.Tensor, qs: torch.Tensor, kept: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """DraftTree.q of each sequence: qs [B, E, Vd] are the draft distributions of the expanded
+        search nodes `expanded` [B, E] (-1 = the root); rows of leaves are the root's (unused)."""
+        b, e = expanded.shape
+        row_of = torch.zeros(b, search.ids.shape[1] + 1, dtype=torch.long, device=qs.device)  # by search node + 1
+        row_of.scatter_(1, expanded + 1, torch.arange(e, device=qs.device).expand(b, e))
+        return [qs[i, row_of[i, [0] + [k + 1 for k in kept[i]]]] for i in range(b)]
+
+    def _count(self, trees: list[DraftTree], results: list[Acceptance]) -> None:
+        st = self.stats
+        st.steps += len(trees)
+        for tree, res in zip(trees, results):
+            st.drafted += tree.size - 1
+            st.accepted += len(res.nodes)
+            for depth in range(len(res.nodes)):
+                st.accepted_at_depth[depth] += 1

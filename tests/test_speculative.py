@@ -1,0 +1,221 @@
+"""EAGLE speculative decoding through the one loop: greedy output is plain greedy output token for
+token (with a useless head and with one that is almost always right), sequences batched together
+equal each alone, the accepted path is compacted in place, seeded sampling reproduces, and the
+tree flags are checked."""
+
+import pytest
+import torch
+
+from conftest import ours_from_hf, tiny_hf
+from test_generate import CharTokenizer
+from test_tree import chi_square_p
+from specsot_mq.draft import DraftConfig, DraftHead
+from specsot_mq.errors import SpecSotError
+from specsot_mq.generate import Generator
+from specsot_mq.kv_cache import KVCache
+from specsot_mq.sampling import Sampler, SamplingParams
+from specsot_mq.speculative import EagleDecoder, TreeParams
+
+BOS = 1  # every prompt here starts with it, as chat prompts do
+
+
+class OracleHead:
+    """A stand-in draft head whose draft logits are the base model's own, computed on
+    [BOS] + the draft's tokens: its top child is the base's greedy choice, so whole paths get
+    accepted. It keeps the base's keys and values in a private cache shifted by one entry (BOS
+    first) and uses the decoder's draft cache only for its lengths."""
+
+    def __init__(self, base):
+        self.base = base
+        self.cfg = DraftConfig.for_base(base.cfg, base.cfg.vocab_size)
+        self.d2t = torch.arange(base.cfg.vocab_size)
+
+    def new_cache(self, num_slots, capacity):
+        self.kv = self.base.new_cache(num_slots, capacity + 1)
+        return KVCache(1, num_slots, 1, capacity, 1)  # lengths only
+
+    def __call__(self, tokens, features, positions, cache, *, slots=None, mask=None):
+        b, t = tokens.shape
+        slots = list(range(b)) if slots is None else list(slots)
+        for s in slots:
+            self.kv.lengths[s] = cache.lengths[s] + 1
+            if cache.lengths[s] == 0:
+                self.kv.lengths[s] = 0
+                self.base(torch.tensor([[BOS]]), torch.tensor([[0]]), self.kv, slots=[s])
+        if mask is not None and mask.shape[-1] != t:  # [B, T, K] over the cache: BOS is visible too
+            mask = torch.cat([torch.ones(b, t, 1, dtype=torch.bool), mask], dim=-1)
+        logits = self.base(tokens, positions + 1, self.kv, slots=slots, mask=mask).logits
+        cache.reserve(slots, t)
+        return torch.zeros(b, t, self.base.cfg.hidden_size), logits
+
+
+@pytest.fixture(scope="module")
+def base():
+    """A tiny random model made confident (its output layer scaled up: top probability ~0.6 instead
+    of ~0.02), so a good draft's trees grow deep as with a real model."""
+    model = ours_from_hf(tiny_hf("llama"))
+    model.lm_head.weight.mul_(20)
+    return model
+
+
+def random_head(base, seed=0):
+    """An untrained head over a draft vocabulary of 50 of the 97 base tokens (shuffled), so some
+    base tokens can never be drafted."""
+    torch.manual_seed(seed)
+    head = DraftHead(DraftConfig.for_base(base.cfg, 50))
+    head.d2t.copy_(torch.randperm(base.cfg.vocab_size)[:50])
+    return head.attach(base).eval().requires_grad_(False)
+
+
+def heads(base):
+    return {"random": random_head(base), "oracle": OracleHead(base)}
+
+
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", ["random", "oracle"])
+def test_greedy_speculative_equals_plain_greedy(base, kind):
+    prompt = [BOS, 5, 6, 7, 8]
+    gen = Generator(base, CharTokenizer(), max_len=len(prompt) + 40)  # the trees must shrink at the end
+    plain = gen.generate(prompt, GREEDY)
+    decoder = EagleDecoder(base, heads(base)[kind], gen.cache, Sampler(GREEDY))
+    spec = gen.generate(prompt, GREEDY, decoder=decoder)
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == "length"
+    stats = decoder.stats
+    assert stats.steps == spec.steps and stats.drafted > 0
+    if kind == "oracle":
+        assert stats.tau > 1.5 and stats.accepted_at_depth[2] > 0  # whole paths, so compaction ran
+    assert sum(stats.accepted_at_depth) == stats.accepted
+
+
+@pytest.mark.parametrize("kind", ["random", "oracle"])
+def test_sequences_decoded_together_equal_each_alone(base, kind):
+    prompts = [[BOS, 5, 6, 7, 8, 9], [BOS, 12], [BOS, 40, 41, 42]]
+    gen = Generator(base, CharTokenizer(), max_len=64, num_slots=3)
+    head = heads(base)[kind]
+    decoder = lambda: EagleDecoder(base, head, gen.cache, Sampler(GREEDY))  # noqa: E731
+    alone = [gen.generate(p, GREEDY, decoder=decoder()).token_ids for p in prompts]
+    together = gen.generate_many(prompts, GREEDY, decoder=decoder())
+    assert [c.token_ids for c in together] == alone
+    assert alone == [c.token_ids for c in gen.generate_many(prompts, GREEDY)]  # and plain decoding
+
+
+def test_sequences_finishing_early_leave_the_batch(base):
+    prompts = [[BOS, 5, 6], [BOS, 9, 10, 11]]
+    gen = Generator(base, CharTokenizer(), max_len=64, num_slots=2)
+    free = gen.generate_many(prompts, GREEDY)
+    gen.eos_ids = frozenset({free[0].token_ids[6]})
+    decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY))
+    both = gen.generate_many(prompts, SamplingParams(max_tokens=40), decoder=decoder)
+    plain = gen.generate_many(prompts, SamplingParams(max_tokens=40))
+    assert [c.token_ids for c in both] == [c.token_ids for c in plain]
+    assert both[0].finish_reason == "stop" and len(both[0].token_ids) <= 7
+
+
+def test_accepted_path_is_compacted_in_place(base):
+    prompt = [BOS, 20, 21, 22]
+    cache = base.new_cache(1, 64)
+    decoder = EagleDecoder(base, OracleHead(base), cache, Sampler(GREEDY))
+    with torch.inference_mode():
+        first = decoder.prefill([prompt])[0]
+        new = decoder.step()[0]
+    assert len(new) > 2  # several drafted tokens accepted, plus the bonus
+    kept = prompt + first + new[:-1]  # the bonus is the next root: not in the cache yet
+    assert cache.lengths[0] == len(kept)
+    fresh = base.new_cache(1, 64)
+    with torch.inference_mode():
+        base(torch.tensor([kept]), torch.arange(len(kept))[None], fresh)
+    n = len(kept)
+    torch.testing.assert_close(cache.k[:, 0, :, :n], fresh.k[:, 0, :, :n], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(cache.v[:, 0, :, :n], fresh.v[:, 0, :, :n], atol=1e-5, rtol=1e-4)
+
+
+def test_draft_cache_after_steps_equals_one_fresh_draft_pass(base):
+    prompt = [BOS, 30, 31, 32, 33]
+    head = random_head(base, seed=3)
+    decoder = EagleDecoder(base, head, base.new_cache(1, 64), Sampler(GREEDY))
+    with torch.inference_mode():
+        ids = prompt + decoder.prefill([prompt])[0]
+        for _ in range(4):
+            ids += decoder.step()[0]
+        n = len(ids) - 1  # the last token is the root: in neither cache
+        assert decoder.draft_cache.lengths[0] == n
+        layers = head.cfg.feature_layers
+        out = base(torch.tensor([ids[:n]]), torch.arange(n)[None], base.new_cache(1, 64), hidden_layers=layers)
+        fresh = head.new_cache(1, 64)
+        head(torch.tensor([ids[1 : n + 1]]), torch.cat(out.hidden, -1), torch.arange(n)[None], fresh)
+    torch.testing.assert_close(decoder.draft_cache.k[:, 0, :, :n], fresh.k[:, 0, :, :n], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(decoder.draft_cache.v[:, 0, :, :n], fresh.v[:, 0, :, :n], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["random", "oracle"])
+def test_seeded_sampling_reproduces(base, kind):
+    params = SamplingParams(max_tokens=30, temperature=1.0, top_k=20, seed=7, ignore_eos=True)
+    gen = Generator(base, CharTokenizer(), max_len=64, num_slots=2)
+    head = heads(base)[kind]
+    prompts = [[BOS, 5, 6, 7], [BOS, 50]]
+
+    def run(p):
+        decoder = EagleDecoder(base, head, gen.cache, Sampler(p))
+        return [c.token_ids for c in gen.generate_many(prompts, p, decoder=decoder)], decoder.stats
+
+    (a, stats), (b, _) = run(params), run(params)
+    other, _ = run(SamplingParams(max_tokens=30, temperature=1.0, top_k=20, seed=8, ignore_eos=True))
+    assert a == b and a != other
+    if kind == "oracle":  # the draft is the target: nearly every first child is accepted
+        assert stats.tau > 2
+
+
+def test_sampling_through_the_decoder_keeps_the_base_distribution(base):
+    """The first speculative token (the one after the prefill's) follows the base distribution,
+    with a head whose draft vocabulary is a shuffled part of the base's (chi-square)."""
+    prompt, b, rounds = [BOS, 5, 6, 7], 16, 100
+    params = SamplingParams(max_tokens=2, temperature=1.5, top_k=12, seed=1, ignore_eos=True)
+    gen = Generator(base, CharTokenizer(), max_len=32, num_slots=b)
+    head, sampler = random_head(base), Sampler(params)
+    counts = torch.zeros(base.cfg.vocab_size, dtype=torch.float64)
+    for _ in range(rounds):
+        decoder = EagleDecoder(base, head, gen.cache, sampler, TreeParams(num_draft_tokens=8, depth=3, topk=3))
+        for done in gen.generate_many([prompt] * b, params, decoder=decoder):
+            counts[done.token_ids[1]] += 1
+    with torch.inference_mode():  # exact: sum over x of p(x | prompt) p(y | prompt, x)
+        v = base.cfg.vocab_size
+        first = sampler.probs(base(torch.tensor([prompt]), torch.arange(4)[None], base.new_cache(1, 8)).logits[:, -1])
+        ids = torch.tensor([prompt + [x] for x in range(v)])
+        second = sampler.probs(base(ids, torch.arange(5).expand(v, 5), base.new_cache(v, 8)).logits[:, -1])
+    expected = b * rounds * (first.double() @ second.double())[0]
+    big = expected > 5  # pool the rare tokens into one category
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    assert chi_square_p(observed, torch.cat([expected[big], expected[~big].sum()[None]])) > 0.01
+    assert decoder.stats.accepted > 0
+
+
+def test_last_only_forward_still_returns_every_positions_features(base):
+    """Prefill needs all features but only the last logits (a fix in model.py: the final norm's
+    output used to be cut to the last position, unlike the other hidden states)."""
+    out = base(torch.tensor([[BOS, 3, 4, 5]]), torch.arange(4)[None], base.new_cache(1, 8),
+               hidden_layers=(1, base.cfg.num_layers), last_only=True)  # fmt: skip
+    assert out.logits.shape[1] == 1 and [h.shape[1] for h in out.hidden] == [4, 4]
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"num_draft_tokens": 0}, "--num-draft-tokens"),
+        ({"depth": 0}, "--draft-depth"),
+        ({"topk": -1}, "--draft-topk"),
+        ({"topk": 2.5}, "--draft-topk"),
+        ({"num_draft_tokens": 40, "depth": 3, "topk": 3}, "more than a tree of --draft-depth 3 and --draft-topk 3"),
+        ({"num_draft_tokens": 3, "depth": 5, "topk": 2}, "--draft-depth 5 is deeper"),
+    ],
+)
+def test_impossible_tree_params_are_one_clear_error(kwargs, flag):
+    with pytest.raises(SpecSotError, match=flag) as err:
+        TreeParams(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_default_tree_fits_a_cheap_cpu_verify():
+    tree = TreeParams()
+    assert tree.num_draft_tokens + 1 <= 16 and tree.num_draft_tokens <= tree.max_nodes
