@@ -1,0 +1,203 @@
+"""EAGLE speculative decoding against plain decoding and transformers `generate`, in one run.
+
+For each prompt (first turns of MT-bench questions by default), greedy, EOS ignored so every run
+makes exactly --new-tokens tokens: transformers `generate`, our plain decode, and our EAGLE decode
+with the default tree. Reports decode tokens/s of each, the mean acceptance length tau
+(= 1 + accepted / verify steps, vLLM's definition), acceptance per tree depth, the time split between
+drafting and verifying, and a sweep over tree shapes as a table.
+
+    python benchmarks/eagle.py [--limit 5] [--new-tokens 256] [--dtype bf16|fp32] [--sweep 8x4x3,12x5x4]
+
+The last stdout line is one JSON object with at least tau, eagle_vs_hf and eagle_vs_plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import cpu_name, load_prompts, run_hf, same_prefix  # noqa: E402  (a sibling script)
+
+from specsot_mq.errors import SpecSotError  # noqa: E402
+from specsot_mq.generate import Generator  # noqa: E402
+from specsot_mq.loader import resolve_draft, resolve_dtype  # noqa: E402
+from specsot_mq.pull import resolve_model  # noqa: E402
+from specsot_mq.sampling import SamplingParams  # noqa: E402
+from specsot_mq.speculative import TreeParams  # noqa: E402
+from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer  # noqa: E402
+
+
+def parse_tree(text: str) -> TreeParams:
+    try:
+        nodes, depth, topk = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SpecSotError(f"tree '{text}' is not NODESxDEPTHxTOPK (e.g. 12x5x4): fix --sweep") from None
+    return TreeParams(nodes, depth, topk)
+
+
+def run_eagle(gen: Generator, ids: list[int], n: int):
+    """One EAGLE generation; returns (tokens, decode seconds, the decoder's stats)."""
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    decoder = gen.new_decoder(params)
+    done = gen.generate(ids, params, decoder=decoder)
+    return done.token_ids, done.seconds - done.prefill_seconds, decoder.stats
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--draft", default="auto", help="draft head: auto (shipped) or a .safetensors path")
+    p.add_argument("--questions", type=Path, default=None)
+    p.add_argument("--limit", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--tree", default=None, help="main tree NODESxDEPTHxTOPK (default: TreeParams())")
+    p.add_argument("--sweep", default="4x4x1,8x4x3,12x5x4,16x6x4", help="trees for the sweep table ('' = none)")
+    p.add_argument("--json-only", action="store_true")
+    args = p.parse_args(argv)
+    out = Console(quiet=args.json_only, soft_wrap=True)
+    torch.set_num_threads(args.threads)
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    prompts, source = load_prompts(args.questions, args.limit)
+    main_tree = parse_tree(args.tree) if args.tree else TreeParams()
+    sweep = [parse_tree(t) for t in args.sweep.split(",") if t.strip()]
+    n = args.new_tokens
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from specsot_mq.draft import DraftHead
+    from specsot_mq.loader import load_model
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    folder = resolve_model(args.model)
+    draft_path = resolve_draft(args.draft, folder)
+    if draft_path is None:
+        raise SpecSotError(f"no draft head for {folder.name}: train one with `specsot train-draft` or pass --draft")
+    tokenizer = load_tokenizer(folder)
+    prompt_ids = [chat_prompt_ids(tokenizer, q) for q in prompts]
+    model = load_model(folder, dtype=dtype)
+    head = DraftHead.load(draft_path, model).prepack()
+    max_len = max(map(len, prompt_ids)) + n + 64
+    plain = Generator(model, tokenizer, max_len=max_len)
+    def tree_name(t: TreeParams) -> str:
+        return f"{t.num_draft_tokens}x{t.depth}x{t.topk}"
+
+    eagle = {tree_name(t): Generator(model, tokenizer, max_len=max_len, draft=head, tree=t) for t in [main_tree, *sweep]}
+    hf = AutoModelForCausalLM.from_pretrained(str(folder)).to(dtype).eval()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    out.print(
+        f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | torch {torch.__version__} | "
+        f"{len(prompts)} prompts ({source}), {n} new tokens | draft {draft_path.name} "
+        f"(vocab {head.cfg.draft_vocab_size}) | tree {main_tree}"
+    )
+    rows = {"hf": [], "plain": [], "eagle": []}
+    stats, same = [], []
+    sweep_rows = {tree_name(t): [] for t in sweep}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True, disable=args.json_only) as bar:  # fmt: skip
+        task = bar.add_task("warm-up", total=1 + len(prompts) * (3 + len(sweep)))
+        plain.generate(prompt_ids[0], SamplingParams(max_tokens=8, ignore_eos=True))
+        run_eagle(eagle[tree_name(main_tree)], prompt_ids[0], 8)
+        run_hf(hf, prompt_ids[0], 8, pad_id)
+        bar.advance(task)
+        for i, ids in enumerate(prompt_ids):
+            bar.update(task, description=f"prompt {i + 1}: transformers")
+            hf_sample = run_hf(hf, ids, n, pad_id)
+            rows["hf"].append(hf_sample.decode_s)
+            bar.advance(task)
+            bar.update(task, description=f"prompt {i + 1}: plain")
+            done = plain.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True))
+            rows["plain"].append(done.seconds - done.prefill_seconds)
+            bar.advance(task)
+            bar.update(task, description=f"prompt {i + 1}: eagle")
+            tokens, seconds, st = run_eagle(eagle[tree_name(main_tree)], ids, n)
+            rows["eagle"].append(seconds)
+            stats.append(st)
+            same.append(same_prefix(tokens, done.token_ids))
+            bar.advance(task)
+            for t in sweep:
+                bar.update(task, description=f"prompt {i + 1}: sweep {t.num_draft_tokens}x{t.depth}x{t.topk}")
+                _, seconds, st = run_eagle(eagle[tree_name(t)], ids, n)
+                sweep_rows[tree_name(t)].append((seconds, st))
+                bar.advance(task)
+
+    def rate(decode_s: list[float]) -> float:
+        return len(decode_s) * (n - 1) / sum(decode_s)
+
+    hf_tok_s, plain_tok_s, eagle_tok_s = rate(rows["hf"]), rate(rows["plain"]), rate(rows["eagle"])
+    steps = sum(s.steps for s in stats)
+    tau = 1 + sum(s.accepted for s in stats) / steps
+    depth_rate = [sum(s.accepted_at_depth[d] for s in stats) / steps for d in range(main_tree.depth)]
+    draft_s, verify_s = sum(s.draft_seconds for s in stats), sum(s.verify_seconds for s in stats)
+
+    table = Table(title=f"greedy decode, {args.dtype}, {torch.get_num_threads()} threads, {n} tokens x {len(prompts)} prompts")
+    for c in ("engine", "tok/s", "vs transformers", "vs plain"):
+        table.add_column(c, justify="left" if c == "engine" else "right")
+    for name, r in (("transformers generate", hf_tok_s), ("ours, plain", plain_tok_s), ("ours, EAGLE", eagle_tok_s)):
+        table.add_row(name, f"{r:.1f}", f"{r / hf_tok_s:.2f}x", f"{r / plain_tok_s:.2f}x")
+    out.print(table)
+    out.print(
+        f"tau {tau:.2f} | accepted at depth " + " ".join(f"{d + 1}:{r:.2f}" for d, r in enumerate(depth_rate))
+        + f" | drafting {draft_s / (draft_s + verify_s):.0%} of step time, "
+        f"{1000 * draft_s / steps:.1f} ms draft + {1000 * verify_s / steps:.1f} ms verify per step"
+    )
+    out.print(f"EAGLE tokens identical to plain decoding for the first {same} of {n} (per prompt)")
+    sweep_out = []
+    if sweep:
+        st_table = Table(title="tree sweep (nodes x depth x topk)")
+        for c in ("tree", "tau", "tok/s", "vs plain", "ms draft/step", "ms verify/step"):
+            st_table.add_column(c, justify="right")
+        for name, res in sweep_rows.items():
+            s_steps = sum(st.steps for _, st in res)
+            s_tau = 1 + sum(st.accepted for _, st in res) / s_steps
+            s_rate = rate([sec for sec, _ in res])
+            d_ms = 1000 * sum(st.draft_seconds for _, st in res) / s_steps
+            v_ms = 1000 * sum(st.verify_seconds for _, st in res) / s_steps
+            st_table.add_row(name, f"{s_tau:.2f}", f"{s_rate:.1f}",
+                             f"{s_rate / plain_tok_s:.2f}x", f"{d_ms:.1f}", f"{v_ms:.1f}")  # fmt: skip
+            sweep_out.append({"tree": name, "tau": round(s_tau, 3),
+                              "tok_s": round(s_rate, 2), "vs_plain": round(s_rate / plain_tok_s, 3)})  # fmt: skip
+        out.print(st_table)
+    result = {
+        "tau": round(tau, 3),
+        "eagle_vs_hf": round(eagle_tok_s / hf_tok_s, 3),
+        "eagle_vs_plain": round(eagle_tok_s / plain_tok_s, 3),
+        "eagle_tok_s": round(eagle_tok_s, 2),
+        "plain_tok_s": round(plain_tok_s, 2),
+        "hf_tok_s": round(hf_tok_s, 2),
+        "accepted_per_depth": [round(r, 3) for r in depth_rate],
+        "draft_ms_per_step": round(1000 * draft_s / steps, 2),
+        "verify_ms_per_step": round(1000 * verify_s / steps, 2),
+        "identical_prefix": same,
+        "tree": tree_name(main_tree),
+        "sweep": sweep_out,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "new_tokens": n,
+        "prompts": len(prompts),
+        "draft": draft_path.name,
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SpecSotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,37 @@
+"""The shipped draft head on the real default model (fp32): speculative greedy output equals
+plain greedy output token for token, and the head actually gets tokens accepted."""
+
+import pytest
+import torch
+
+from specsot_mq.draft import DraftHead
+from specsot_mq.generate import Generator
+from specsot_mq.loader import load_model, resolve_draft
+from specsot_mq.sampling import SamplingParams
+from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
+from test_real_model import mt_bench_first_turns
+
+pytestmark = pytest.mark.slow
+
+
+def test_shipped_head_is_small_and_found_by_default(default_model_dir):
+    path = resolve_draft("auto", default_model_dir)
+    assert path is not None and path.stat().st_size <= 20 * 2**20
+    assert resolve_draft("none", default_model_dir) is None
+
+
+def test_eagle_greedy_equals_plain_greedy_on_mt_bench(default_model_dir):
+    tokenizer = load_tokenizer(default_model_dir)
+    model = load_model(default_model_dir, dtype=torch.float32)
+    head = DraftHead.load(resolve_draft("auto", default_model_dir), model).prepack()
+    plain = Generator(model, tokenizer, max_len=1024)
+    eagle = Generator(model, tokenizer, max_len=1024, draft=head)
+    params = SamplingParams(max_tokens=128)
+    taus = []
+    for question in mt_bench_first_turns(5):
+        ids = chat_prompt_ids(tokenizer, question)
+        want = plain.generate(ids, params).token_ids
+        got = eagle.generate(ids, params)
+        assert got.token_ids == want, question[:60]
+        taus.append(got.tau)
+    assert sum(taus) / len(taus) > 1.3  # the head is trained: it gets drafts accepted
