@@ -232,12 +232,10 @@ def head_losses(head: DraftHead, tokens, feats, targets, generated, unroll: bool
     return results
 
 
-def train_head(
-    base: LlamaModel, samples, cfg: TrainConfig, work: Path, held_out: int
-) -> tuple[DraftHead, dict]:
+def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> tuple[DraftHead, dict]:
+    """Train on `train` samples (resuming from work/checkpoint.pt); score on `evals`."""
     torch.manual_seed(cfg.seed)
     layers = (base.cfg.num_layers,)
-    train, evals = samples[held_out:], samples[:held_out]
     d2t = draft_vocabulary(train, cfg.draft_vocab, base.cfg.eos_token_ids)
     t2d = torch.full((base.cfg.vocab_size,), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(len(d2t))
@@ -318,6 +316,18 @@ def _float_view(base: LlamaModel) -> LlamaModel:
     return shim
 
 
+@torch.inference_mode()
+def evaluate_tau(base: LlamaModel, tokenizer, head_path: Path, questions: list[str], max_tokens: int = 128) -> dict:
+    """Mean acceptance length of the saved head, greedy, on questions it never saw in training."""
+    head = DraftHead.load(head_path, base).prepack()
+    gen = Generator(base, tokenizer, max_len=1024, num_slots=len(questions), draft=head)
+    decoder = gen.new_decoder(SamplingParams(max_tokens=max_tokens))
+    gen.generate_many(questions, SamplingParams(max_tokens=max_tokens), decoder=decoder)
+    st = decoder.stats
+    return {"heldout_tau": round(st.tau, 3), "heldout_questions": len(questions),
+            "heldout_accepted_per_depth": [round(a / st.steps, 3) for a in st.accepted_at_depth]}  # fmt: skip
+
+
 def run(base: LlamaModel, tokenizer, out: Path, work: Path, cfg: TrainConfig) -> dict:
     """The whole recipe; returns the record stored with the head."""
     work.mkdir(parents=True, exist_ok=True)
@@ -325,19 +335,24 @@ def run(base: LlamaModel, tokenizer, out: Path, work: Path, cfg: TrainConfig) ->
     gen = Generator(base, tokenizer, max_len=1024, num_slots=cfg.batch)
     rows = generate_data(gen, cfg, work / "data.jsonl")
     data_s = time.time() - started
+    # Hold out whole questions (all their rows), so the evaluation never saw them.
+    questions = list(dict.fromkeys(r["question"] for r in rows))
+    held = set(questions[-max(2, len(questions) // 20) :])
     samples = capture_features(base, rows, (base.cfg.num_layers,), cfg.train_context)
-    held_out = max(1, len(samples) // 20)
-    rng = random.Random(cfg.seed)
-    rng.shuffle(samples)
-    head, info = train_head(base, samples, cfg, work, held_out)
+    train = [s for s, r in zip(samples, rows) if r["question"] not in held]
+    evals = [s for s, r in zip(samples, rows) if r["question"] in held]
+    random.Random(cfg.seed).shuffle(train)
+    head, info = train_head(base, train, evals, cfg, work)
     record = {
         "data": {"sequences": len(rows), "generated_tokens": sum(len(r["output"]) for r in rows),
-                 "kinds": dict(Counter(r["kind"] for r in rows))},
+                 "kinds": dict(Counter(r["kind"] for r in rows)), "heldout_questions": len(held)},
         "config": {k: getattr(cfg, k) for k in TrainConfig.__slots__},
-        "seconds": {"data": round(data_s), "total": round(time.time() - started)},
         **info,
     }  # fmt: skip
-    head.cfg.training = record
     out.parent.mkdir(parents=True, exist_ok=True)
+    head.save(out)
+    record.update(evaluate_tau(base, tokenizer, out, sorted(held)[:16]))
+    record["seconds"] = {"data": round(data_s), "total": round(time.time() - started)}
+    head.cfg.training = record
     head.save(out)
     return record
