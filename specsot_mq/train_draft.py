@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -31,10 +30,10 @@ from specsot_mq.generate import Generator
 from specsot_mq.model import LlamaModel
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
+from specsot_mq.sot.parser import parse_skeleton
 from specsot_mq.tokenizer import chat_prompt_ids
 
 console = Console(stderr=True)
-POINT_LINE = re.compile(r"^\s*(\d+)\.\s*(.+?)\s*$", re.M)
 
 
 @dataclass(slots=True)
@@ -69,15 +68,6 @@ def _magpie_prefix(tokenizer) -> list[int]:
     marker = "\x00QUESTION"
     text = tokenizer.decode(chat_prompt_ids(tokenizer, marker))
     return tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
-
-
-def _parse_points(skeleton: str, limit: int = 8) -> list[tuple[int, str]]:
-    seen, points = set(), []
-    for number, title in POINT_LINE.findall(skeleton):
-        if int(number) not in seen and title:
-            seen.add(int(number))
-            points.append((int(number), title[:80]))
-    return points[:limit]
 
 
 def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
@@ -125,7 +115,8 @@ def _rows_for(qs: list[str], fmt, gen: Generator, cfg: TrainConfig) -> list[dict
     point_prompts, point_qs = [], []
     for row in rows[-len(qs) :]:
         skeleton = fmt.skeleton_prefix + tok.decode(row["output"], skip_special_tokens=True)
-        for index, title in _parse_points(skeleton)[:2]:
+        for point in parse_skeleton(skeleton).points[:2]:
+            index, title = point.index, point.title
             point_prompts.append(fmt.point_ids(tok, row["question"], skeleton, index, title))
             point_qs.append(row["question"])
     run("point", point_prompts, cfg.point_tokens, point_qs)

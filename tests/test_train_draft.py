@@ -1,4 +1,4 @@
-"""The draft-training recipe: point parsing, the training targets, and the whole command on a
+"""The draft-training recipe: the training targets, and the whole command on a
 small scale with the real model."""
 
 import json
@@ -10,19 +10,7 @@ import torch
 
 from conftest import ours_from_hf, tiny_hf
 from specsot_mq.draft import DraftConfig, DraftHead
-from specsot_mq.train_draft import _pad, _parse_points, head_losses
-
-
-@pytest.mark.parametrize(
-    "text, points",
-    [
-        ("1. Plan\n2. Cook\n3. Eat", [(1, "Plan"), (2, "Cook"), (3, "Eat")]),
-        ("1. Plan\n1. Again\n2. Cook", [(1, "Plan"), (2, "Cook")]),
-        ("no list here", []),
-    ],
-)
-def test_parse_points(text, points):
-    assert _parse_points(text) == points
+from specsot_mq.train_draft import _pad, head_losses
 
 
 def test_losses_target_the_next_feature_and_the_token_after_it():

@@ -1,0 +1,158 @@
+"""Skeleton parsing: the model's numbered plan becomes a Plan of short, numbered points.
+
+The skeleton comes from a small model, so the parser forgives what such a model writes:
+- items start with "N." or "N)" at a line start, also after a bullet, a quote mark or a heading
+  mark, and in bold ("**2.** Body");
+- items run together on one line ("1. a 2. b 3. c"): a number inside a line starts an item only
+  when it is the next number expected, so "1. Pick 3. options" stays one item;
+- titles lose markdown (** __ `), control characters, junk around them and trailing colons or
+  periods; a title longer than 12 words is cut to its first sentence or clause, then to 12 words;
+- a predicted length at the end of a title, "(~40 tokens)", "(40 tokens)" or "[40]", is read off;
+- a repeated number or a repeated title keeps its first item; the kept items are renumbered
+  1, 2, 3, ... in order and capped at max_points.
+
+It never raises on a string. A list of fewer than two usable points, or text with no list, is
+"direct" (answer without a plan); empty text or text without a single letter is "error".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from specsot_mq.errors import SpecSotError
+
+MAX_TITLE_WORDS = 12
+
+# A line start (after quote, heading or bullet marks) or a space inside a line, then "N." or "N)".
+# A digit right after the marker means a decimal ("3.14"), not an item.
+MARKER = re.compile(
+    r"(?:(?P<line>^)[ \t>#]*(?:[-*+•][ \t]*)?|(?<=\s))(?:\*\*|__)?(?P<number>[0-9]{1,3})[.)](?:\*\*|__)?(?![0-9])",
+    re.M,
+)
+# "(~40 tokens)", "(~40)", "(40 tokens)", "[40]", "[~40 tokens]" at the very end of a title.
+LENGTH = re.compile(
+    r"(?:\(\s*~\s*(?P<a>[0-9]{1,5})\s*(?:tokens?)?\s*\)|\(\s*(?P<b>[0-9]{1,5})\s*tokens?\s*\)"
+    r"|\[\s*~?\s*(?P<c>[0-9]{1,5})\s*(?:tokens?)?\s*\])\s*$",
+    re.I,
+)
+LEADING_JUNK = " \t-–—*•#>:.)]|~=_"
+TRAILING_JUNK = " \t.:;,-–—*#|~=_"
+SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+")
+CLAUSE_BREAK = re.compile(r",\s+|\s+[-–—]\s+|\s+\(")
+TAG = re.compile(r"^[\s*_#>`]*\[(?P<tag>PLAN|DIRECT)\][*_`]*", re.I)
+
+
+@dataclass(slots=True)
+class Point:
+    """One point of a skeleton."""
+
+    index: int  # 1-based position in the plan, renumbered consecutively
+    title: str  # short title, markdown and junk removed, at most 12 words
+    predicted_tokens: int | None = None  # length the skeleton predicted for this point, if any
+
+
+@dataclass(slots=True)
+class Plan:
+    """What the skeleton says to do next."""
+
+    kind: str  # "plan": expand the points; "direct": answer without a plan; "error": no usable text
+    points: list[Point] = field(default_factory=list)  # the points, only for kind "plan"
+    reason: str = ""  # why direct or error, or what was dropped from a plan; for the logs
+
+
+def parse_skeleton(text: str, max_points: int = 10) -> Plan:
+    """Parse a skeleton (the whole assistant text, including the prefilled "1.") into a Plan.
+
+    Never raises on a string; max_points below 2 raises SpecSotError (a plan needs two points).
+    """
+    if max_points < 2:
+        raise SpecSotError(f"max_points must be at least 2 (got {max_points}): a plan needs two points")
+    if not text or not text.strip():
+        return Plan("error", reason="the skeleton is empty")
+    if not any(c.isalpha() for c in text):
+        return Plan("error", reason="the skeleton has no words")
+    items = _items(text)
+    if not items:
+        return Plan("direct", reason="the skeleton has no numbered list")
+    points, notes = [], []
+    numbers, titles = set(), set()
+    for number, body in items:
+        title, predicted = _clean_title(body)
+        if not any(c.isalpha() for c in title):
+            notes.append(f"dropped item {number} (no title)")
+        elif number in numbers:
+            notes.append(f"dropped repeated number {number}")
+        elif title.casefold() in titles:
+            notes.append(f"dropped repeated title {title!r}")
+        else:
+            numbers.add(number)
+            titles.add(title.casefold())
+            points.append(Point(len(points) + 1, title, predicted))
+    if len(points) > max_points:
+        notes.append(f"kept the first {max_points} of {len(points)} points")
+        points = points[:max_points]
+    if len(points) < 2:
+        notes.insert(0, f"only {len(points)} usable point{'' if len(points) == 1 else 's'}, not worth splitting")
+        return Plan("direct", reason="; ".join(notes))
+    return Plan("plan", points, "; ".join(notes))
+
+
+def parse_plan_direct(text: str, max_points: int = 10) -> Plan:
+    """Parse the SpecSoT format: "[DIRECT]" (answer without a plan) or "[PLAN]" and numbered points.
+
+    The points after "[PLAN]" follow parse_skeleton's rules. Text with neither tag goes direct, the
+    safe way (a plain answer), unless it is empty or has no words (error). Never raises on a string.
+    """
+    if max_points < 2:
+        raise SpecSotError(f"max_points must be at least 2 (got {max_points}): a plan needs two points")
+    if not text or not text.strip():
+        return Plan("error", reason="the reply is empty")
+    tag = TAG.match(text)
+    if tag is None:
+        if not any(c.isalpha() for c in text):
+            return Plan("error", reason="the reply has no words")
+        return Plan("direct", reason="the reply starts with neither [PLAN] nor [DIRECT]")
+    if tag.group("tag").upper() == "DIRECT":
+        return Plan("direct", reason="the model chose [DIRECT]")
+    plan = parse_skeleton(text[tag.end():], max_points)
+    if plan.reason:
+        plan.reason = "after [PLAN]: " + plan.reason
+    return plan
+
+
+def _items(text: str) -> list[tuple[int, str]]:
+    """(number as written, raw body) of every item, in order; text before the first item is ignored."""
+    starts = []  # (marker start, marker end, number)
+    for m in MARKER.finditer(text):
+        number = int(m.group("number"))
+        if m.group("line") is None:  # inside a line: only the next number, followed by a space
+            expected = starts[-1][2] + 1 if starts else 1
+            if number != expected or not text[m.end():m.end() + 1].isspace():
+                continue
+        starts.append((m.start(), m.end(), number))
+    ends = [start for start, _, _ in starts[1:]] + [len(text)]
+    return [(number, text[end:stop]) for (_, end, number), stop in zip(starts, ends)]
+
+
+def _clean_title(body: str) -> tuple[str, int | None]:
+    """A short title and the predicted length from an item's raw body (its first non-empty line)."""
+    line = next((ln for ln in body.splitlines() if ln.strip(LEADING_JUNK + TRAILING_JUNK)), "")
+    title = "".join(c for c in line if c.isprintable()).replace("**", "").replace("__", "").replace("`", "")
+    title = " ".join(title.split()).lstrip(LEADING_JUNK).rstrip(TRAILING_JUNK)
+    predicted = None
+    length = LENGTH.search(title)
+    if length:
+        predicted = int(length.group("a") or length.group("b") or length.group("c")) or None
+        title = title[:length.start()].rstrip(TRAILING_JUNK)
+    if len(title) > 1 and title[0] in "\"'“‘" and title[-1] in "\"'”’":
+        title = title[1:-1].lstrip(LEADING_JUNK).rstrip(TRAILING_JUNK)
+    return _shorten(title), predicted
+
+
+def _shorten(title: str) -> str:
+    """At most MAX_TITLE_WORDS words: the first sentence, else the first clause, else the first words."""
+    for pattern in (SENTENCE_END, CLAUSE_BREAK):
+        if len(title.split()) > MAX_TITLE_WORDS:
+            title = pattern.split(title, maxsplit=1)[0].rstrip(TRAILING_JUNK)
+    return " ".join(title.split()[:MAX_TITLE_WORDS]).rstrip(TRAILING_JUNK)

@@ -1,0 +1,351 @@
+"""Skeleton-of-Thought logic without a model: the skeleton parser (tables, and random strings it must
+never raise on), the SoT/direct router, the LPT branch scheduler and the devices.json checks."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from specsot_mq.errors import SpecSotError
+from specsot_mq.sot.parser import Point, parse_plan_direct, parse_skeleton
+from specsot_mq.sot.router import route
+from specsot_mq.sot.scheduler import (
+    DeviceProfile,
+    default_profiles_path,
+    load_profiles,
+    profile_for,
+    schedule,
+)
+
+FIFTY = "\n".join(f"{n}. Point number {n}" for n in range(1, 51))
+LONG_TITLE = ("1. Introduction: explain what quantum superposition is and why it matters for computing "
+              "and cryptography today\n2. Entanglement")
+
+PARSE_CASES = [
+    # (name, skeleton text, kind, [(title, predicted_tokens)] of the plan)
+    ("plain list", "1. Intro\n2. Body\n3. Conclusion", "plan", [("Intro", None), ("Body", None), ("Conclusion", None)]),
+    ("prefill with a space after it", "1. Sleep well\n2. Eat well", "plan", [("Sleep well", None), ("Eat well", None)]),
+    ("parentheses as markers", "1) Sleep\n2) Exercise", "plan", [("Sleep", None), ("Exercise", None)]),
+    ("items run together on one line", "1. Sleep 2. Eat 3. Move", "plan",
+     [("Sleep", None), ("Eat", None), ("Move", None)]),
+    ("an inline number that is not next stays in the title", "1. Pick 3. options\n2. Compare them", "plan",
+     [("Pick 3. options", None), ("Compare them", None)]),
+    ("decimals are not markers", "1. Python 3.12 features\n2. Migration", "plan",
+     [("Python 3.12 features", None), ("Migration", None)]),
+    ("markdown and trailing colons go", "1. **Sleep:**\n2. __Diet__.\n3. `Exercise`:", "plan",
+     [("Sleep", None), ("Diet", None), ("Exercise", None)]),
+    ("bold markers and bullets", "1. Sleep\n**2.** Diet\n- 3. Exercise\n> 4. Rest", "plan",
+     [("Sleep", None), ("Diet", None), ("Exercise", None), ("Rest", None)]),
+    ("numbering gaps are renumbered", "1. Sleep\n3. Diet\n7. Exercise", "plan",
+     [("Sleep", None), ("Diet", None), ("Exercise", None)]),
+    ("a repeated number keeps the first", "1. Sleep\n2. Diet\n2. Food\n3. Exercise", "plan",
+     [("Sleep", None), ("Diet", None), ("Exercise", None)]),
+    ("a repeated title keeps the first", "1. Sleep\n2. Diet\n3. sleep\n4. Exercise", "plan",
+     [("Sleep", None), ("Diet", None), ("Exercise", None)]),
+    ("a restarted list is dropped", "1. Sleep 2. Diet 3. Exercise\n1. Sleep 2. Diet", "plan",
+     [("Sleep", None), ("Diet", None), ("Exercise", None)]),
+    ("predicted lengths are read off", "1. Sleep (~40 tokens)\n2. Diet [25]\n3. Exercise (60 tokens).\n4. Rest", "plan",
+     [("Sleep", 40), ("Diet", 25), ("Exercise", 60), ("Rest", None)]),
+    ("a year in parentheses is not a length", "1. The war (1945)\n2. The peace", "plan",
+     [("The war (1945)", None), ("The peace", None)]),
+    ("a long title is cut to its first clause", LONG_TITLE, "plan", [("Introduction", None), ("Entanglement", None)]),
+    ("a long title without a break is cut to 12 words", "1. " + " ".join(["word"] * 20) + "\n2. End", "plan",
+     [(" ".join(["word"] * 12), None), ("End", None)]),
+    ("sub-bullets and text before and after are ignored",
+     "Here is the plan:\n1. Sleep\n   - eight hours\n2. Diet\n\nThat is all.", "plan",
+     [("Sleep", None), ("Diet", None)]),
+    ("unicode titles", "1. 睡眠\n2. Ernährung\n3. Упражнения", "plan",
+     [("睡眠", None), ("Ernährung", None), ("Упражнения", None)]),
+    ("fifty points are capped at ten", FIFTY, "plan", [(f"Point number {n}", None) for n in range(1, 11)]),
+    ("one point is not worth splitting", "1. Just answer it", "direct", []),
+    ("items without titles do not count", "1. Sleep\n2. **\n3. ---", "direct", []),
+    ("no list at all", "The sky is blue because of Rayleigh scattering.", "direct", []),
+    ("empty", "", "error", []),
+    ("whitespace only", " \n\t ", "error", []),
+    ("the bare prefill", "1.", "error", []),
+    ("garbage without letters", "1. 2. ### 3) ... 42 !!", "error", []),
+]
+
+
+@pytest.mark.parametrize("name, text, kind, points", PARSE_CASES, ids=[c[0] for c in PARSE_CASES])
+def test_parse_skeleton(name, text, kind, points):
+    plan = parse_skeleton(text)
+    assert plan.kind == kind, plan.reason
+    assert [(p.title, p.predicted_tokens) for p in plan.points] == points
+    assert [p.index for p in plan.points] == list(range(1, len(points) + 1))
+    if kind != "plan":
+        assert plan.reason
+
+
+PLAN_DIRECT_CASES = [
+    # (name, reply, kind, titles)
+    ("[DIRECT] goes direct", "[DIRECT]", "direct", []),
+    ("[DIRECT] with text after it", "[DIRECT] The answer is 42.", "direct", []),
+    ("[PLAN] with points", "[PLAN]\n1. Sleep\n2. Diet", "plan", ["Sleep", "Diet"]),
+    ("[PLAN] with points run together", "[PLAN] 1. Sleep 2. Diet 3. Move", "plan", ["Sleep", "Diet", "Move"]),
+    ("tags are case-insensitive and may be bold", "**[plan]**\n1) Sleep\n2) Diet", "plan", ["Sleep", "Diet"]),
+    ("[PLAN] with one point goes direct", "[PLAN]\n1. Sleep", "direct", []),
+    ("[PLAN] with nothing after it", "[PLAN]", "error", []),
+    ("no tag goes direct, the safe way", "1. Sleep\n2. Diet", "direct", []),
+    ("empty", "  ", "error", []),
+    ("no tag and no words", "?!", "error", []),
+]
+
+
+@pytest.mark.parametrize("name, text, kind, titles", PLAN_DIRECT_CASES, ids=[c[0] for c in PLAN_DIRECT_CASES])
+def test_parse_plan_direct(name, text, kind, titles):
+    plan = parse_plan_direct(text)
+    assert plan.kind == kind, plan.reason
+    assert [p.title for p in plan.points] == titles
+
+
+def test_max_points_below_two_is_a_user_error():
+    with pytest.raises(SpecSotError, match="max_points"):
+        parse_skeleton("1. a\n2. b", max_points=1)
+
+
+ALPHABET = list("1234567890.)(][~*_`#>-: \n\t\r") + list("abcXYZ")
+ALPHABET += ["tokens", "**", "\u200b", "é", "漢", "\x00", "🙂"]
+
+
+@pytest.mark.parametrize("parse", [parse_skeleton, parse_plan_direct])
+def test_parsers_never_raise_and_keep_their_promises(parse):
+    rng = random.Random(1234)
+    for _ in range(3000):
+        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 80)))
+        if rng.random() < 0.3:
+            text = rng.choice(["1.", "[PLAN]\n1.", "[DIRECT]"]) + text
+        plan = parse(text, max_points=5)
+        assert plan.kind in ("plan", "direct", "error"), text
+        if plan.kind != "plan":
+            assert plan.points == [] and plan.reason, text
+            continue
+        assert 2 <= len(plan.points) <= 5, text
+        assert [p.index for p in plan.points] == list(range(1, len(plan.points) + 1)), text
+        titles = [p.title.casefold() for p in plan.points]
+        assert len(set(titles)) == len(titles), text
+        for p in plan.points:
+            assert any(c.isalpha() for c in p.title) and len(p.title.split()) <= 12, text
+            assert p.title == p.title.strip(), text
+            assert p.predicted_tokens is None or p.predicted_tokens > 0, text
+
+
+PASSAGE = ("It was a cold morning in the valley, and the river ran high with the melted snow of the spring. "
+           "The villagers gathered at the bridge to watch the water rise, some worried, some merely curious, "
+           "and the old miller said he had never seen it so high.")
+
+ROUTE_CASES = [
+    # (question, goes SoT) -- the mt_bench category in the comment where it comes from there
+    ("What are the main benefits of regular exercise?", True),
+    ("Explain how vaccines train the immune system.", True),
+    ("Give me five tips for staying focused while working from home.", True),
+    ("Compare renting and buying a house.", True),
+    ("Write a blog post about sustainable travel.", True),
+    ("Can you explain how a bill becomes law?", True),
+    ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and "
+     "must-see attractions.", True),  # writing
+    ("In the field of quantum physics, what is superposition, and how does it relate to the phenomenon of "
+     "quantum entanglement?", True),  # stem
+    ("Please describe the concept of machine learning. Could you elaborate on the differences between supervised, "
+     "unsupervised, and reinforcement learning? Provide real-world examples of each.", True),  # stem
+    ("Discuss antitrust laws and their impact on market competition. Compare the antitrust laws in US and China "
+     "along with some case studies.", True),  # humanities
+    ("What are some business etiquette norms when doing business in Japan?", True),  # humanities
+    ("Given that f(x) = 4x^3 - 9x - 14, find the value of f(2).", False),  # math
+    ("When rolling two dice, what is the probability that you roll a total number that is at least 3?", False),  # math
+    ("How many integers are in the solution of the inequality |x + 5| < 10", False),  # math
+    ("Calculate the compound interest on a loan.", False),
+    ("Prove that the square root of 2 is irrational.", False),
+    ("Write a C++ program to find the nth Fibonacci number using recursion.", False),  # coding
+    ("Implement a function to find the median of two sorted arrays.", False),  # coding
+    ("Why does this crash?\n```\nx = [1, 2]\nprint(x[5])\n```", False),
+    ("Write a regex that matches email addresses.", False),
+    ("Who wrote Hamlet?", False),
+    ("What is the capital of France?", False),
+    ("Is it safe to eat raw cookie dough?", False),
+    ("Translate 'good morning' into Japanese.", False),
+    ("What do you make of my opening:\n\n" + PASSAGE, False),
+    ("Rewrite your previous response. Start every sentence with the letter A.", False),  # writing, turn 2
+    ("Edit the following paragraph to correct any grammatical errors: She didn't remembre where is her purse.", False),
+    ("Extract the following information from the presented texts: the name of the book and the author.", False),
+    ("Identify the countries, their capitals, and the languages spoken in the following sentences. Output in JSON "
+     "format.", False),  # extraction
+]
+
+
+@pytest.mark.parametrize("question, use_sot", ROUTE_CASES, ids=[q[:40] for q, _ in ROUTE_CASES])
+def test_route_auto(question, use_sot):
+    decision = route(question)
+    assert decision.use_sot == use_sot, decision.reason
+    assert decision.reason
+
+
+MT_BENCH = Path("/work/shared/data/mt_bench_questions.jsonl")
+
+
+@pytest.mark.skipif(not MT_BENCH.is_file(), reason="the mt_bench questions are not on this machine")
+def test_mt_bench_first_turns_route_by_category():
+    """Maths, code and extraction all go direct; writing, stem and humanities mostly go SoT."""
+    by_category = {}
+    for line in MT_BENCH.read_text().splitlines():
+        q = json.loads(line)
+        by_category.setdefault(q["category"], []).append(route(q["turns"][0]).use_sot)
+    for category in ("math", "coding", "extraction"):
+        assert not any(by_category[category]), category
+    for category in ("writing", "stem", "humanities"):
+        assert sum(by_category[category]) >= 0.8 * len(by_category[category]), category
+
+
+@pytest.mark.parametrize("mode, use_sot", [("always", True), ("never", False)])
+def test_route_forced_modes(mode, use_sot):
+    assert route("What is 2 + 2?", mode).use_sot is use_sot
+    assert route("Explain photosynthesis.", mode).use_sot is use_sot
+
+
+def test_unknown_route_mode_names_the_flag():
+    with pytest.raises(SpecSotError, match=r"--sot auto\|always\|never"):
+        route("Hi", "sometimes")
+
+
+def points(*lengths):
+    """Points 1..n with the given predicted lengths (None: the default)."""
+    return [Point(n, f"p{n}", length) for n, length in enumerate(lengths, 1)]
+
+
+def device(name, compute, max_parallel=8):
+    return DeviceProfile(name, compute, 16.0, 500.0, max_parallel)
+
+
+SCHEDULE_CASES = [
+    # (name, points, devices, default_tokens, [(device, point indices, predicted seconds)])
+    ("one device takes everything, longest first", points(10, 30, 20), [device("a", 10)], 64,
+     [("a", [2, 3, 1], 6.0)]),
+    ("unknown lengths take the default", points(None, 100), [device("a", 10)], 50, [("a", [2, 1], 15.0)]),
+    ("a device twice as fast takes twice the work", points(40, 40, 40), [device("slow", 10), device("fast", 20)], 64,
+     [("slow", [2], 4.0), ("fast", [1, 3], 4.0)]),
+    ("a much faster device takes everything", points(10, 10), [device("cpu", 1), device("gpu", 100)], 64,
+     [("cpu", [], 0.0), ("gpu", [1, 2], 0.2)]),
+    ("LPT balances a classic example exactly", points(5, 8, 3, 7, 4, 6, 2, 1), [device("a", 1), device("b", 1)], 64,
+     [("a", [2, 1, 5, 8], 18.0), ("b", [4, 6, 3, 7], 18.0)]),
+    # the textbook case where greedy LPT is not optimal: 7 against the best 6 (3+3 | 2+2+2)
+    ("LPT is greedy, not optimal", points(3, 3, 2, 2, 2), [device("a", 1), device("b", 1)], 64,
+     [("a", [1, 3, 5], 7.0), ("b", [2, 4], 5.0)]),
+    ("ties go to the earlier point and the earlier device", points(5, 5, 5, 5), [device("a", 1), device("b", 1),
+                                                                                  device("c", 1)], 64,
+     [("a", [1, 4], 10.0), ("b", [2], 5.0), ("c", [3], 5.0)]),
+    ("no points: every device gets an empty assignment", [], [device("a", 1), device("b", 2)], 64,
+     [("a", [], 0.0), ("b", [], 0.0)]),
+    ("no points and no devices", [], [], 64, []),
+]
+
+
+@pytest.mark.parametrize("name, pts, devices, default_tokens, expected", SCHEDULE_CASES,
+                         ids=[c[0] for c in SCHEDULE_CASES])  # fmt: skip
+def test_schedule(name, pts, devices, default_tokens, expected):
+    got = schedule(pts, devices, default_tokens)
+    assert [(a.device, a.point_indices, pytest.approx(a.predicted_seconds)) for a in got] == expected
+
+
+def test_schedule_is_deterministic():
+    rng = random.Random(7)
+    pts = points(*[rng.choice([None, 10, 20, 40, 80]) for _ in range(30)])
+    devices = [device("a", 40), device("b", 200), device("c", 200), device("d", 700)]
+    assert schedule(pts, devices) == schedule(list(pts), list(devices))
+
+
+@pytest.mark.parametrize("pts, devices, message", [
+    (points(1), [], "no devices"),
+    (points(1), [device("a", 1), device("a", 2)], "listed twice"),
+])  # fmt: skip
+def test_schedule_user_errors(pts, devices, message):
+    with pytest.raises(SpecSotError, match=message):
+        schedule(pts, devices)
+
+
+GOOD = {
+    "profiles": {
+        "cpu": {"compute": 40, "memory_gb": 23, "bandwidth_gb_s": 20, "max_parallel": 8},
+        "cuda": {"compute": 200, "memory_gb": 24, "bandwidth_gb_s": 900, "max_parallel": 32},
+        "h100": {"compute": 700, "memory_gb": 80, "bandwidth_gb_s": 3350, "max_parallel": 64},
+    },
+    "devices": {"127.0.0.1#cpu": "cpu", "10.0.0.2#0": "h100"},
+}
+
+
+def write(tmp_path, data):
+    path = tmp_path / "devices.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def changed(edit):
+    """GOOD, deep-copied, after edit(data)."""
+    data = json.loads(json.dumps(GOOD))
+    edit(data)
+    return data
+
+
+PROFILE_ERRORS = [
+    # (name, file contents, words the message must contain)
+    ("not JSON", "{profiles: }", "not valid JSON"),
+    ("no profiles", {"devices": {}}, '"profiles" object'),
+    ("an unknown top-level key", changed(lambda d: d.update(device={})), "unknown key 'device'"),
+    ("a missing field", changed(lambda d: d["profiles"]["cuda"].pop("compute")), "'cuda' is missing 'compute'"),
+    ("an unknown field", changed(lambda d: d["profiles"]["cpu"].update(speed=3)), "unknown field 'speed'"),
+    ("a negative number", changed(lambda d: d["profiles"]["h100"].update(memory_gb=-80)),
+     "'memory_gb' must be positive"),
+    ("zero compute", changed(lambda d: d["profiles"]["cpu"].update(compute=0)), "'compute' must be positive"),
+    ("a string for a number", changed(lambda d: d["profiles"]["cpu"].update(compute="fast")), "must be a number"),
+    ("a fractional max_parallel", changed(lambda d: d["profiles"]["cpu"].update(max_parallel=2.5)),
+     "whole number"),
+    ("a device with an unknown profile", changed(lambda d: d["devices"].update({"10.0.0.3#1": "h300"})),
+     "'10.0.0.3#1' uses profile 'h300'"),
+    ("a device name without #", changed(lambda d: d["devices"].update({"gpu0": "h100"})), "'gpu0' is not of the form"),
+]
+
+
+@pytest.mark.parametrize("name, contents, message", PROFILE_ERRORS, ids=[c[0] for c in PROFILE_ERRORS])
+def test_devices_file_mistakes(tmp_path, name, contents, message):
+    with pytest.raises(SpecSotError, match=message) as error:
+        load_profiles(write(tmp_path, contents))
+    assert str(tmp_path) in str(error.value)
+
+
+def test_missing_devices_file(tmp_path):
+    with pytest.raises(SpecSotError, match="does not exist"):
+        load_profiles(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("name, profile, compute", [
+    ("127.0.0.1#cpu", "cpu", 40.0),   # mapped exactly
+    ("10.0.0.2#0", "h100", 700.0),    # mapped exactly, ahead of the cuda fallback
+    ("10.0.0.9#cpu", "cpu", 40.0),    # #cpu falls back to the cpu profile
+    ("10.0.0.9#3", "cuda", 200.0),    # #N falls back to the cuda profile
+])  # fmt: skip
+def test_profile_for_resolves_devices(tmp_path, name, profile, compute):
+    resolved = profile_for(name, load_profiles(write(tmp_path, GOOD)))
+    assert (resolved.name, resolved.compute) == (name, compute)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("localhost", "not of the form ip#gpu"),
+    ("10.0.0.2#", "not of the form ip#gpu"),
+    ("10.0.0.2#mps", "neither a GPU number nor cpu"),
+])  # fmt: skip
+def test_profile_for_bad_names(name, message):
+    with pytest.raises(SpecSotError, match=message):
+        profile_for(name, load_profiles(default_profiles_path()))
+
+
+def test_profile_for_without_a_fallback_profile(tmp_path):
+    profiles = load_profiles(write(tmp_path, changed(lambda d: d["profiles"].pop("cuda"))))
+    with pytest.raises(SpecSotError, match="'10.0.0.9#0' has no profile: add a \"cuda\" profile"):
+        profile_for("10.0.0.9#0", profiles)
+
+
+def test_the_shipped_devices_file_loads_and_covers_cpu_and_cuda():
+    profiles = load_profiles(default_profiles_path())
+    assert {"cpu", "cuda", "h100", "h200"} <= set(profiles)
+    assert profile_for("127.0.0.1#cpu", profiles).max_parallel == 8
+    assert profile_for("127.0.0.1#0", profiles).compute == 200
