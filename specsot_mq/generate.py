@@ -56,36 +56,94 @@ class Completion:
 class Decoder(Protocol):
     """What the loop drives: plain decoding here, speculative decoding elsewhere.
 
-    Sequences are numbered by their place in the prefill list; step() returns new tokens for each
-    sequence still running, and drop() tells the decoder a sequence is finished.
+    Sequences are named by their cache slot. prefill() starts sequences (also while others run),
+    step() returns new tokens for every running sequence, drop() ends one.
     """
 
-    def prefill(self, prompts: list[list[int]]) -> dict[int, list[int]]: ...
+    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, list[int]]:
+        """Start prompts[slot] in each slot; return each one's first token. The first `shared`
+        tokens of every prompt are the same: they are computed once (or, with prefix_from, taken
+        from that slot, which already holds them) and copied."""
+        ...
 
     def step(self) -> dict[int, list[int]]: ...
 
-    def drop(self, seq: int) -> None: ...
+    def drop(self, slot: int) -> None: ...
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """The base model's pass over a set of prompts (see prefill_prompts)."""
+
+    slots: list[int]  # in row order
+    lengths: list[int]  # each prompt's length
+    last_logits: torch.Tensor  # [B, V] logits at each prompt's last token
+    features: torch.Tensor | None  # [B, T, F*H] features of the suffix tokens (right-padded), if asked
+    prefix_features: torch.Tensor | None  # [shared, F*H] features of the shared prefix, if computed now
+
+
+def prefill_prompts(model: LlamaModel, cache: KVCache, prompts: dict[int, list[int]], shared: int = 0,
+                    prefix_from: int | None = None, hidden_layers=()) -> Prefilled:  # fmt: skip
+    """Put prompts into their cache slots with as little work as possible: the shared prefix once
+    (in the first slot, or already in `prefix_from`), copied to the others in place; then every
+    suffix in ONE forward, right-padded (padding sits after each row's real tokens, so causal rows
+    never see it, and each slot is truncated to its real length afterwards)."""
+    dev = model.device
+    slots = list(prompts)
+    if not 0 <= shared < min(len(p) for p in prompts.values()):
+        raise ValueError(f"shared prefix {shared} must be shorter than every prompt")
+    prefix_features = None
+    if shared:
+        if prefix_from is None:
+            prefix_from = slots[0]
+            cache.truncate(prefix_from, 0)
+            head = prompts[prefix_from][:shared]
+            out = model(torch.tensor([head], device=dev), torch.arange(shared, device=dev)[None], cache,
+                        slots=[prefix_from], hidden_layers=hidden_layers, last_only=True)  # fmt: skip
+            if hidden_layers:
+                prefix_features = torch.cat(out.hidden, -1)[0]
+        for s in slots:
+            if s == prefix_from:
+                cache.truncate(s, shared)
+            else:
+                cache.copy_prefix(prefix_from, [s], shared)
+    else:
+        for s in slots:
+            cache.truncate(s, 0)
+    suffixes = [prompts[s][shared:] for s in slots]
+    t = max(map(len, suffixes))
+    ids = torch.tensor([x + [0] * (t - len(x)) for x in suffixes], device=dev)
+    positions = torch.arange(shared, shared + t, device=dev).expand(len(slots), t)
+    last = torch.tensor([len(x) - 1 for x in suffixes], device=dev)
+    out = model(ids, positions, cache, slots=slots, hidden_layers=hidden_layers, logits_at=last)
+    for s, x in zip(slots, suffixes):
+        cache.truncate(s, shared + len(x))
+    return Prefilled(
+        slots,
+        [len(prompts[s]) for s in slots],
+        out.logits[:, 0],
+        torch.cat(out.hidden, -1) if hidden_layers else None,
+        prefix_features,
+    )
 
 
 class PlainDecoder:
-    """One token per sequence per forward; sequence i lives in cache slot i; all running sequences
-    share each forward."""
+    """One token per sequence per forward; all running sequences share each forward."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, sampler: Sampler):
         self.model, self.cache, self.sampler = model, cache, sampler
-        self.last: dict[int, int] = {}  # running sequence -> the token fed to its next step
+        self.last: dict[int, int] = {}  # running slot -> the token fed to its next step
 
-    def prefill(self, prompts: list[list[int]]) -> dict[int, list[int]]:
-        dev = self.model.device
-        for seq, ids in enumerate(prompts):  # prompts differ in length: one forward each
-            self.cache.truncate(seq, 0)
-            out = self.model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None],
-                             self.cache, slots=[seq], last_only=True)  # fmt: skip
-            self.last[seq] = int(self.sampler(out.logits[:, -1])[0])
-        return {seq: [tok] for seq, tok in self.last.items()}
+    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, list[int]]:
+        pre = prefill_prompts(self.model, self.cache, prompts, shared, prefix_from)
+        first = dict(zip(pre.slots, self.sampler(pre.last_logits).tolist()))
+        self.last.update(first)
+        return {slot: [tok] for slot, tok in first.items()}
 
     def step(self) -> dict[int, list[int]]:
         seqs = list(self.last)
+        if not seqs:  # every running sequence ended this round; new ones are still to prefill
+            return {}
         dev = self.model.device
         ids = torch.tensor([[self.last[s]] for s in seqs], device=dev)
         positions = torch.tensor([[self.cache.lengths[s]] for s in seqs], device=dev)
@@ -194,34 +252,48 @@ class Generator:
         return EagleDecoder(self.model, self.draft, self.cache, sampler, self.tree, draft_cache=self.draft_cache)
 
     def stream_many(
-        self, prompts: list, params: SamplingParams | None = None, decoder: Decoder | None = None
+        self,
+        prompts: list,
+        params: SamplingParams | None = None,
+        decoder: Decoder | None = None,
+        shared: int = 0,
+        max_parallel: int | None = None,
     ) -> Iterator[tuple[int, Delta]]:
-        """The generation loop: all prompts decoded together. Yields (sequence index, Delta); each
-        sequence's last delta has finish_reason set."""
+        """The generation loop: prompts decoded together, at most `max_parallel` (default: every
+        cache slot) at once; a waiting prompt takes the slot of the first to finish. Yields
+        (prompt index, Delta); each prompt's last delta has finish_reason set. `shared`: the
+        prompts' common prefix length (computed once, see prefill_prompts)."""
         params = params or SamplingParams()
         prompt_ids = [self.prompt_ids(p) for p in prompts]
-        if len(prompt_ids) > self.cache.num_slots:
-            raise SpecSotError(
-                f"{len(prompt_ids)} sequences at once need as many cache slots; this generator has "
-                f"{self.cache.num_slots}: create it with num_slots={len(prompt_ids)}"
-            )
+        width = min(max_parallel or self.cache.num_slots, self.cache.num_slots, len(prompt_ids))
+        if max_parallel is not None and max_parallel < 1:
+            raise SpecSotError(f"max_parallel must be at least 1, got {max_parallel}")
         decoder = decoder or self.new_decoder(params)
+        waiting = list(range(width, len(prompt_ids)))
+        at_slot = dict(enumerate(range(width)))  # slot -> prompt index
         outputs = {seq: _Output(self.tokenizer, params, self.eos_ids) for seq in range(len(prompt_ids))}
         # Grad mode is per thread and astream() may run each step in a different worker thread,
         # so inference mode is entered around each model call rather than around the loop.
         with torch.inference_mode():
-            new = decoder.prefill(prompt_ids)
+            new = decoder.prefill({slot: prompt_ids[seq] for slot, seq in at_slot.items()}, shared)
         while True:
-            for seq, tokens in new.items():
+            admitted = {}
+            for slot, tokens in new.items():
+                seq = at_slot[slot]
                 delta = outputs[seq].take(tokens)
                 if delta.finish_reason:
                     del outputs[seq]
-                    decoder.drop(seq)
+                    decoder.drop(slot)
+                    if waiting:  # the freed slot still holds the shared prefix
+                        at_slot[slot] = waiting.pop(0)
+                        admitted[slot] = prompt_ids[at_slot[slot]]
                 yield seq, delta
             if not outputs:
                 return
             with torch.inference_mode():
                 new = decoder.step()
+                for slot, ids in admitted.items():
+                    new.update(decoder.prefill({slot: ids}, shared, prefix_from=slot if shared else None))
 
     def stream(self, prompt, params: SamplingParams | None = None, decoder: Decoder | None = None) -> Iterator[Delta]:
         """One prompt through the loop. Yields Deltas; the last one has finish_reason set."""
@@ -245,6 +317,8 @@ class Generator:
         params: SamplingParams | None = None,
         on_delta: Callable[[int, Delta], None] | None = None,
         decoder: Decoder | None = None,
+        shared: int = 0,
+        max_parallel: int | None = None,
     ) -> list[Completion]:
         """Several prompts decoded together (one batched forward per step); completions in order."""
         start = time.perf_counter()
@@ -253,7 +327,7 @@ class Generator:
         n = len(prompts)
         texts, ids = [[] for _ in range(n)], [[] for _ in range(n)]
         steps, first, last, finish = [-1] * n, [0.0] * n, [0.0] * n, ["length"] * n
-        for seq, delta in self.stream_many(prompt_ids, params, decoder):
+        for seq, delta in self.stream_many(prompt_ids, params, decoder, shared, max_parallel):
             last[seq] = time.perf_counter()
             first[seq] = first[seq] or last[seq]
             steps[seq] += 1

@@ -151,6 +151,7 @@ class LlamaModel(nn.Module):
         mask: torch.Tensor | None = None,
         hidden_layers: Sequence[int] = (),
         last_only: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run the decoder over new tokens and append their keys/values to the cache.
 
@@ -163,7 +164,9 @@ class LlamaModel(nn.Module):
         hidden_layers: indices of hidden states to return, counted as transformers counts
             `output_hidden_states` (0 = embeddings, i = output of layer i, num_layers = after the
             final norm).
-        last_only: compute logits for the last position of each row only.
+        last_only: compute logits for the last position of each row only (hidden states are
+            still returned for every position).
+        logits_at: [B] one position per row whose logits to compute (rows of different lengths).
         """
         b, t = input_ids.shape
         slots = list(range(b)) if slots is None else list(slots)
@@ -187,6 +190,8 @@ class LlamaModel(nn.Module):
             saved[self.cfg.num_layers] = x
         if last_only:
             x = x[:, -1:]
+        elif logits_at is not None:
+            x = x[torch.arange(b, device=x.device), logits_at][:, None]
         return ForwardOutput(self.lm_head(x), [saved[i] for i in hidden_layers])
 
 

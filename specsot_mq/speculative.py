@@ -30,6 +30,7 @@ import torch
 
 from specsot_mq.draft import DraftHead
 from specsot_mq.errors import SpecSotError
+from specsot_mq.generate import prefill_prompts
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.model import LlamaModel
 from specsot_mq.sampling import Sampler
@@ -116,7 +117,8 @@ class EagleDecoder:
         # Tree entries and padded extends go past the base length; give the draft cache room for them.
         room = (self.tree.depth + 1) * (self.tree.topk + 1)
         self.draft_cache = draft_cache or head.new_cache(cache.num_slots, cache.capacity + room)
-        self.state: dict[int, DraftState] = {}  # running sequence -> its draft state
+        self.state: dict[int, DraftState] = {}  # running slot -> its draft state
+        self.prefix_feature: torch.Tensor | None = None  # F at the last shared-prefix position
         self.stats = SpecStats(accepted_at_depth=[0] * self.tree.depth)
 
     @property
@@ -125,25 +127,47 @@ class EagleDecoder:
 
     # -- the Decoder protocol ------------------------------------------------------------------
 
-    def prefill(self, prompts: list[list[int]]) -> dict[int, list[int]]:
+    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, list[int]]:
+        """Base pass over the prompts (shared prefix once, see prefill_prompts), then the draft's:
+        draft position i reads (x_{i+1}, F_i), so the shared part of the draft cache is positions
+        0..shared-2 and each prompt's own part starts at shared-1, with the prefix's last feature."""
         dev = self.model.device
-        for seq, ids in enumerate(prompts):  # prompts differ in length: one forward each
-            n = len(ids)
-            self.cache.truncate(seq, 0)
-            self.draft_cache.truncate(seq, 0)
-            out = self.model(torch.tensor([ids], device=dev), torch.arange(n, device=dev)[None], self.cache,
-                             slots=[seq], hidden_layers=self.layers, last_only=True)  # fmt: skip
-            root = int(self.sampler(out.logits[:, -1])[0])
-            tokens = torch.tensor([ids[1:] + [root]], device=dev)
-            start = time.perf_counter()
-            hidden, logits = self.head(tokens, torch.cat(out.hidden, -1), torch.arange(n, device=dev)[None],
-                                       self.draft_cache, slots=[seq])  # fmt: skip
-            self.stats.draft_seconds += time.perf_counter() - start
-            self.state[seq] = DraftState(root, logits[0, -1], hidden[0, -1])
-        return {seq: [s.root] for seq, s in self.state.items()}
+        pre = prefill_prompts(self.model, self.cache, prompts, shared, prefix_from, self.layers)
+        roots = self.sampler(pre.last_logits).tolist()
+        start = time.perf_counter()
+        d0 = max(shared - 1, 0)  # first draft position that differs between the prompts
+        if pre.prefix_features is not None:
+            first = pre.slots[0]
+            self.draft_cache.truncate(first, 0)
+            prefix = prompts[first]
+            if d0:
+                self.head(torch.tensor([prefix[1:shared]], device=dev), pre.prefix_features[None, :d0],
+                          torch.arange(d0, device=dev)[None], self.draft_cache, slots=[first])  # fmt: skip
+            self.prefix_feature = pre.prefix_features[shared - 1]
+            prefix_from = first
+        for slot in pre.slots:
+            if shared and slot != prefix_from:
+                self.draft_cache.copy_prefix(prefix_from, [slot], d0)
+            else:
+                self.draft_cache.truncate(slot, d0)
+        # Each prompt's own draft entries: tokens x_{d0+1}..x_n (x_n = its root), features F_{d0}..F_{n-1}.
+        tokens = [prompts[slot][d0 + 1 :] + [root] for slot, root in zip(pre.slots, roots)]
+        t = max(map(len, tokens))
+        feats = pre.features if not shared else torch.cat([self.prefix_feature.expand(len(tokens), 1, -1), pre.features], 1)
+        feats = torch.nn.functional.pad(feats, (0, 0, 0, max(0, t - feats.shape[1])))[:, :t]
+        ids = torch.tensor([x + [0] * (t - len(x)) for x in tokens], device=dev)
+        positions = torch.arange(d0, d0 + t, device=dev).expand(len(tokens), t)
+        hidden, logits = self.head(ids, feats, positions, self.draft_cache, slots=pre.slots)
+        for row, (slot, root, x) in enumerate(zip(pre.slots, roots, tokens)):
+            self.draft_cache.truncate(slot, d0 + len(x))
+            self.state[slot] = DraftState(root, logits[row, len(x) - 1], hidden[row, len(x) - 1])
+        self.stats.draft_seconds += time.perf_counter() - start
+        return {slot: [root] for slot, root in zip(pre.slots, roots)}
 
     def step(self) -> dict[int, list[int]]:
         seqs = list(self.state)
+        if not seqs:  # every running sequence ended this round; new ones are still to prefill
+            return {}
         start = time.perf_counter()
         trees = self.draft(seqs)
         mid = time.perf_counter()

@@ -179,6 +179,20 @@ def test_sequences_finish_independently():
     assert both[1].token_ids == expected
 
 
-def test_more_sequences_than_slots_is_a_clear_error(gen):
-    with pytest.raises(SpecSotError, match="num_slots=2"):
-        gen.generate_many([[1], [2]])
+def test_more_prompts_than_slots_wait_for_a_free_slot():
+    """With max_parallel 2, the third and fourth prompts join as others finish; every output
+    equals that prompt decoded alone."""
+    g = Generator(ours_from_hf(tiny_hf("llama")), CharTokenizer(), max_len=64, num_slots=2)
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20]]
+    done = g.generate_many(prompts, SamplingParams(max_tokens=6, ignore_eos=True), max_parallel=2)
+    for prompt, d in zip(prompts, done):
+        assert d.token_ids == greedy_reference(g, prompt, 6)
+
+
+def test_shared_prefix_is_computed_once_and_gives_the_same_tokens():
+    g = Generator(ours_from_hf(tiny_hf("qwen3")), CharTokenizer(), max_len=64, num_slots=2)
+    prefix = [3, 1, 4, 1, 5, 9, 2, 6]
+    prompts = [prefix + [7], prefix + [8, 9, 10], prefix + [11, 12]]  # three prompts, two slots
+    together = g.generate_many(prompts, SamplingParams(max_tokens=6, ignore_eos=True), shared=len(prefix))
+    for prompt, d in zip(prompts, together):
+        assert d.token_ids == greedy_reference(g, prompt, 6)

@@ -118,7 +118,7 @@ def test_accepted_path_is_compacted_in_place(base):
     cache = base.new_cache(1, 64)
     decoder = EagleDecoder(base, OracleHead(base), cache, Sampler(GREEDY))
     with torch.inference_mode():
-        first = decoder.prefill([prompt])[0]
+        first = decoder.prefill({0: prompt})[0]
         new = decoder.step()[0]
     assert len(new) > 2  # several drafted tokens accepted, plus the bonus
     kept = prompt + first + new[:-1]  # the bonus is the next root: not in the cache yet
@@ -136,7 +136,7 @@ def test_draft_cache_after_steps_equals_one_fresh_draft_pass(base):
     head = random_head(base, seed=3)
     decoder = EagleDecoder(base, head, base.new_cache(1, 64), Sampler(GREEDY))
     with torch.inference_mode():
-        ids = prompt + decoder.prefill([prompt])[0]
+        ids = prompt + decoder.prefill({0: prompt})[0]
         for _ in range(4):
             ids += decoder.step()[0]
         n = len(ids) - 1  # the last token is the root: in neither cache
@@ -219,3 +219,34 @@ def test_impossible_tree_params_are_one_clear_error(kwargs, flag):
 def test_default_tree_fits_a_cheap_cpu_verify():
     tree = TreeParams()
     assert tree.num_draft_tokens + 1 <= 16 and tree.num_draft_tokens <= tree.max_nodes
+
+
+def test_shared_prefix_prefill_fills_both_caches_as_separate_prefills_do(base):
+    """Prompts sharing a prefix: the prefix is computed once and copied, yet both caches (and the
+    first draft distributions) equal those of prefilling each prompt on its own."""
+    head = random_head(base)
+    prefix = [BOS, 3, 1, 4, 1, 5]
+    prompts = {0: prefix + [9, 2], 1: prefix + [6], 2: prefix + [5, 3, 5]}
+    shared = EagleDecoder(base, head, base.new_cache(3, 32), Sampler(GREEDY))
+    alone = EagleDecoder(base, head, base.new_cache(3, 32), Sampler(GREEDY))
+    with torch.inference_mode():
+        roots = shared.prefill(prompts, shared=len(prefix))
+        want = {s: alone.prefill({s: p})[s] for s, p in prompts.items()}
+    assert roots == want
+    for s, p in prompts.items():
+        n = len(p)
+        assert shared.cache.lengths[s] == n and shared.draft_cache.lengths[s] == n
+        for a, b in ((shared.cache, alone.cache), (shared.draft_cache, alone.draft_cache)):
+            torch.testing.assert_close(a.k[:, s, :, :n], b.k[:, s, :, :n], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(a.v[:, s, :, :n], b.v[:, s, :, :n], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(shared.state[s].logits, alone.state[s].logits, atol=1e-4, rtol=1e-4)
+
+
+def test_shared_prefix_and_admission_with_eagle_equal_plain_decoding(base):
+    prefix = [BOS, 7, 7, 8]
+    prompts = [prefix + [1], prefix + [2, 3], prefix + [4, 5, 6], prefix + [9]]
+    gen = Generator(base, CharTokenizer(), max_len=64, num_slots=2)
+    plain = [gen.generate(p, GREEDY).token_ids for p in prompts]
+    decoder = EagleDecoder(base, random_head(base), gen.cache, Sampler(GREEDY))
+    spec = gen.generate_many(prompts, GREEDY, decoder=decoder, shared=len(prefix), max_parallel=2)
+    assert [c.token_ids for c in spec] == plain
