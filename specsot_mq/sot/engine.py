@@ -1,0 +1,233 @@
+"""The in-process Skeleton-of-Thought engine: skeleton, parse, schedule, branches decoded together,
+merge; every phase through the one generation loop (so with EAGLE when the generator has a head).
+
+    engine = SoTEngine(load_generator(num_slots=8))
+    for event in engine.stream("How do I start running?"):
+        ...  # SkeletonDelta, PointDelta, PointDone, AnswerDelta, Final
+
+The branch prompts share one prefix (instructions, question, skeleton) and differ only in a short
+suffix (the point's number and title), so the prefix is computed once per question and copied into
+every branch's cache slot; all points then decode in one batched forward per step, and with more
+points than `max_parallel` a waiting point takes the slot of the first to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+from specsot_mq.errors import SpecSotError
+from specsot_mq.generate import Delta, Generator
+from specsot_mq.prompts import load_format
+from specsot_mq.sampling import SamplingParams
+from specsot_mq.sot.parser import Plan, parse_skeleton
+from specsot_mq.sot.router import route
+from specsot_mq.sot.scheduler import DeviceProfile, schedule
+from specsot_mq.tokenizer import chat_prompt_ids
+
+
+@dataclass(slots=True)
+class SkeletonDelta:
+    """New skeleton text (the first one starts with the prefilled '1.')."""
+
+    text: str
+
+
+@dataclass(slots=True)
+class PointDelta:
+    """New text of one point's expansion."""
+
+    index: int  # the point's number in the plan (1-based)
+    text: str
+
+
+@dataclass(slots=True)
+class PointDone:
+    """A point finished."""
+
+    index: int
+    text: str  # its whole expansion
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class AnswerDelta:
+    """New text of a direct (not planned) answer."""
+
+    text: str
+
+
+@dataclass(slots=True)
+class PhaseStats:
+    """One phase's work."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    tau: float | None = None  # mean tokens per verify step, when decoded with EAGLE
+
+
+@dataclass(slots=True)
+class Final:
+    """The finished answer, last event of a stream."""
+
+    answer: str
+    mode: str  # "sot" or "direct"
+    reason: str  # why this mode (router or parser verdict)
+    skeleton: str  # the raw skeleton text ('' when direct)
+    skeleton_ids: list[int] = field(default_factory=list)  # its tokens, as decoded
+    points: list[tuple[int, str, str]] = field(default_factory=list)  # (index, title, expansion)
+    phases: dict[str, PhaseStats] = field(default_factory=dict)  # "skeleton", "points", "direct"
+    seconds: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.tokens for p in self.phases.values())
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> str:
+        taus = [f"{name} {p.tau:.2f}" for name, p in self.phases.items() if p.tau is not None]
+        return (
+            f"mode {self.mode} · {len(self.points)} points · {self.tokens} tokens · {self.seconds:.2f} s · "
+            f"{self.tokens_per_second:.1f} tok/s" + (f" · tau {', '.join(taus)}" if taus else "")
+        )
+
+
+Event = SkeletonDelta | PointDelta | PointDone | AnswerDelta | Final
+
+
+@dataclass(slots=True)
+class SoTConfig:
+    """How the engine splits and bounds an answer."""
+
+    sot: str = "auto"  # auto | always | never (see sot/router.py)
+    prompt_format: str = "sot"
+    max_points: int = 8
+    max_parallel: int = 8  # points decoding at once (cache slots)
+    skeleton_tokens: int = 128
+    point_tokens: int = 160
+
+
+class SoTEngine:
+    """Skeleton-of-Thought over one Generator (its cache needs max_parallel slots)."""
+
+    def __init__(self, gen: Generator, config: SoTConfig | None = None, device: DeviceProfile | None = None):
+        self.gen = gen
+        self.config = config or SoTConfig()
+        if self.config.max_parallel > gen.cache.num_slots:
+            raise SpecSotError(
+                f"max_parallel {self.config.max_parallel} needs as many cache slots; the generator has "
+                f"{gen.cache.num_slots}: load it with num_slots={self.config.max_parallel}"
+            )
+        self.format = load_format(self.config.prompt_format)
+        self.device = device or DeviceProfile("local", 1.0, 1.0, 1.0, self.config.max_parallel)
+
+    def stream(self, question: str, params: SamplingParams | None = None) -> Iterator[Event]:
+        """Answer one question, yielding events as the skeleton and the points grow."""
+        params = params or SamplingParams()
+        start = time.perf_counter()
+        decision = route(question, self.config.sot)
+        if not decision.use_sot:
+            yield from self._direct(question, params, decision.reason, start, {})
+            return
+        phases: dict[str, PhaseStats] = {}
+        skeleton = self.format.skeleton_prefix
+        yield SkeletonDelta(skeleton)
+        sk_params = _bounded(params, self.config.skeleton_tokens, stop=(f"\n{self.config.max_points + 1}.",))
+        sk_ids = []
+        for _, delta in self._run("skeleton", [self.format.skeleton_ids(self.gen.tokenizer, question)], sk_params, phases):
+            skeleton += delta.text
+            sk_ids += delta.token_ids
+            yield SkeletonDelta(delta.text)
+        plan = parse_skeleton(skeleton, self.config.max_points)
+        if plan.kind != "plan":
+            yield from self._direct(question, params, f"skeleton not usable: {plan.reason}", start, phases)
+            return
+        yield from self._points(question, skeleton, sk_ids, plan, params, phases, start)
+
+    def _points(self, question, skeleton, sk_ids, plan: Plan, params, phases, start) -> Iterator[Event]:
+        prefix, suffixes = self.point_prompts(question, plan)
+        # Longest predicted first, so the long points start early (LPT over the one local device).
+        order = schedule(plan.points, [self.device])[0].point_indices
+        points = [next(p for p in plan.points if p.index == i) for i in order]
+        prompts = [prefix + suffixes[p.index] for p in points]
+        texts = {p.index: "" for p in points}
+        ids = {p.index: [] for p in points}
+        pt_params = _bounded(params, self.config.point_tokens, stop=params.stop)
+        for seq, delta in self._run("points", prompts, pt_params, phases, shared=len(prefix)):
+            index = points[seq].index
+            texts[index] += delta.text
+            ids[index] += delta.token_ids
+            if delta.text:
+                yield PointDelta(index, delta.text)
+            if delta.finish_reason:
+                yield PointDone(index, texts[index], ids[index])
+        answer = "\n".join(f"{p.index}. {p.title}{texts[p.index]}" for p in plan.points)
+        expansions = [(p.index, p.title, texts[p.index]) for p in plan.points]
+        yield Final(answer, "sot", plan.reason or "planned", skeleton, sk_ids, expansions, phases,
+                    time.perf_counter() - start)  # fmt: skip
+
+    def expand(self, question: str, plan: Plan, params: SamplingParams | None = None) -> Iterator[Event]:
+        """Only the branch phase: expand a given plan's points (all together), then merge."""
+        yield from self._points(question, "", [], plan, params or SamplingParams(), {}, time.perf_counter())
+
+    def point_prompts(self, question: str, plan: Plan) -> tuple[list[int], dict[int, list[int]]]:
+        """The shared prefix (instructions, question, the plan as a clean list) and each point's
+        suffix (its number and title); a point's full prompt is prefix + suffix."""
+        tok = self.gen.tokenizer
+        outline = "\n".join(f"{p.index}. {p.title}" for p in plan.points)
+        prefix = chat_prompt_ids(tok, self.format.point_user.format(question=question, skeleton=outline))
+        suffixes = {
+            p.index: tok.encode(self.format.point_prefix.format(index=p.index, title=p.title), add_special_tokens=False)
+            for p in plan.points
+        }
+        return prefix, suffixes
+
+    def _direct(self, question, params, reason, start, phases) -> Iterator[Event]:
+        text = ""
+        for _, delta in self._run("direct", [chat_prompt_ids(self.gen.tokenizer, question)], params, phases):
+            text += delta.text
+            if delta.text:
+                yield AnswerDelta(delta.text)
+        yield Final(text, "direct", reason, "", [], [], phases, time.perf_counter() - start)
+
+    def _run(self, phase: str, prompts, params, phases, shared: int = 0) -> Iterator[tuple[int, Delta]]:
+        """One phase through the generation loop, counting its tokens, time and tau."""
+        stats = phases.setdefault(phase, PhaseStats())
+        decoder = self.gen.new_decoder(params)
+        began = time.perf_counter()
+        for seq, delta in self.gen.stream_many(prompts, params, decoder, shared, self.config.max_parallel):
+            stats.tokens += len(delta.token_ids)
+            yield seq, delta
+        stats.seconds += time.perf_counter() - began
+        spec = getattr(decoder, "stats", None)
+        stats.tau = spec.tau if spec is not None and spec.steps else None
+
+    def generate(self, question: str, params: SamplingParams | None = None,
+                 on_event: Callable[[Event], None] | None = None) -> Final:  # fmt: skip
+        """Run to the end, calling on_event for every event; return the Final one."""
+        final = None
+        for event in self.stream(question, params):
+            if on_event is not None:
+                on_event(event)
+            if isinstance(event, Final):
+                final = event
+        return final
+
+    async def astream(self, question: str, params: SamplingParams | None = None) -> AsyncIterator[Event]:
+        """The same stream as an async generator; model steps run in a worker thread."""
+        it = self.stream(question, params)
+        loop = asyncio.get_running_loop()
+        done = object()
+        while (event := await loop.run_in_executor(None, next, it, done)) is not done:
+            yield event
+
+
+def _bounded(params: SamplingParams, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:
+    """The request's sampling settings with a phase's own length cap and stop strings."""
+    return SamplingParams(min(max_tokens, params.max_tokens), params.temperature, params.top_k, params.top_p,
+                          params.seed, tuple(stop), params.ignore_eos)  # fmt: skip

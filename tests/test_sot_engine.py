@@ -1,0 +1,84 @@
+"""The Skeleton-of-Thought engine: every phase is lossless against plain greedy decoding of that
+phase's own prompt, points decoded together equal each alone, and routing picks the direct way."""
+
+import pytest
+import torch
+
+from conftest import ours_from_hf, tiny_hf
+from specsot_mq.generate import Generator
+from specsot_mq.sampling import SamplingParams
+from specsot_mq.sot.engine import Final, PointDone, SkeletonDelta, SoTConfig, SoTEngine
+from specsot_mq.sot.parser import Plan, Point, parse_skeleton
+from specsot_mq.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.slow  # the real tokenizer comes with the default model
+PLAN = Plan("plan", [Point(1, "Warm up"), Point(2, "Pick shoes", 80), Point(3, "Start slowly"),
+                     Point(4, "Track progress", 20), Point(5, "Rest well")])  # fmt: skip
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(default_model_dir):
+    """A tiny random model over the real tokenizer: fast, and exact in fp32."""
+    tok = load_tokenizer(default_model_dir)
+    model = ours_from_hf(tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=1024))
+    return Generator(model, tok, max_len=512, num_slots=5)
+
+
+def expand(gen, max_parallel):
+    engine = SoTEngine(gen, SoTConfig(max_parallel=max_parallel, point_tokens=12))
+    events = list(engine.expand("How do I start running?", PLAN, PARAMS))
+    return engine, {e.index: e.token_ids for e in events if isinstance(e, PointDone)}, events[-1]
+
+
+def test_points_decoded_together_equal_each_prompt_decoded_alone(tiny):
+    engine, got, final = expand(tiny, max_parallel=5)
+    prefix, suffixes = engine.point_prompts("How do I start running?", PLAN)
+    for index, suffix in suffixes.items():
+        alone = tiny.generate(prefix + suffix, PARAMS).token_ids
+        assert got[index] == alone, index
+    assert [i for i, _, _ in final.points] == [1, 2, 3, 4, 5]  # merged in plan order
+    assert final.answer.startswith("1. Warm up") and "\n5. Rest well" in final.answer
+
+
+def test_two_at_a_time_equals_all_at_once(tiny):
+    assert expand(tiny, max_parallel=2)[1] == expand(tiny, max_parallel=5)[1]
+
+
+def test_questions_that_do_not_decompose_go_direct(tiny):
+    engine = SoTEngine(tiny, SoTConfig(max_parallel=5))
+    final = engine.generate("What is 17 * 23?", PARAMS)
+    assert isinstance(final, Final) and final.mode == "direct" and not final.points
+    assert final.answer == tiny.generate("What is 17 * 23?", PARAMS).text
+
+
+def test_real_model_phases_equal_plain_greedy(default_model_dir):
+    """The default model with the shipped head, fp32: the skeleton equals plain greedy decoding of
+    the skeleton prompt, and every point equals plain greedy decoding of its full prompt."""
+    from specsot_mq.loader import load_generator
+
+    gen = load_generator(dtype="fp32", num_slots=8, max_len=1024)
+    plain = Generator(gen.model, gen.tokenizer, max_len=1024)
+    engine = SoTEngine(gen, SoTConfig(sot="always", point_tokens=48))
+    params = SamplingParams(max_tokens=128)
+    planned = 0
+    for question in [
+        "What are some tips for staying productive when working from home?",
+        "How can I improve my sleep?",
+        "Describe the benefits of learning a second language.",
+    ]:
+        events = list(engine.stream(question, params))
+        final = events[-1]
+        sk_prompt = engine.format.skeleton_ids(gen.tokenizer, question)
+        sk_params = SamplingParams(max_tokens=128, stop=("\n9.",))
+        assert final.skeleton_ids == plain.generate(sk_prompt, sk_params).token_ids
+        assert "".join(e.text for e in events if isinstance(e, SkeletonDelta)) == final.skeleton
+        if final.mode != "sot":
+            continue
+        planned += 1
+        prefix, suffixes = engine.point_prompts(question, parse_skeleton(final.skeleton, 8))
+        done = {e.index: e.token_ids for e in events if isinstance(e, PointDone)}
+        pt_params = SamplingParams(max_tokens=48)
+        for index, suffix in suffixes.items():
+            assert done[index] == plain.generate(prefix + suffix, pt_params).token_ids, (question, index)
+    assert planned >= 2
