@@ -67,10 +67,15 @@ def ask(
     num_draft_tokens: NumDraftOpt = None,
     draft_depth: DepthOpt = None,
     draft_topk: TopkOpt = None,
+    sot: Annotated[str, typer.Option(help="Plan and expand in parallel: auto, always or never.")] = "auto",
+    max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8,
+    max_parallel: Annotated[int, typer.Option(help="Points decoded at once (cache slots).")] = 8,
 ):
-    """Answer one question, streaming the answer as it is decoded."""
+    """Answer one question: a streamed skeleton, then every point expanded in parallel."""
+    from specsot_mq.cli.display import AnswerView
     from specsot_mq.loader import load_generator
     from specsot_mq.sampling import SamplingParams
+    from specsot_mq.sot.engine import SoTConfig, SoTEngine
 
     if question == "-":
         question = sys.stdin.read()
@@ -78,21 +83,12 @@ def ask(
     if not question:
         raise SpecSotError("the question is empty: pass it as an argument or on stdin with '-'")
     params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop or ()))
+    config = SoTConfig(sot=sot, max_points=max_points, max_parallel=max_parallel)
     tree = tree_params(num_draft_tokens, draft_depth, draft_topk)
-    gen = load_generator(model, dtype=dtype, device=device, max_len=max_len, draft=draft, tree=tree)
-
-    def show(delta):
-        sys.stdout.write(delta.text)
-        sys.stdout.flush()
-
-    done = gen.generate(question, params, on_delta=show)
-    sys.stdout.write("\n")
-    mode = "plain" if done.tau is None else f"eagle · tau {done.tau:.2f}"
-    err.print(
-        f"[dim]mode {mode} · {len(done.token_ids)} tokens · {done.seconds:.2f} s · "
-        f"{done.tokens_per_second:.1f} tok/s decode · prefill {done.prompt_tokens} tokens "
-        f"in {done.prefill_seconds:.2f} s · {done.finish_reason}[/]"
-    )
+    gen = load_generator(model, dtype=dtype, device=device, max_len=max_len, num_slots=max_parallel,
+                         draft=draft, tree=tree)  # fmt: skip
+    engine = SoTEngine(gen, config)
+    engine.generate(question, params, on_event=AnswerView(Console(highlight=False, soft_wrap=True), err))
 
 
 @app.command("train-draft")

@@ -35,7 +35,7 @@ def test_points_decoded_together_equal_each_prompt_decoded_alone(tiny):
     engine, got, final = expand(tiny, max_parallel=5)
     prefix, suffixes = engine.point_prompts("How do I start running?", PLAN)
     for index, suffix in suffixes.items():
-        alone = tiny.generate(prefix + suffix, PARAMS).token_ids
+        alone = tiny.generate(prefix + suffix, engine.point_params(PARAMS)).token_ids
         assert got[index] == alone, index
     assert [i for i, _, _ in final.points] == [1, 2, 3, 4, 5]  # merged in plan order
     assert final.answer.startswith("1. Warm up") and "\n5. Rest well" in final.answer
@@ -70,15 +70,14 @@ def test_real_model_phases_equal_plain_greedy(default_model_dir):
         events = list(engine.stream(question, params))
         final = events[-1]
         sk_prompt = engine.format.skeleton_ids(gen.tokenizer, question)
-        sk_params = SamplingParams(max_tokens=128, stop=("\n9.",))
-        assert final.skeleton_ids == plain.generate(sk_prompt, sk_params).token_ids
+        assert final.skeleton_ids == plain.generate(sk_prompt, engine.skeleton_params(params)).token_ids
         assert "".join(e.text for e in events if isinstance(e, SkeletonDelta)) == final.skeleton
         if final.mode != "sot":
             continue
         planned += 1
         prefix, suffixes = engine.point_prompts(question, parse_skeleton(final.skeleton, 8))
         done = {e.index: e.token_ids for e in events if isinstance(e, PointDone)}
-        pt_params = SamplingParams(max_tokens=48)
         for index, suffix in suffixes.items():
-            assert done[index] == plain.generate(prefix + suffix, pt_params).token_ids, (question, index)
+            want = plain.generate(prefix + suffix, engine.point_params(params)).token_ids
+            assert done[index] == want, (question, index)
     assert planned >= 2

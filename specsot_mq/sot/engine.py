@@ -23,7 +23,7 @@ from specsot_mq.generate import Delta, Generator
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.parser import Plan, parse_skeleton
-from specsot_mq.sot.router import route
+from specsot_mq.sot.router import MODES, route
 from specsot_mq.sot.scheduler import DeviceProfile, schedule
 from specsot_mq.tokenizer import chat_prompt_ids
 
@@ -111,6 +111,13 @@ class SoTConfig:
     skeleton_tokens: int = 128
     point_tokens: int = 160
 
+    def __post_init__(self):
+        if self.sot not in MODES:
+            raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got '{self.sot}'")
+        for flag, value, low in (("--max-points", self.max_points, 2), ("--max-parallel", self.max_parallel, 1)):
+            if value < low:
+                raise SpecSotError(f"{flag} must be at least {low}, got {value}")
+
 
 class SoTEngine:
     """Skeleton-of-Thought over one Generator (its cache needs max_parallel slots)."""
@@ -137,7 +144,7 @@ class SoTEngine:
         phases: dict[str, PhaseStats] = {}
         skeleton = self.format.skeleton_prefix
         yield SkeletonDelta(skeleton)
-        sk_params = _bounded(params, self.config.skeleton_tokens, stop=(f"\n{self.config.max_points + 1}.",))
+        sk_params = self.skeleton_params(params)
         sk_ids = []
         for _, delta in self._run("skeleton", [self.format.skeleton_ids(self.gen.tokenizer, question)], sk_params, phases):
             skeleton += delta.text
@@ -157,7 +164,7 @@ class SoTEngine:
         prompts = [prefix + suffixes[p.index] for p in points]
         texts = {p.index: "" for p in points}
         ids = {p.index: [] for p in points}
-        pt_params = _bounded(params, self.config.point_tokens, stop=params.stop)
+        pt_params = self.point_params(params)
         for seq, delta in self._run("points", prompts, pt_params, phases, shared=len(prefix)):
             index = points[seq].index
             texts[index] += delta.text
@@ -174,6 +181,16 @@ class SoTEngine:
     def expand(self, question: str, plan: Plan, params: SamplingParams | None = None) -> Iterator[Event]:
         """Only the branch phase: expand a given plan's points (all together), then merge."""
         yield from self._points(question, "", [], plan, params or SamplingParams(), {}, time.perf_counter())
+
+    def skeleton_params(self, params: SamplingParams) -> SamplingParams:
+        """The skeleton phase's settings: its own length cap, and a stop past the point cap."""
+        return _bounded(params, self.config.skeleton_tokens, (f"\n{self.config.max_points + 1}.",))
+
+    def point_params(self, params: SamplingParams) -> SamplingParams:
+        """A point's settings: its own length cap, and a stop where a numbered line (another
+        point) would begin."""
+        stops = tuple(f"\n{i}." for i in range(1, self.config.max_points + 2))
+        return _bounded(params, self.config.point_tokens, (*params.stop, *stops))
 
     def point_prompts(self, question: str, plan: Plan) -> tuple[list[int], dict[int, list[int]]]:
         """The shared prefix (instructions, question, the plan as a clean list) and each point's
