@@ -1,0 +1,182 @@
+"""End-to-end answer latency: SpecSoT against transformers `generate`, SoT without a draft head, and
+EAGLE alone, per question, in one run.
+
+For each question (first turns of MT-bench by default, or JSONL with `question`; --limit N):
+  hf      transformers `generate` of the normal answer (chat prompt, greedy, up to --max-tokens)
+  eagle   our EAGLE decode of the normal answer
+  sot     our Skeleton-of-Thought engine without a draft head (plain decoding in every phase)
+  specsot our Skeleton-of-Thought engine with the EAGLE head (the product)
+Each is timed from the question to the complete answer. Prints a table per question, a summary,
+writes a PNG plot (with matplotlib, if installed) and ends with one JSON line holding the medians
+of the speedups over all questions and over those routed to SoT.
+
+    python benchmarks/sot.py [--limit 8] [--max-tokens 256] [--dtype bf16|fp32] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import cpu_name, load_prompts  # noqa: E402  (a sibling script)
+
+from specsot_mq.draft import DraftHead  # noqa: E402
+from specsot_mq.errors import SpecSotError  # noqa: E402
+from specsot_mq.generate import Generator  # noqa: E402
+from specsot_mq.loader import load_model, resolve_draft, resolve_dtype  # noqa: E402
+from specsot_mq.pull import resolve_model  # noqa: E402
+from specsot_mq.sampling import SamplingParams  # noqa: E402
+from specsot_mq.sot.engine import SoTConfig, SoTEngine  # noqa: E402
+from specsot_mq.sot.router import route  # noqa: E402
+from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer  # noqa: E402
+
+ENGINES = ("hf", "eagle", "sot", "specsot")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--draft", default="auto")
+    p.add_argument("--questions", type=Path, default=None)
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--max-parallel", type=int, default=8)
+    p.add_argument("--sot", default="auto", help="routing for the SoT engines: auto, always, never")
+    p.add_argument("--plot", type=Path, default=Path("benchmarks/out/sot.png"))
+    p.add_argument("--json-only", action="store_true")
+    args = p.parse_args(argv)
+    out = Console(quiet=args.json_only, soft_wrap=True)
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    questions, source = load_prompts(args.questions, args.limit)
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    folder = resolve_model(args.model)
+    draft_path = resolve_draft(args.draft, folder)
+    if draft_path is None:
+        raise SpecSotError(f"no draft head for {folder.name}: train one with `specsot train-draft` or pass --draft")
+    tokenizer = load_tokenizer(folder)
+    model = load_model(folder, dtype=dtype)
+    head = DraftHead.load(draft_path, model).prepack()
+    max_len = 2048
+    plain_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel)
+    eagle_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel, draft=head)
+    config = SoTConfig(sot=args.sot, max_parallel=args.max_parallel)
+    sot, specsot = SoTEngine(plain_gen, config), SoTEngine(eagle_gen, config)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder)).to(dtype).eval()
+    params = SamplingParams(max_tokens=args.max_tokens)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def run(engine: str, question: str) -> tuple[float, int, str]:
+        """(seconds to the complete answer, tokens generated, mode)."""
+        start = time.perf_counter()
+        if engine == "hf":
+            ids = torch.tensor([chat_prompt_ids(tokenizer, question)])
+            with torch.inference_mode():
+                res = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens,
+                                  do_sample=False, pad_token_id=pad_id)  # fmt: skip
+            return time.perf_counter() - start, res.shape[1] - ids.shape[1], "direct"
+        if engine == "eagle":
+            done = eagle_gen.generate(question, params)
+            return time.perf_counter() - start, len(done.token_ids), "direct"
+        final = (sot if engine == "sot" else specsot).generate(question, params)
+        return time.perf_counter() - start, final.tokens, final.mode
+
+    out.print(
+        f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | {len(questions)} questions ({source}) "
+        f"| max tokens {args.max_tokens} per phase | draft {draft_path.name} | max parallel {args.max_parallel}"
+    )
+    rows = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True, disable=args.json_only) as bar:  # fmt: skip
+        task = bar.add_task("warm-up", total=1 + len(questions) * len(ENGINES))
+        for engine in ENGINES:
+            run(engine, "Say hello.")
+        bar.advance(task)
+        for i, q in enumerate(questions):
+            row = {"question": q[:60], "routed_sot": route(q, args.sot).use_sot}
+            for engine in ENGINES:
+                bar.update(task, description=f"question {i + 1}: {engine}")
+                row[engine] = run(engine, q)
+                bar.advance(task)
+            rows.append(row)
+
+    table = Table(title="seconds to a complete answer (tokens) and speedup over transformers generate")
+    table.add_column("question")
+    table.add_column("mode")
+    for engine in ENGINES:
+        table.add_column(engine, justify="right")
+    for r in rows:
+        hf_s = r["hf"][0]
+        cells = [f"{r[e][0]:.1f}s ({r[e][1]})" + ("" if e == "hf" else f" {hf_s / r[e][0]:.2f}x") for e in ENGINES]
+        table.add_row(r["question"], r["specsot"][2], *cells)
+    out.print(table)
+
+    def median_speedup(engine: str, subset) -> float | None:
+        values = [r["hf"][0] / r[engine][0] for r in subset]
+        return round(statistics.median(values), 3) if values else None
+
+    planned = [r for r in rows if r["specsot"][2] == "sot"]
+    result = {}
+    for engine in ("specsot", "sot", "eagle"):
+        result[f"{engine}_vs_hf"] = median_speedup(engine, rows)
+        result[f"{engine}_vs_hf_sot_routed"] = median_speedup(engine, planned)
+    result.update(questions=len(rows), sot_routed=len(planned), dtype=args.dtype, max_tokens=args.max_tokens,
+                  threads=torch.get_num_threads(), draft=draft_path.name,
+                  per_question=[{"question": r["question"], "mode": r["specsot"][2],
+                                 **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]} for e in ENGINES}} for r in rows])  # fmt: skip
+    summary = Table(title="median speedup over transformers generate")
+    summary.add_column("engine")
+    summary.add_column("all questions", justify="right")
+    summary.add_column("routed to SoT", justify="right")
+    for engine in ("eagle", "sot", "specsot"):
+        summary.add_row(engine, str(result[f"{engine}_vs_hf"]), str(result[f"{engine}_vs_hf_sot_routed"]))
+    out.print(summary)
+    _plot(rows, args.plot, out)
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def _plot(rows, path: Path, out: Console) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        out.print("[dim]no plot: pip install matplotlib (or the project's [bench] extra)[/]")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
+    width = 0.2
+    for k, engine in enumerate(ENGINES):
+        ax.bar([i + (k - 1.5) * width for i in range(len(rows))], [r[engine][0] for r in rows], width, label=engine)
+    ax.set_xticks(range(len(rows)), [f"Q{i + 1}{'*' if r['specsot'][2] == 'sot' else ''}" for i, r in enumerate(rows)])
+    ax.set_ylabel("seconds to a complete answer")
+    ax.set_title("answer latency per question (* = answered with a plan)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    out.print(f"plot written to {path}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SpecSotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
