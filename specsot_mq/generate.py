@@ -265,10 +265,12 @@ class Generator:
         prompts' common prefix length (computed once, see prefill_prompts)."""
         params = params or SamplingParams()
         prompt_ids = [self.prompt_ids(p) for p in prompts]
-        width = min(max_parallel or self.cache.num_slots, self.cache.num_slots, len(prompt_ids))
         if max_parallel is not None and max_parallel < 1:
             raise SpecSotError(f"max_parallel must be at least 1, got {max_parallel}")
         decoder = decoder or self.new_decoder(params)
+        # One sequence per cache slot, unless the decoder packs several into one (BIM layout).
+        capacity = getattr(decoder, "max_sequences", self.cache.num_slots)
+        width = min(max_parallel or capacity, capacity, len(prompt_ids))
         waiting = list(range(width, len(prompt_ids)))
         at_slot = dict(enumerate(range(width)))  # slot -> prompt index
         outputs = {seq: _Output(self.tokenizer, params, self.eos_ids) for seq in range(len(prompt_ids))}

@@ -26,7 +26,7 @@ def tiny(default_model_dir):
 
 
 def expand(gen, max_parallel):
-    engine = SoTEngine(gen, SoTConfig(max_parallel=max_parallel, point_tokens=12))
+    engine = SoTEngine(gen, SoTConfig(max_parallel=max_parallel, point_tokens=12, layout="batching"))
     events = list(engine.expand("How do I start running?", PLAN, PARAMS))
     return engine, {e.index: e.token_ids for e in events if isinstance(e, PointDone)}, events[-1]
 
@@ -43,6 +43,15 @@ def test_points_decoded_together_equal_each_prompt_decoded_alone(tiny):
 
 def test_two_at_a_time_equals_all_at_once(tiny):
     assert expand(tiny, max_parallel=2)[1] == expand(tiny, max_parallel=5)[1]
+
+
+@pytest.mark.parametrize("max_parallel", [5, 2])
+def test_bim_layout_equals_batching(tiny, max_parallel):
+    """All points in one cache slot with a branch-index-map mask give the batching layout's tokens."""
+    engine = SoTEngine(tiny, SoTConfig(max_parallel=max_parallel, point_tokens=12, layout="bim"))
+    events = list(engine.expand("How do I start running?", PLAN, PARAMS))
+    bim = {e.index: e.token_ids for e in events if isinstance(e, PointDone)}
+    assert bim == expand(tiny, max_parallel=5)[1]
 
 
 def test_questions_that_do_not_decompose_go_direct(tiny):

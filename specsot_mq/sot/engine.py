@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator
 from specsot_mq.prompts import load_format
-from specsot_mq.sampling import SamplingParams
+from specsot_mq.sampling import Sampler, SamplingParams
+from specsot_mq.sot.bim import BimDecoder
 from specsot_mq.sot.parser import Plan, parse_skeleton
 from specsot_mq.sot.router import MODES, route
 from specsot_mq.sot.scheduler import DeviceProfile, schedule
@@ -110,8 +111,11 @@ class SoTConfig:
     max_parallel: int = 8  # points decoding at once (cache slots)
     skeleton_tokens: int = 128
     point_tokens: int = 160
+    layout: str = "batching"  # branches: "batching" (a cache slot each) or "bim" (one slot, see sot/bim.py)
 
     def __post_init__(self):
+        if self.layout not in ("batching", "bim"):
+            raise SpecSotError(f"--layout must be batching or bim, got '{self.layout}'")
         if self.sot not in MODES:
             raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got '{self.sot}'")
         for flag, value, low in (("--max-points", self.max_points, 2), ("--max-parallel", self.max_parallel, 1)):
@@ -215,7 +219,10 @@ class SoTEngine:
     def _run(self, phase: str, prompts, params, phases, shared: int = 0) -> Iterator[tuple[int, Delta]]:
         """One phase through the generation loop, counting its tokens, time and tau."""
         stats = phases.setdefault(phase, PhaseStats())
-        decoder = self.gen.new_decoder(params)
+        if phase == "points" and self.config.layout == "bim":
+            decoder = BimDecoder(self.gen.model, self.gen.cache, Sampler(params, self.gen.model.device))
+        else:
+            decoder = self.gen.new_decoder(params)
         began = time.perf_counter()
         for seq, delta in self.gen.stream_many(prompts, params, decoder, shared, self.config.max_parallel):
             stats.tokens += len(delta.token_ids)
