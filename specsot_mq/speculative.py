@@ -51,6 +51,9 @@ class TreeParams:
     num_draft_tokens: int = 12  # tree nodes verified besides the root (--num-draft-tokens)
     depth: int = 5  # deepest level of the tree (--draft-depth)
     topk: int = 4  # children per expanded node and nodes expanded per level (--draft-topk)
+    # Verify tokens of one batched forward, all sequences together: with many sequences (SoT
+    # branches) the CPU is compute-bound, so each tree shrinks to fit (never below one node).
+    max_batch_tokens: int = 64
 
     def __post_init__(self):
         flags = {"--num-draft-tokens": self.num_draft_tokens, "--draft-depth": self.depth, "--draft-topk": self.topk}
@@ -217,7 +220,8 @@ class EagleDecoder:
             parent_feature = hidden.gather(1, from_slot[:, :, None].expand(-1, -1, hidden.shape[-1]))
         for s, n in zip(seqs, lengths):
             self.draft_cache.truncate(s, n)
-        kept = select_nodes(search, max(0, min(tp.num_draft_tokens, room)))
+        per_tree = max(1, tp.max_batch_tokens // len(seqs) - 1)  # -1: the root is verified too
+        kept = select_nodes(search, max(0, min(tp.num_draft_tokens, per_tree, room)))
         if gen is not None:
             qs = self._tree_q(search, torch.cat(expanded, 1), torch.cat(qs, 1), kept)
         return [
