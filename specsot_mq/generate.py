@@ -196,22 +196,28 @@ class _Output:
         self.produced = 0
 
     def take(self, new: list[int]) -> Delta:
-        """Accept proposed tokens up to the first stopping point; return the resulting delta."""
-        accepted, finish = [], None
+        """Accept proposed tokens up to the first stopping point; return the resulting delta.
+        Tokens are checked one at a time, so a step that proposes several (speculative decoding)
+        stops exactly where one-token-at-a-time decoding would."""
+        accepted, texts, finish = [], [], None
         for tok in new:
             accepted.append(tok)
             self.produced += 1
-            if tok in self.eos_ids and not self.params.ignore_eos:
+            eos = tok in self.eos_ids and not self.params.ignore_eos
+            if eos:
                 finish = "stop"
-                break
-            if self.produced >= self.params.max_tokens:
+            elif self.produced >= self.params.max_tokens:
                 finish = "length"
+            piece = "" if eos else self.detok.add([tok])  # EOS has no text
+            if finish:
+                piece += self.detok.flush()
+            text, hit = self.stop.feed(piece, final=finish is not None)
+            texts.append(text)
+            if hit:
+                finish = "stop"
+            if finish:
                 break
-        piece = self.detok.add(accepted[:-1] if finish == "stop" else accepted)  # EOS has no text
-        if finish:
-            piece += self.detok.flush()
-        text, hit = self.stop.feed(piece, final=finish is not None)
-        return Delta(text, accepted, "stop" if hit else finish)
+        return Delta("".join(texts), accepted, finish)
 
 
 class Generator:

@@ -250,3 +250,16 @@ def test_shared_prefix_and_admission_with_eagle_equal_plain_decoding(base):
     decoder = EagleDecoder(base, random_head(base), gen.cache, Sampler(GREEDY))
     spec = gen.generate_many(prompts, GREEDY, decoder=decoder, shared=len(prefix), max_parallel=2)
     assert [c.token_ids for c in spec] == plain
+
+
+def test_stop_string_ends_speculative_output_where_plain_decoding_ends(base):
+    """Several tokens accepted in one step: the output still ends at the token that completes
+    the stop string, as with one token per step."""
+    prompt = [BOS, 5, 6, 7, 8]
+    gen = Generator(base, CharTokenizer(), max_len=64)
+    free = gen.generate(prompt, GREEDY).text
+    stop = free[10:12]
+    params = SamplingParams(max_tokens=40, stop=(stop,), ignore_eos=True)
+    plain = gen.generate(prompt, params)
+    spec = gen.generate(prompt, params, decoder=EagleDecoder(base, OracleHead(base), gen.cache, Sampler(params)))
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text and spec.finish_reason == "stop"
