@@ -158,7 +158,7 @@ def _plot(rows, path: Path, out: Console) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        out.print("[dim]no plot: pip install matplotlib (or the project's [bench] extra)[/]")
+        out.print("[dim]no plot: pip install matplotlib (or the project's \\[bench] extra)[/]")
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))

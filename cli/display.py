@@ -30,8 +30,10 @@ class AnswerView:
             if not self.live:
                 self.err.out(event.text, end="", highlight=False)
         elif isinstance(event, PointDelta):
+            self._end_skeleton_line()
             self.points.setdefault(event.index, ["", False])[0] += event.text
         elif isinstance(event, PointDone):
+            self._end_skeleton_line()
             self.points.setdefault(event.index, ["", False])[1] = True
             if not self.live:
                 self.err.print(f"[dim]point {event.index} done ({len(event.token_ids)} tokens)[/]")
@@ -47,6 +49,11 @@ class AnswerView:
             if not self.live.is_started:
                 self.live.start()
             self.live.update(self._render())
+
+    def _end_skeleton_line(self) -> None:
+        """Piped output: the streamed skeleton ends with a line break before the point lines."""
+        if not self.live and not self.points:
+            self.err.print()
 
     def _render(self):
         parts = [Panel(Text(self.skeleton.strip()), title="skeleton", border_style="cyan")]
@@ -64,8 +71,6 @@ class AnswerView:
         if self.live is not None and self.live.is_started:
             self.live.stop()
         if final.mode == "sot" or self.live is not None:
-            if self.live is None:
-                self.err.print()
             self.out.print(final.answer, highlight=False, markup=False)
         else:
             sys.stdout.write("\n")
