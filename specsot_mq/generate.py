@@ -142,8 +142,6 @@ class PlainDecoder:
 
     def step(self) -> dict[int, list[int]]:
         seqs = list(self.last)
-        if not seqs:  # every running sequence ended this round; new ones are still to prefill
-            return {}
         dev = self.model.device
         ids = torch.tensor([[self.last[s]] for s in seqs], device=dev)
         positions = torch.tensor([[self.cache.lengths[s]] for s in seqs], device=dev)
@@ -299,7 +297,8 @@ class Generator:
             if not outputs:
                 return
             with torch.inference_mode():
-                new = decoder.step()
+                # Step only the sequences already running; admitted ones start with their prefill.
+                new = decoder.step() if len(outputs) > len(admitted) else {}
                 for slot, ids in admitted.items():
                     new.update(decoder.prefill({slot: ids}, shared, prefix_from=slot if shared else None))
 

@@ -47,9 +47,6 @@ class KVCache:
     def num_slots(self) -> int:
         return len(self.lengths)
 
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
     # -- bookkeeping -------------------------------------------------------------------------
 
     def reserve(self, slots: Sequence[int], n: int) -> list[int]:

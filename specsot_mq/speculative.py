@@ -169,8 +169,6 @@ class EagleDecoder:
 
     def step(self) -> dict[int, list[int]]:
         seqs = list(self.state)
-        if not seqs:  # every running sequence ended this round; new ones are still to prefill
-            return {}
         start = time.perf_counter()
         trees = self.draft(seqs)
         mid = time.perf_counter()

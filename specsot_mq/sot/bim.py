@@ -60,8 +60,6 @@ class BimDecoder:
 
     def step(self) -> dict[int, list[int]]:
         branches = list(self.last)
-        if not branches:
-            return {}
         logits = self._forward([self.last[b] for b in branches], [self.branch[b] for b in branches],
                                [self.pos[b] for b in branches])  # fmt: skip
         self.last = dict(zip(branches, self.sampler(logits).tolist()))
