@@ -119,6 +119,31 @@ def weight_bytes(model, dtype: torch.dtype) -> tuple[int, int]:
     return count, count * dtype.itemsize
 
 
+def load_transformers(folder: Path, dtype: torch.dtype):
+    """transformers' own model of a folder, its logging silenced (ours is the one progress bar).
+    Loaded in fp32 and cast: the same on every transformers version we support, and the same
+    rounding of the fp32 file as our loader applies."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(str(folder)).to(dtype).eval()
+
+
+def load_with_draft(model: str | None, draft: str, dtype: torch.dtype):
+    """(folder, tokenizer, our model, its prepacked draft head) for the EAGLE benchmarks."""
+    from specsot_mq.draft import DraftHead
+    from specsot_mq.loader import resolve_draft
+
+    folder = resolve_model(model)
+    draft_path = resolve_draft(draft, folder)
+    if draft_path is None:
+        raise SpecSotError(f"no draft head for {folder.name}: train one with `specsot train-draft` or pass --draft")
+    ours = load_model(folder, dtype=dtype)
+    return folder, load_tokenizer(folder), ours, DraftHead.load(draft_path, ours).prepack()
+
+
 def run_ours(gen: Generator, ids: list[int], new_tokens: int) -> Sample:
     done = gen.generate(ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     return Sample(done.token_ids, done.prefill_seconds, done.seconds - done.prefill_seconds)
@@ -189,20 +214,14 @@ def main(argv=None) -> dict:
     prompts, source = load_prompts(args.questions, args.limit)
     n = args.new_tokens
 
-    from transformers import AutoModelForCausalLM  # heavy import, after the arguments are checked
-    from transformers import __version__ as hf_version
-    from transformers.utils import logging as hf_logging
+    from transformers import __version__ as hf_version  # heavy import, after the arguments are checked
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()  # ours is the one progress bar
     folder = resolve_model(args.model)
     tokenizer = load_tokenizer(folder)
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in prompts]
     ours = load_model(folder, dtype=dtype)
     gen = Generator(ours, tokenizer, max_len=max(map(len, prompt_ids)) + n)
-    # Load in fp32 and cast: the same on every transformers version we support, and the same
-    # rounding of the fp32 file as our loader applies.
-    hf = AutoModelForCausalLM.from_pretrained(str(folder)).to(dtype).eval()
+    hf = load_transformers(folder, dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     params, wbytes = weight_bytes(ours, dtype)
 

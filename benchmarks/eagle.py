@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,15 +24,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import cpu_name, load_prompts, run_hf, same_prefix  # noqa: E402  (a sibling script)
+from decode import cpu_name, load_prompts, load_transformers, load_with_draft, run_hf, same_prefix  # noqa: E402  (a sibling script)
 
 from specsot_mq.errors import SpecSotError  # noqa: E402
 from specsot_mq.generate import Generator  # noqa: E402
-from specsot_mq.loader import resolve_draft, resolve_dtype  # noqa: E402
-from specsot_mq.pull import resolve_model  # noqa: E402
+from specsot_mq.loader import resolve_dtype  # noqa: E402
 from specsot_mq.sampling import SamplingParams  # noqa: E402
 from specsot_mq.speculative import TreeParams  # noqa: E402
-from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer  # noqa: E402
+from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
 
 
 def parse_tree(text: str) -> TreeParams:
@@ -74,34 +71,21 @@ def main(argv=None) -> dict:
     sweep = [parse_tree(t) for t in args.sweep.split(",") if t.strip()]
     n = args.new_tokens
 
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from specsot_mq.draft import DraftHead
-    from specsot_mq.loader import load_model
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    folder = resolve_model(args.model)
-    draft_path = resolve_draft(args.draft, folder)
-    if draft_path is None:
-        raise SpecSotError(f"no draft head for {folder.name}: train one with `specsot train-draft` or pass --draft")
-    tokenizer = load_tokenizer(folder)
+    folder, tokenizer, model, head = load_with_draft(args.model, args.draft, dtype)
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in prompts]
-    model = load_model(folder, dtype=dtype)
-    head = DraftHead.load(draft_path, model).prepack()
+    head_name = f"{folder.name} head"
     max_len = max(map(len, prompt_ids)) + n + 64
     plain = Generator(model, tokenizer, max_len=max_len)
     def tree_name(t: TreeParams) -> str:
         return f"{t.num_draft_tokens}x{t.depth}x{t.topk}"
 
     eagle = {tree_name(t): Generator(model, tokenizer, max_len=max_len, draft=head, tree=t) for t in [main_tree, *sweep]}
-    hf = AutoModelForCausalLM.from_pretrained(str(folder)).to(dtype).eval()
+    hf = load_transformers(folder, dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     out.print(
         f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | torch {torch.__version__} | "
-        f"{len(prompts)} prompts ({source}), {n} new tokens | draft {draft_path.name} "
+        f"{len(prompts)} prompts ({source}), {n} new tokens | draft {head_name} "
         f"(vocab {head.cfg.draft_vocab_size}) | tree {main_tree}"
     )
     rows = {"hf": [], "plain": [], "eagle": []}
@@ -189,7 +173,7 @@ def main(argv=None) -> dict:
         "threads": torch.get_num_threads(),
         "new_tokens": n,
         "prompts": len(prompts),
-        "draft": draft_path.name,
+        "draft": head_name,
     }
     print(json.dumps(result), flush=True)
     return result

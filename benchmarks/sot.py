@@ -28,17 +28,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import cpu_name, load_prompts  # noqa: E402  (a sibling script)
+from decode import cpu_name, load_prompts, load_transformers, load_with_draft  # noqa: E402  (a sibling script)
 
-from specsot_mq.draft import DraftHead  # noqa: E402
 from specsot_mq.errors import SpecSotError  # noqa: E402
 from specsot_mq.generate import Generator  # noqa: E402
-from specsot_mq.loader import load_model, resolve_draft, resolve_dtype  # noqa: E402
-from specsot_mq.pull import resolve_model  # noqa: E402
+from specsot_mq.loader import resolve_dtype  # noqa: E402
 from specsot_mq.sampling import SamplingParams  # noqa: E402
 from specsot_mq.sot.engine import SoTConfig, SoTEngine  # noqa: E402
 from specsot_mq.sot.router import route  # noqa: E402
-from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer  # noqa: E402
+from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
 
 ENGINES = ("hf", "eagle", "sot", "specsot")
 
@@ -60,24 +58,14 @@ def main(argv=None) -> dict:
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     questions, source = load_prompts(args.questions, args.limit)
 
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    folder = resolve_model(args.model)
-    draft_path = resolve_draft(args.draft, folder)
-    if draft_path is None:
-        raise SpecSotError(f"no draft head for {folder.name}: train one with `specsot train-draft` or pass --draft")
-    tokenizer = load_tokenizer(folder)
-    model = load_model(folder, dtype=dtype)
-    head = DraftHead.load(draft_path, model).prepack()
+    folder, tokenizer, model, head = load_with_draft(args.model, args.draft, dtype)
+    head_name = f"{folder.name} head"
     max_len = 2048
     plain_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel)
     eagle_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel, draft=head)
     config = SoTConfig(sot=args.sot, max_parallel=args.max_parallel)
     sot, specsot = SoTEngine(plain_gen, config), SoTEngine(eagle_gen, config)
-    hf = AutoModelForCausalLM.from_pretrained(str(folder)).to(dtype).eval()
+    hf = load_transformers(folder, dtype)
     params = SamplingParams(max_tokens=args.max_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -98,7 +86,7 @@ def main(argv=None) -> dict:
 
     out.print(
         f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | {len(questions)} questions ({source}) "
-        f"| max tokens {args.max_tokens} per phase | draft {draft_path.name} | max parallel {args.max_parallel}"
+        f"| max tokens {args.max_tokens} per phase | draft {head_name} | max parallel {args.max_parallel}"
     )
     rows = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -136,7 +124,7 @@ def main(argv=None) -> dict:
         result[f"{engine}_vs_hf"] = median_speedup(engine, rows)
         result[f"{engine}_vs_hf_sot_routed"] = median_speedup(engine, planned)
     result.update(questions=len(rows), sot_routed=len(planned), dtype=args.dtype, max_tokens=args.max_tokens,
-                  threads=torch.get_num_threads(), draft=draft_path.name,
+                  threads=torch.get_num_threads(), draft=head_name,
                   per_question=[{"question": r["question"], "mode": r["specsot"][2],
                                  **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]} for e in ENGINES}} for r in rows])  # fmt: skip
     summary = Table(title="median speedup over transformers generate")

@@ -2,7 +2,6 @@
 phase's own prompt, points decoded together equal each alone, and routing picks the direct way."""
 
 import pytest
-import torch
 
 from conftest import ours_from_hf, tiny_hf
 from specsot_mq.generate import Generator
