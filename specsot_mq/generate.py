@@ -298,7 +298,8 @@ class Generator:
                 return
             with torch.inference_mode():
                 # Step only the sequences already running; admitted ones start with their prefill.
-                new = decoder.step() if len(outputs) > len(admitted) else {}
+                running = len(outputs) - len(waiting) - len(admitted)
+                new = decoder.step() if running else {}
                 for slot, ids in admitted.items():
                     new.update(decoder.prefill({slot: ids}, shared, prefix_from=slot if shared else None))
 

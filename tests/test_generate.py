@@ -183,7 +183,8 @@ def test_more_prompts_than_slots_wait_for_a_free_slot():
     """With max_parallel 2, the third and fourth prompts join as others finish; every output
     equals that prompt decoded alone."""
     g = Generator(ours_from_hf(tiny_hf("llama")), CharTokenizer(), max_len=64, num_slots=2)
-    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20]]
+    # Five equal-length prompts: both slots free up in the same round while others still wait.
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20], [30, 31]]
     done = g.generate_many(prompts, SamplingParams(max_tokens=6, ignore_eos=True), max_parallel=2)
     for prompt, d in zip(prompts, done):
         assert d.token_ids == greedy_reference(g, prompt, 6)
