@@ -184,6 +184,26 @@ class _StopState:
         return n
 
 
+@dataclass(slots=True)
+class Job:
+    """One prompt for the generation loop to decode."""
+
+    key: object  # the caller's name for it, yielded with each of its deltas
+    ids: list[int]  # the whole prompt
+    params: SamplingParams  # its stop conditions (max tokens, stop strings, EOS); the decoder samples
+    shared: int = 0  # its first `shared` tokens are the same in every job of its group
+    group: object = None  # jobs of one group share that prefix (computed once); None: no sharing
+
+
+def _by_group(jobs: list[Job]) -> list[tuple[object, list[Job]]]:
+    """Jobs grouped by prefix group (ungrouped ones together, sharing nothing), in order of first
+    appearance."""
+    groups: dict[object, list[Job]] = {}
+    for job in jobs:
+        groups.setdefault(job.group, []).append(job)
+    return list(groups.items())
+
+
 class _Output:
     """One sequence's side of the loop: counts, EOS, detokenisation and stop strings."""
 
@@ -263,45 +283,79 @@ class Generator:
         shared: int = 0,
         max_parallel: int | None = None,
     ) -> Iterator[tuple[int, Delta]]:
-        """The generation loop: prompts decoded together, at most `max_parallel` (default: every
-        cache slot) at once; a waiting prompt takes the slot of the first to finish. Yields
-        (prompt index, Delta); each prompt's last delta has finish_reason set. `shared`: the
-        prompts' common prefix length (computed once, see prefill_prompts)."""
+        """Prompts decoded together, at most `max_parallel` (default: every cache slot) at once; a
+        waiting prompt takes the slot of the first to finish. Yields (prompt index, Delta); each
+        prompt's last delta has finish_reason set. `shared`: the prompts' common prefix length
+        (computed once, see prefill_prompts)."""
         params = params or SamplingParams()
-        prompt_ids = [self.prompt_ids(p) for p in prompts]
+        waiting = [Job(n, self.prompt_ids(p), params, shared, 0) for n, p in enumerate(prompts)]
         if max_parallel is not None and max_parallel < 1:
             raise SpecSotError(f"max_parallel must be at least 1, got {max_parallel}")
-        decoder = decoder or self.new_decoder(params)
+
+        def admit(room: int) -> list[Job]:
+            taken = waiting[:room]
+            del waiting[:room]
+            return taken
+
+        yield from self.run(admit, decoder or self.new_decoder(params), max_parallel)
+
+    def run(
+        self,
+        admit: Callable[[int], list[Job]],
+        decoder: Decoder,
+        max_parallel: int | None = None,
+        cancelled: Callable[[object], bool] | None = None,
+    ) -> Iterator[tuple[object, Delta]]:
+        """The generation loop. Before every step it asks `admit(room)` for at most `room` new
+        jobs (room: free sequences); it ends when nothing runs and admit gives nothing. Jobs may
+        come from different callers (a serving stage admits points of several requests into one
+        running batch). Yields (job key, Delta); a job's last delta has finish_reason set
+        ("abort" when `cancelled(key)` turned true while it ran)."""
         # One sequence per cache slot, unless the decoder packs several into one (BIM layout).
         capacity = getattr(decoder, "max_sequences", self.cache.num_slots)
-        width = min(max_parallel or capacity, capacity, len(prompt_ids))
-        waiting = list(range(width, len(prompt_ids)))
-        at_slot = dict(enumerate(range(width)))  # slot -> prompt index
-        outputs = {seq: _Output(self.tokenizer, params, self.eos_ids) for seq in range(len(prompt_ids))}
-        # Grad mode is per thread and astream() may run each step in a different worker thread,
-        # so inference mode is entered around each model call rather than around the loop.
-        with torch.inference_mode():
-            new = decoder.prefill({slot: prompt_ids[seq] for slot, seq in at_slot.items()}, shared)
+        width = min(max_parallel or capacity, capacity)
+        free = list(range(width - 1, -1, -1))  # a stack: slot 0 first
+        running: dict[int, tuple[Job, _Output]] = {}
+        holder: dict[object, int] = {}  # group -> a slot whose cache holds that group's prefix
+        new: dict[int, list[int]] = {}
         while True:
-            admitted = {}
             for slot, tokens in new.items():
-                seq = at_slot[slot]
-                delta = outputs[seq].take(tokens)
+                job, out = running[slot]
+                delta = out.take(tokens)
                 if delta.finish_reason:
-                    del outputs[seq]
-                    decoder.drop(slot)
-                    if waiting:  # the freed slot still holds the shared prefix
-                        at_slot[slot] = waiting.pop(0)
-                        admitted[slot] = prompt_ids[at_slot[slot]]
-                yield seq, delta
-            if not outputs:
+                    self._end(decoder, running, free, slot)
+                yield job.key, delta
+            if cancelled is not None:
+                for slot in [s for s, (job, _) in running.items() if cancelled(job.key)]:
+                    yield running[slot][0].key, Delta("", [], "abort")
+                    self._end(decoder, running, free, slot)
+            jobs = admit(len(free)) if free else []
+            if not running and not jobs:
                 return
+            # Grad mode is per thread and astream() may run each step in a different worker
+            # thread, so inference mode is entered around each model call, not around the loop.
             with torch.inference_mode():
-                # Step only the sequences already running; admitted ones start with their prefill.
-                running = len(outputs) - len(waiting) - len(admitted)
+                # Step the running sequences; admitted ones start with their prefill.
                 new = decoder.step() if running else {}
-                for slot, ids in admitted.items():
-                    new.update(decoder.prefill({slot: ids}, shared, prefix_from=slot if shared else None))
+                for group, members in _by_group(jobs):
+                    src = holder.get(group)
+                    slots = [free.pop(free.index(src))] if src in free else []  # its prefix is in place
+                    slots += [free.pop() for _ in members[len(slots):]]
+                    # Reused slots are overwritten: they no longer hold another group's prefix.
+                    holder = {g: s for g, s in holder.items() if g == group or s not in slots}
+                    for slot, job in zip(slots, members):
+                        running[slot] = (job, _Output(self.tokenizer, job.params, self.eos_ids))
+                    shared = members[0].shared if group is not None else 0
+                    prompts = {slot: job.ids for slot, job in zip(slots, members)}
+                    new.update(decoder.prefill(prompts, shared, prefix_from=src if shared else None))
+                    if group is not None:
+                        holder[group] = slots[0]
+
+    @staticmethod
+    def _end(decoder: Decoder, running: dict, free: list[int], slot: int) -> None:
+        del running[slot]
+        decoder.drop(slot)
+        free.append(slot)
 
     def stream(self, prompt, params: SamplingParams | None = None, decoder: Decoder | None = None) -> Iterator[Delta]:
         """One prompt through the loop. Yields Deltas; the last one has finish_reason set."""

@@ -121,7 +121,9 @@ class EagleDecoder:
         room = (self.tree.depth + 1) * (self.tree.topk + 1)
         self.draft_cache = draft_cache or head.new_cache(cache.num_slots, cache.capacity + room)
         self.state: dict[int, DraftState] = {}  # running slot -> its draft state
-        self.prefix_feature: torch.Tensor | None = None  # F at the last shared-prefix position
+        # slot -> F at its shared prefix's last position (kept after a drop: a later prompt with
+        # the same prefix may copy it from that slot)
+        self.prefix_feature: dict[int, torch.Tensor] = {}
         self.stats = SpecStats(accepted_at_depth=[0] * self.tree.depth)
 
     @property
@@ -146,7 +148,7 @@ class EagleDecoder:
             if d0:
                 self.head(torch.tensor([prefix[1:shared]], device=dev), pre.prefix_features[None, :d0],
                           torch.arange(d0, device=dev)[None], self.draft_cache, slots=[first])  # fmt: skip
-            self.prefix_feature = pre.prefix_features[shared - 1]
+            self.prefix_feature[first] = pre.prefix_features[shared - 1]
             prefix_from = first
         for slot in pre.slots:
             if shared and slot != prefix_from:
@@ -156,7 +158,12 @@ class EagleDecoder:
         # Each prompt's own draft entries: tokens x_{d0+1}..x_n (x_n = its root), features F_{d0}..F_{n-1}.
         tokens = [prompts[slot][d0 + 1 :] + [root] for slot, root in zip(pre.slots, roots)]
         t = max(map(len, tokens))
-        feats = pre.features if not shared else torch.cat([self.prefix_feature.expand(len(tokens), 1, -1), pre.features], 1)
+        if shared:
+            feature = self.prefix_feature[prefix_from]
+            self.prefix_feature.update(dict.fromkeys(pre.slots, feature))
+            feats = torch.cat([feature.expand(len(tokens), 1, -1), pre.features], 1)
+        else:
+            feats = pre.features
         feats = torch.nn.functional.pad(feats, (0, 0, 0, max(0, t - feats.shape[1])))[:, :t]
         ids = torch.tensor([x + [0] * (t - len(x)) for x in tokens], device=dev)
         positions = torch.arange(d0, d0 + t, device=dev).expand(len(tokens), t)

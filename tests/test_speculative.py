@@ -263,3 +263,43 @@ def test_stop_string_ends_speculative_output_where_plain_decoding_ends(base):
     plain = gen.generate(prompt, params)
     spec = gen.generate(prompt, params, decoder=EagleDecoder(base, OracleHead(base), gen.cache, Sampler(params)))
     assert spec.token_ids == plain.token_ids and spec.text == plain.text and spec.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kind", ["random", "oracle"])
+def test_jobs_of_several_prefix_groups_joining_a_running_batch_equal_plain_decoding(base, kind):
+    """What a serving stage does: points of different requests (different shared prefixes, different
+    length caps) are admitted while others run, reusing each other's freed slots; each equals plain
+    greedy decoding of its own prompt, and a cancelled job ends with an "abort" delta."""
+    from specsot_mq.generate import Job
+
+    gen = Generator(base, CharTokenizer(), max_len=64, num_slots=3)
+    groups = {"a": [BOS, 7, 7, 8], "b": [BOS, 3, 9, 9, 2, 5], "c": [BOS, 4]}
+    arrivals = [  # (step at which it arrives, job)
+        (0, Job("a1", groups["a"] + [1], SamplingParams(max_tokens=9, ignore_eos=True), 4, "a")),
+        (0, Job("a2", groups["a"] + [2, 3], SamplingParams(max_tokens=4, ignore_eos=True), 4, "a")),
+        (1, Job("b1", groups["b"] + [6], SamplingParams(max_tokens=7, ignore_eos=True), 6, "b")),
+        (1, Job("b2", groups["b"] + [11, 12], SamplingParams(max_tokens=5, ignore_eos=True), 6, "b")),
+        (2, Job("a3", groups["a"] + [13], SamplingParams(max_tokens=6, ignore_eos=True), 4, "a")),
+        (3, Job("c1", groups["c"] + [5], SamplingParams(max_tokens=8, ignore_eos=True), 0, None)),
+        (3, Job("x", groups["c"] + [6], SamplingParams(max_tokens=30, ignore_eos=True), 0, None)),
+    ]
+    step = [0]
+
+    def admit(room):
+        ready = [job for at, job in arrivals if at <= step[0]][:room]
+        for job in ready:
+            arrivals.remove(next(a for a in arrivals if a[1] is job))
+        step[0] += 1
+        return ready
+
+    head = random_head(base) if kind == "random" else OracleHead(base)
+    decoder = EagleDecoder(base, head, gen.cache, Sampler(GREEDY))
+    jobs = {job.key: job for _, job in arrivals}
+    got, finish = {key: [] for key in jobs}, {}
+    for key, delta in gen.run(admit, decoder, cancelled=lambda key: key == "x" and step[0] > 6):
+        got[key] += delta.token_ids
+        finish[key] = delta.finish_reason or finish.get(key)
+    for key, job in jobs.items():
+        if key != "x":
+            assert got[key] == gen.generate(job.ids, job.params).token_ids, key
+    assert finish["x"] == "abort" and 0 < len(got["x"]) < 30
