@@ -187,26 +187,13 @@ class SoTEngine:
         yield from self._points(question, "", [], plan, params or SamplingParams(), {}, time.perf_counter())
 
     def skeleton_params(self, params: SamplingParams) -> SamplingParams:
-        """The skeleton phase's settings: its own length cap, and a stop past the point cap."""
-        return _bounded(params, self.config.skeleton_tokens, (f"\n{self.config.max_points + 1}.",))
+        return skeleton_params(self.config, params)
 
     def point_params(self, params: SamplingParams) -> SamplingParams:
-        """A point's settings: its own length cap, and a stop where a numbered line (another
-        point) would begin."""
-        stops = tuple(f"\n{i}." for i in range(1, self.config.max_points + 2))
-        return _bounded(params, self.config.point_tokens, (*params.stop, *stops))
+        return point_params(self.config, params)
 
     def point_prompts(self, question: str, plan: Plan) -> tuple[list[int], dict[int, list[int]]]:
-        """The shared prefix (instructions, question, the plan as a clean list) and each point's
-        suffix (its number and title); a point's full prompt is prefix + suffix."""
-        tok = self.gen.tokenizer
-        outline = "\n".join(f"{p.index}. {p.title}" for p in plan.points)
-        prefix = chat_prompt_ids(tok, self.format.point_user.format(question=question, skeleton=outline))
-        suffixes = {
-            p.index: tok.encode(self.format.point_prefix.format(index=p.index, title=p.title), add_special_tokens=False)
-            for p in plan.points
-        }
-        return prefix, suffixes
+        return point_prompts(self.gen.tokenizer, self.format, question, plan)
 
     def _direct(self, question, params, reason, start, phases) -> Iterator[Event]:
         text = ""
@@ -249,6 +236,30 @@ class SoTEngine:
         done = object()
         while (event := await loop.run_in_executor(None, next, it, done)) is not done:
             yield event
+
+
+def skeleton_params(config: SoTConfig, params: SamplingParams) -> SamplingParams:
+    """The skeleton phase's settings: its own length cap, and a stop past the point cap."""
+    return _bounded(params, config.skeleton_tokens, (f"\n{config.max_points + 1}.",))
+
+
+def point_params(config: SoTConfig, params: SamplingParams) -> SamplingParams:
+    """A point's settings: its own length cap, and a stop where a numbered line (another point)
+    would begin."""
+    stops = tuple(f"\n{i}." for i in range(1, config.max_points + 2))
+    return _bounded(params, config.point_tokens, (*params.stop, *stops))
+
+
+def point_prompts(tokenizer, fmt, question: str, plan: Plan) -> tuple[list[int], dict[int, list[int]]]:
+    """The shared prefix (instructions, question, the plan as a clean list) and each point's suffix
+    (its number and title); a point's full prompt is prefix + suffix."""
+    outline = "\n".join(f"{p.index}. {p.title}" for p in plan.points)
+    prefix = chat_prompt_ids(tokenizer, fmt.point_user.format(question=question, skeleton=outline))
+    suffixes = {
+        p.index: tokenizer.encode(fmt.point_prefix.format(index=p.index, title=p.title), add_special_tokens=False)
+        for p in plan.points
+    }
+    return prefix, suffixes
 
 
 def _bounded(params: SamplingParams, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:

@@ -1,0 +1,110 @@
+"""A client of a running topology: connects to the gateway, sends questions, and gets each
+request's messages (SkeletonText, MergePlan, PointText, then Answer or Failed) as they come.
+
+    async with Client(address) as client:
+        async for msg in client.ask("How do I start running?"):
+            ...
+
+Several requests may be in flight on one client; each has its own queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from specsot_mq.errors import SpecSotError
+from specsot_mq.messages import Answer, Ask, Cancel, Failed, Status, StatusQuery, WireError, decode, encode, params_to_wire
+from specsot_mq.sampling import SamplingParams
+
+
+class Client:
+    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None):
+        self.address = address
+        self.sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.status_waiters: list[asyncio.Future] = []
+        self._reader = None
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.sock.close(linger=0)
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                msg = decode(frames).msg
+            except WireError:
+                continue
+            if isinstance(msg, Status):
+                waiters, self.status_waiters = self.status_waiters, []
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(msg)
+            elif getattr(msg, "rid", None) in self.queues:
+                self.queues[msg.rid].put_nowait(msg)
+
+    async def status(self, timeout: float = 2.0) -> Status:
+        """Every stage's state, or SpecSotError when the gateway does not answer in time."""
+        self._ensure_reader()
+        fut = asyncio.get_running_loop().create_future()
+        self.status_waiters.append(fut)
+        await self.sock.send_multipart(encode(StatusQuery(), "gateway", "client"))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise SpecSotError(f"no gateway answers at {self.address}: is `specsot launch` running?") from None
+
+    async def ask(self, question: str, params: SamplingParams | None = None, sot: str = "auto",
+                  rid: str | None = None, timeout: float | None = None) -> AsyncIterator:  # fmt: skip
+        """Send a question; yield its messages up to and including the Answer or Failed. With
+        `timeout`, a request silent that long ends with a Failed (the gateway may be gone)."""
+        self._ensure_reader()
+        rid = rid or uuid.uuid4().hex[:12]
+        queue = self.queues[rid] = asyncio.Queue()
+        done = False
+        try:
+            await self.sock.send_multipart(encode(Ask(rid, question, params_to_wire(params or SamplingParams()), sot),
+                                                  "gateway", "client"))  # fmt: skip
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    msg = Failed(rid, f"no answer from the gateway at {self.address} for {timeout:.0f} s: "
+                                      "is `specsot launch` still running?")  # fmt: skip
+                done = isinstance(msg, (Answer, Failed))
+                yield msg
+                if done:
+                    return
+        finally:
+            self.queues.pop(rid, None)
+            if not done:  # the caller stopped reading (Ctrl+C): stop the work everywhere
+                asyncio.ensure_future(self.cancel(rid))
+
+    async def cancel(self, rid: str) -> None:
+        await self.sock.send_multipart(encode(Cancel(rid), "gateway", "client"))
+
+    async def answer(self, question: str, params: SamplingParams | None = None, sot: str = "auto",
+                     timeout: float | None = None) -> Answer | Failed:  # fmt: skip
+        """Only the last message of a request: its Answer or Failed."""
+        async for msg in self.ask(question, params, sot, timeout=timeout):
+            last = msg
+        return last

@@ -1,0 +1,76 @@
+"""`--devices "ip#gpu,ip#gpu,..."`: the devices a run uses, each checked with one clear error."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass
+
+from specsot_mq.errors import SpecSotError
+from specsot_mq.sot.scheduler import DeviceProfile, profile_for
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    host: str  # an IP address or a resolvable host name
+    slot: str  # "cpu" or a GPU number
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}#{self.slot}"
+
+    @property
+    def torch_device(self) -> str:
+        return "cpu" if self.slot == "cpu" else f"cuda:{self.slot}"
+
+
+def parse_devices(text: str, resolve: bool = True) -> list[Device]:
+    """The devices named in a --devices value, in order."""
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise SpecSotError(f"--devices {text!r} has an empty entry: write e.g. 127.0.0.1#cpu,127.0.0.1#0")
+    devices = []
+    for item in items:
+        host, sep, slot = item.rpartition("#")
+        if not sep or not host:
+            raise SpecSotError(f"device {item!r} is not of the form ip#gpu: write e.g. 127.0.0.1#0, or 127.0.0.1#cpu")
+        if slot != "cpu" and not slot.isdecimal():
+            raise SpecSotError(f"device {item!r}: after '#' comes a GPU number or cpu, not {slot!r}")
+        if resolve:
+            _check_host(host, item)
+        device = Device(host, slot)
+        if device in devices:
+            raise SpecSotError(f"device {item!r} is listed twice in --devices: name each device once")
+        devices.append(device)
+    return devices
+
+
+def _check_host(host: str, item: str) -> None:
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        raise SpecSotError(f"device {item!r}: unknown host {host!r} (it does not resolve): use an IP address") from None
+
+
+def device_profiles(devices: list[Device], profiles: dict[str, DeviceProfile]) -> list[DeviceProfile]:
+    """Each device's profile from devices.json (SpecSotError naming a device without one)."""
+    return [profile_for(d.name, profiles) for d in devices]
+
+
+def is_local(host: str) -> bool:
+    """Whether a host is this machine (its processes start directly, not over the remote command)."""
+    if host in LOCAL_HOSTS:
+        return True
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((host, 0))  # only an address of this machine (or namespace) can be bound
+        return True
+    except OSError:
+        return False

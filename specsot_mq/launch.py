@@ -1,0 +1,176 @@
+"""Starting and watching a topology: one process per stage, local ones directly, remote ones through
+a command template (`ssh {host} {command}` by default), a run file that clients attach to, a dead
+stage reported and restarted, and every process stopped on exit.
+
+Stages: gateway, skeleton, parse, schedule, one branch per device, merge (that is the ring order).
+The skeleton decodes on the first device, and the stages without a device run on its host. All on
+this machine: ipc sockets in the run folder; otherwise tcp from `base_port` up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specsot_mq.devices import Device, device_profiles, is_local
+from specsot_mq.errors import SpecSotError
+from specsot_mq.pull import specsot_home
+from specsot_mq.sot.scheduler import DeviceProfile
+from specsot_mq.stages.base import RunSpec
+
+
+def runs_folder() -> Path:
+    return specsot_home() / "runs"
+
+
+def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology: str, run_dir: Path,
+             base_port: int = 5600, **options) -> RunSpec:  # fmt: skip
+    """The RunSpec of a topology over these devices (options: RunSpec fields such as model, sot)."""
+    from specsot_mq.transports import TOPOLOGIES
+
+    if topology not in TOPOLOGIES:
+        raise SpecSotError(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {topology!r}")
+    if not devices:
+        raise SpecSotError("--devices names no device: give at least one, e.g. 127.0.0.1#cpu")
+    first = devices[0]
+    branch_names = [f"branch@{d.name}" for d in devices]
+    kinds = {"gateway": "gateway", "skeleton": "skeleton", "parse": "parse", "schedule": "schedule",
+             **dict.fromkeys(branch_names, "branch"), "merge": "merge"}  # fmt: skip
+    hosts = {name: first.host for name in kinds} | {f"branch@{d.name}": d.host for d in devices}
+    dev = {"skeleton": first.name} | {f"branch@{d.name}": d.name for d in devices}
+    local = all(is_local(host) for host in hosts.values())
+    port = iter(range(base_port, base_port + 1000))
+
+    def address(name: str) -> str:
+        if local:
+            return f"ipc://{run_dir}/{name.replace('#', '_').replace('@', '_')}.sock"
+        return f"tcp://{hosts.get(name, first.host)}:{next(port)}"
+
+    table = {name: address(name) for name in kinds}
+    per_host: dict[str, int] = {}
+    for name in dev:
+        per_host[hosts[name]] = per_host.get(hosts[name], 0) + 1
+    threads = {name: max(1, (os.cpu_count() or 1) // per_host[hosts[name]]) for name in dev
+               if dev[name].endswith("#cpu")}  # fmt: skip
+    profs = {f"branch@{p.name}": {"compute": p.compute, "memory_gb": p.memory_gb, "bandwidth_gb_s": p.bandwidth_gb_s,
+                                  "max_parallel": p.max_parallel} for p in device_profiles(devices, profiles)}  # fmt: skip
+    return RunSpec(topology, table, kinds, hosts, dev, profs, address("client"), threads=threads, **options)
+
+
+@dataclass
+class StageProcess:
+    name: str
+    command: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+
+
+class Launcher:
+    """Starts every stage of a RunSpec and keeps them running."""
+
+    def __init__(self, spec: RunSpec, run_dir: Path, remote: str = "ssh {host} {command}", restart: bool = True):
+        self.spec, self.run_dir, self.remote, self.restart = spec, Path(run_dir), remote, restart
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.stages = {name: StageProcess(name, self._command(name), self.run_dir / f"{_safe(name)}.log")
+                       for name in spec.kinds}  # fmt: skip
+        self.events: list[str] = []  # what happened, for the table and the log
+
+    def _command(self, name: str) -> list[str]:
+        cmd = [sys.executable, "-m", "specsot_mq.stages.runner", "--name", name, "--spec", self.spec.to_json()]
+        host = self.spec.hosts[name]
+        if is_local(host):
+            return cmd
+        return ["sh", "-c", self.remote.format(host=host, command=shlex.join(cmd))]
+
+    def start(self) -> None:
+        for stage in self.stages.values():
+            self._spawn(stage)
+
+    def _spawn(self, stage: StageProcess) -> None:
+        log = open(stage.log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        stage.proc = subprocess.Popen(stage.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=env, start_new_session=True)  # fmt: skip
+        log.close()
+
+    def check(self) -> list[str]:
+        """Report stages that exited since the last call (and restart them); returns the reports."""
+        reports = []
+        for stage in self.stages.values():
+            code = stage.proc.poll() if stage.proc else None
+            if code is None:
+                continue
+            stage.exit_codes.append(code)
+            why = f"signal {-code}" if code < 0 else f"exit code {code}"
+            report = f"stage {stage.name} (pid {stage.proc.pid}) died: {why}; log: {stage.log_path}"
+            if self.restart and stage.restarts < 5:
+                stage.restarts += 1
+                self._spawn(stage)
+                report += f"; restarted (pid {stage.proc.pid})"
+            else:
+                stage.proc = None
+            reports.append(report)
+        self.events += reports
+        return reports
+
+    def pids(self) -> dict[str, int | None]:
+        return {name: (s.proc.pid if s.proc else None) for name, s in self.stages.items()}
+
+    def write_run_file(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        info = {"client_address": self.spec.client_address, "launcher_pid": os.getpid(), "run_dir": str(self.run_dir),
+                "topology": self.spec.topology, "stages": self.pids()}  # fmt: skip
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=1))
+        tmp.replace(path)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every stage, then SIGKILL what is still there after `grace` seconds."""
+        live = [s.proc for s in self.stages.values() if s.proc and s.proc.poll() is None]
+        for proc in live:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in live:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        for stage in self.stages.values():
+            stage.proc = None
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.stages[name].log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def read_run_file(path: Path) -> dict | None:
+    """A live run's file, or None when there is none or its launcher is gone."""
+    try:
+        info = json.loads(Path(path).read_text())
+        os.kill(info["launcher_pid"], 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return info
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _safe(name: str) -> str:
+    return name.replace("#", "_").replace("@", "_").replace("/", "_")

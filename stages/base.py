@@ -1,0 +1,117 @@
+"""What every stage is: a small async class the runner feeds with messages, found by name.
+
+A stage gets `handle(env)` for each message addressed to it and `abort(rid)` when a request is
+dropped everywhere; it sends with `self.send(dst, msg)`. Model work never runs on the event loop
+(see worker.py), so a stage keeps answering heartbeats and aborts while it decodes.
+
+Stages are found by name in STAGES; `--stage parse=my_pkg.mod:MyParser` swaps one for any class
+with the same interface, leaving the others as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from specsot_mq.errors import SpecSotError
+from specsot_mq.messages import Envelope
+
+STAGES = {
+    "gateway": "specsot_mq.stages.gateway:Gateway",
+    "skeleton": "specsot_mq.stages.skeleton:SkeletonStage",
+    "parse": "specsot_mq.stages.parse:ParseStage",
+    "schedule": "specsot_mq.stages.schedule:ScheduleStage",
+    "branch": "specsot_mq.stages.branch:BranchStage",
+    "merge": "specsot_mq.stages.merge:MergeStage",
+}
+
+
+@dataclass(slots=True)
+class RunSpec:
+    """Everything a stage process needs to know about the run; the launcher writes it once and
+    every process (local or remote) gets the same one."""
+
+    topology: str  # "p2p" or "ring"
+    table: dict[str, str]  # stage name -> inbox address, in ring order
+    kinds: dict[str, str]  # stage name -> its kind (a key of STAGES)
+    hosts: dict[str, str]  # stage name -> host it runs on
+    devices: dict[str, str]  # device stage name -> "ip#gpu"
+    profiles: dict[str, dict]  # branch stage name -> its DeviceProfile fields
+    client_address: str  # where the gateway listens for clients
+    overrides: dict[str, str] = field(default_factory=dict)  # kind -> "module:Class"
+    model: str | None = None  # name or path (None: the default model)
+    dtype: str = "auto"
+    draft: str | None = "auto"
+    sot: dict = field(default_factory=dict)  # SoTConfig fields (max_points, skeleton_tokens, ...)
+    skeleton_slots: int = 4  # skeletons decoded together (from different requests)
+    max_len: int = 2048
+    heartbeat_s: float = 0.5
+    dead_after_s: float = 5.0  # a stage silent this long is down
+    threads: dict[str, int] = field(default_factory=dict)  # device stage -> torch threads
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        return cls(**json.loads(text))
+
+    def named(self, kind: str) -> list[str]:
+        """The stages of one kind, in ring order."""
+        return [name for name, k in self.kinds.items() if k == kind]
+
+
+class Stage:
+    """The interface the runner drives. Subclasses override what they need."""
+
+    def __init__(self, name: str, spec: RunSpec, send: Callable[[str, object], Awaitable[None]]):
+        self.name, self.spec, self.send = name, spec, send
+        self.tokens = 0  # tokens produced so far (device stages), for the tokens/s column
+
+    async def start(self) -> None:
+        """Load what the stage needs (a model, a tokenizer); called once before Ready is sent."""
+
+    async def handle(self, env: Envelope) -> None:
+        """One message addressed to this stage."""
+
+    async def abort(self, rid: str) -> None:
+        """Forget a request (it failed or was cancelled); its work must stop soon."""
+
+    async def stop(self) -> None:
+        """Release what start() took; called once on SIGTERM."""
+
+    def inflight(self) -> int:
+        """Requests this stage holds now."""
+        return 0
+
+
+def stage_class(kind: str, overrides: dict[str, str] | None = None) -> type:
+    """The class for a stage kind: an override "module:Class" if given, else the built-in one."""
+    target = (overrides or {}).get(kind) or STAGES.get(kind)
+    if target is None:
+        raise SpecSotError(f"unknown stage '{kind}': the stages are {', '.join(STAGES)}")
+    module, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SpecSotError(f"stage {kind}={target} cannot be loaded ({exc}): give it as module.path:ClassName") from None
+    if not (isinstance(cls, type) and issubclass(cls, Stage)):
+        raise SpecSotError(f"stage {kind}={target} is not a Stage subclass (specsot_mq.stages.base.Stage)")
+    return cls
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """`--stage kind=module:Class` flags as {kind: "module:Class"}, each checked to load."""
+    overrides = {}
+    for item in items:
+        kind, eq, target = item.partition("=")
+        if not eq or ":" not in target or kind not in STAGES:
+            raise SpecSotError(
+                f"--stage {item!r} must be KIND=module.path:ClassName with KIND one of {', '.join(STAGES)}"
+            )
+        overrides[kind] = target
+        stage_class(kind, overrides)
+    return overrides

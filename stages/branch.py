@@ -1,0 +1,62 @@
+"""A branch stage (one per device): decodes the points it is given, together with the points of
+other requests in one running batch, each request's prompts sharing their prefix in the cache."""
+
+from __future__ import annotations
+
+import time
+
+from specsot_mq.errors import SpecSotError
+from specsot_mq.generate import Job
+from specsot_mq.messages import BranchTask, Failed, PointEnd, PointText, ids, params_from_wire
+from specsot_mq.stages.worker import DeviceStage, batch_key
+
+
+class BranchStage(DeviceStage):
+    async def start(self) -> None:
+        self.slots = int(self.spec.profiles[self.name]["max_parallel"])
+        self.merge = self.spec.named("merge")[0]
+        self.running: dict[str, dict[int, list]] = {}  # rid -> index -> [tokens, steps, started]
+        await super().start()
+
+    def inflight(self) -> int:
+        return len(self.running)
+
+    async def handle(self, env) -> None:
+        msg = env.msg
+        if not isinstance(msg, BranchTask):
+            return
+        try:
+            params = params_from_wire(msg.params)
+        except (SpecSotError, TypeError) as exc:
+            self.post("gateway", Failed(msg.rid, str(exc)))
+            return
+        prefix = msg.prefix.tolist()
+        now = time.monotonic()
+        self.running[msg.rid] = {i: [0, 0, now] for i in msg.indices}
+        jobs = [Job((msg.rid, i), prefix + s.tolist(), params, len(prefix), msg.rid) for i, s in zip(msg.indices, msg.suffixes)]
+        self.worker.submit(jobs, batch_key(msg.rid, params))
+
+    def on_delta(self, key, delta) -> None:
+        rid, index = key
+        points = self.running.get(rid)
+        if points is None or index not in points:
+            return
+        count = points[index]
+        self.tokens += len(delta.token_ids)
+        count[0] += len(delta.token_ids)
+        count[1] += 1
+        if delta.text:
+            self.post(self.merge, PointText(rid, index, delta.text, ids(delta.token_ids)))
+        if delta.finish_reason:
+            del points[index]
+            if not points:
+                del self.running[rid]
+            self.post(self.merge, PointEnd(rid, index, delta.finish_reason, count[0], count[1], time.monotonic() - count[2]))
+
+    def on_error(self, key, error: str) -> None:
+        if self.running.pop(key[0], None) is not None:
+            self.post("gateway", Failed(key[0], f"branch stage {self.name} failed: {error}"))
+
+    async def abort(self, rid: str) -> None:
+        self.running.pop(rid, None)
+        await super().abort(rid)

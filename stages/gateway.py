@@ -1,0 +1,175 @@
+"""The gateway: where clients connect (a ROUTER socket at `client_address`), and the one stage that
+knows every request in flight and every stage's health.
+
+A question goes to the skeleton stage; everything a client should see (skeleton text, the plan,
+point text, the answer, a failure) comes back here and goes out to that client. Every stage sends
+Ready once and a Heartbeat every `heartbeat_s`; a stage silent for `dead_after_s` is down: every
+request it holds fails with a message naming it (a linear stage holds every request, a branch stage
+those the scheduler gave it), the request is aborted everywhere, and the scheduler stops using a
+down branch until it is heard from again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from specsot_mq.messages import (
+    BROADCAST, Abort, Answer, Ask, Cancel, Failed, Heartbeat, Membership, MergePlan, PointText, Ready,
+    SkeletonText, Status, StatusQuery, WireError, decode, encode,
+)  # fmt: skip
+from specsot_mq.stages.base import Stage
+
+log = logging.getLogger("specsot.gateway")
+LINEAR = ("skeleton", "parse", "schedule", "merge")  # kinds every request passes through
+
+
+@dataclass(slots=True)
+class _Request:
+    client: bytes  # the client's ROUTER identity
+    started: float
+    holders: set = field(default_factory=set)  # stages that hold part of it
+
+
+class Gateway(Stage):
+    async def start(self) -> None:
+        self.clients = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.clients.setsockopt(zmq.LINGER, 0)
+        self.clients.bind(self.spec.client_address)
+        self.requests: dict[str, _Request] = {}
+        now = time.monotonic()
+        self.health = {name: {"stage": name, "kind": kind, "host": self.spec.hosts.get(name, ""),
+                              "device": self.spec.devices.get(name, ""), "up": name == self.name,
+                              "ever_up": name == self.name, "seen": now}
+                       for name, kind in self.spec.kinds.items()}  # fmt: skip
+        self.linear = [n for n, kind in self.spec.kinds.items() if kind in LINEAR]
+        self.branches = self.spec.named("branch")
+        self._tasks = [asyncio.create_task(self._serve_clients()), asyncio.create_task(self._watch())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.clients.close(linger=0)
+
+    def inflight(self) -> int:
+        return len(self.requests)
+
+    # -- from stages ---------------------------------------------------------------------------
+
+    async def handle(self, env) -> None:
+        msg = env.msg
+        if isinstance(msg, (Ready, Heartbeat)):
+            await self.handle_local(msg)
+        elif isinstance(msg, (SkeletonText, PointText)):
+            await self._to_client(msg.rid, msg)
+        elif isinstance(msg, MergePlan):
+            if msg.rid in self.requests:
+                self.requests[msg.rid].holders.update(msg.branches)
+            await self._to_client(msg.rid, msg)
+        elif isinstance(msg, Answer):
+            request = self.requests.pop(msg.rid, None)
+            if request is not None:
+                msg.stats["seconds"] = time.monotonic() - request.started
+                await self._send_client(request.client, msg)
+        elif isinstance(msg, Failed):
+            await self._fail(msg.rid, msg.error)
+
+    async def handle_local(self, msg: Ready | Heartbeat) -> None:
+        """A stage's sign of life (the gateway's own heartbeat comes here too)."""
+        entry = self.health.get(msg.stage)
+        if entry is None:
+            return
+        was_up = entry["up"]
+        entry.update(up=True, ever_up=True, seen=time.monotonic())
+        if isinstance(msg, Heartbeat):
+            entry.update({f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)})
+        else:
+            entry.update(pid=msg.pid, host=msg.host, device=msg.device)
+            log.info("%s is ready (pid %d on %s)", msg.stage, msg.pid, msg.host)
+        if not was_up and entry["kind"] == "branch":
+            await self._membership()
+
+    # -- health --------------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.heartbeat_s)
+            now = time.monotonic()
+            for name, entry in self.health.items():
+                silent = now - entry["seen"]
+                if name != self.name and entry["up"] and silent > self.spec.dead_after_s:
+                    entry["up"] = False
+                    log.error("%s is down (no heartbeat for %.1f s)", name, silent)
+                    await self._stage_down(name, silent)
+
+    async def _stage_down(self, name: str, silent: float) -> None:
+        error = (f"stage {name} stopped answering (no heartbeat for {silent:.1f} s), so this request was "
+                 "dropped; the launcher restarts the stage, retry in a moment")  # fmt: skip
+        for rid, request in list(self.requests.items()):
+            if name in self.linear or name in request.holders:
+                await self._fail(rid, error)
+        if name in self.branches:
+            await self._membership()
+
+    async def _membership(self) -> None:
+        alive = [n for n in self.branches if self.health[n]["up"]]
+        for name in self.spec.named("schedule"):
+            await self.send(name, Membership(alive))
+
+    # -- clients -------------------------------------------------------------------------------
+
+    async def _serve_clients(self) -> None:
+        while True:
+            client, *frames = await self.clients.recv_multipart(copy=False)
+            client = client.bytes
+            try:
+                msg = decode(frames).msg
+            except WireError as exc:
+                log.warning("dropped a malformed client message: %s", exc)
+                continue
+            try:
+                await self._from_client(client, msg)
+            except Exception:
+                log.exception("failed on a client's %s", type(msg).__name__)
+
+    async def _from_client(self, client: bytes, msg) -> None:
+        if isinstance(msg, StatusQuery):
+            stages = [{k: v for k, v in e.items() if k != "seen"} | {"age": time.monotonic() - e["seen"]}
+                      for e in self.health.values()]  # fmt: skip
+            ready = all(e["up"] for e in self.health.values())
+            await self._send_client(client, Status(ready, stages))
+        elif isinstance(msg, Ask):
+            down = [n for n in self.linear if not self.health[n]["up"]]
+            if not any(self.health[n]["up"] for n in self.branches):
+                down += self.branches
+            if msg.rid in self.requests:
+                await self._send_client(client, Failed(msg.rid, f"request id {msg.rid} is already in flight"))
+            elif down:
+                state = "is not up yet" if not all(self.health[n]["ever_up"] for n in down) else "is down"
+                await self._send_client(client, Failed(msg.rid, f"stage {down[0]} {state}: retry in a moment"))
+            else:
+                self.requests[msg.rid] = _Request(client, time.monotonic(), set(self.linear))
+                await self.send(self.spec.named("skeleton")[0], msg)
+        elif isinstance(msg, Cancel):
+            await self._fail(msg.rid, "cancelled by the client")
+
+    async def _fail(self, rid: str, error: str) -> None:
+        request = self.requests.pop(rid, None)
+        if request is None:
+            return
+        await self.send(BROADCAST, Abort(rid, error))
+        await self._send_client(request.client, Failed(rid, error))
+
+    async def _to_client(self, rid: str, msg) -> None:
+        request = self.requests.get(rid)
+        if request is not None:
+            await self._send_client(request.client, msg)
+
+    async def _send_client(self, client: bytes, msg) -> None:
+        await self.clients.send_multipart([client, *encode(msg, "client", self.name)], copy=False)

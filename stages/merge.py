@@ -1,0 +1,60 @@
+"""The merge stage: collects every point of a request, streams each point's text on to the gateway
+as it grows, and assembles the answer in plan order once the last point ends."""
+
+from __future__ import annotations
+
+from specsot_mq.messages import Answer, MergePlan, PointEnd, PointText
+from specsot_mq.stages.base import Stage
+
+
+class MergeStage(Stage):
+    async def start(self) -> None:
+        # rid -> {"plan": MergePlan | None, "texts": {index: [str]}, "ends": {index: PointEnd}}
+        self.requests: dict[str, dict] = {}
+        self.aborted: dict[str, bool] = {}  # recent aborts, so late points of one are ignored (bounded)
+
+    def inflight(self) -> int:
+        return len(self.requests)
+
+    def merge(self, plan: MergePlan, texts: dict[int, str]) -> str:
+        """The answer from the plan and every point's text; a replacement merger overrides this."""
+        if plan.mode != "sot":
+            return texts.get(0, "")
+        return "\n".join(f"{index}. {title}{texts.get(index, '')}" for index, title in plan.points)
+
+    async def handle(self, env) -> None:
+        msg = env.msg
+        if not isinstance(msg, (MergePlan, PointText, PointEnd)) or msg.rid in self.aborted:
+            return
+        # A point's first text can overtake the plan (they come from different stages): keep both.
+        state = self.requests.setdefault(msg.rid, {"plan": None, "texts": {}, "ends": {}})
+        if isinstance(msg, MergePlan):
+            state["plan"] = msg
+            await self.send("gateway", msg)
+        elif isinstance(msg, PointText):
+            state["texts"].setdefault(msg.index, []).append(msg.text)
+            await self.send("gateway", msg)
+        else:
+            state["ends"][msg.index] = msg
+        await self._maybe_done(msg.rid, state)
+
+    async def _maybe_done(self, rid: str, state: dict) -> None:
+        plan: MergePlan | None = state["plan"]
+        if plan is None or len(state["ends"]) < sum(len(v) for v in plan.branches.values()):
+            return
+        del self.requests[rid]
+        texts = {i: "".join(parts) for i, parts in state["texts"].items()}
+        ends = state["ends"].values()
+        phase = "points" if plan.mode == "sot" else "direct"
+        stats = dict(plan.stats)
+        stats[phase] = {"tokens": sum(e.tokens for e in ends), "steps": sum(e.steps for e in ends),
+                        "seconds": max((e.seconds for e in ends), default=0.0)}  # fmt: skip
+        points = [[i, title, texts.get(i, "")] for i, title in plan.points] if plan.mode == "sot" else []
+        await self.send("gateway", Answer(rid, self.merge(plan, texts), plan.mode, plan.reason, plan.skeleton, points,
+                                          stats))  # fmt: skip
+
+    async def abort(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+        self.aborted[rid] = True
+        while len(self.aborted) > 10_000:
+            del self.aborted[next(iter(self.aborted))]

@@ -1,0 +1,106 @@
+"""One stage process: `python -m specsot_mq.stages.runner --name NAME --spec JSON`.
+
+It runs on uvloop, binds the stage's inbox, starts the stage (loads its model), says Ready to the
+gateway, sends a Heartbeat every `heartbeat_s`, feeds every message to the stage, and on SIGTERM
+stops the stage and exits 0. A malformed frame is logged and dropped by the transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import resource
+import signal
+import socket
+import time
+
+from specsot_mq.messages import Abort, Heartbeat, Ready
+from specsot_mq.stages.base import RunSpec, Stage, stage_class
+from specsot_mq.transports import make_transport
+
+log = logging.getLogger("specsot.stage")
+
+
+def rss_mb() -> tuple[float, float]:
+    """(resident memory now, peak resident memory) of this process, in MB."""
+    try:
+        with open("/proc/self/statm") as f:
+            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        now = 0.0
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+async def serve(name: str, spec: RunSpec, ctx=None) -> None:
+    """Run stage `name` until SIGTERM (or until the task is cancelled, as tests do in-process)."""
+    transport = make_transport(spec.topology, name, spec.table, ctx)
+    stage: Stage = stage_class(spec.kinds[name], spec.overrides)(name, spec, transport.send)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGTERM, stopping.set)
+        loop.add_signal_handler(signal.SIGINT, stopping.set)
+    except (NotImplementedError, RuntimeError):  # not the main thread (tests run stages in threads)
+        pass
+    await stage.start()
+    host = spec.hosts.get(name, socket.gethostname())
+    if name != "gateway":
+        await transport.send("gateway", Ready(name, os.getpid(), host, spec.devices.get(name, "")))
+
+    async def heartbeat():
+        last_tokens, last_time = 0, time.monotonic()
+        rate = 0.0
+        while True:
+            await asyncio.sleep(spec.heartbeat_s)
+            now = time.monotonic()
+            if now - last_time >= 2.0:  # tokens/s over the last ~2 seconds
+                rate = (stage.tokens - last_tokens) / (now - last_time)
+                last_tokens, last_time = stage.tokens, now
+            inflight = stage.inflight()
+            beat = Heartbeat(name, os.getpid(), "busy" if inflight else "idle", inflight, rate, *rss_mb())
+            if name == "gateway":
+                await stage.handle_local(beat)
+            else:
+                await transport.send("gateway", beat)
+
+    async def receive():
+        while True:
+            env = await transport.recv()
+            try:
+                if isinstance(env.msg, Abort):
+                    await stage.abort(env.msg.rid)
+                if not isinstance(env.msg, Abort) or name == "gateway":
+                    await stage.handle(env)
+            except Exception:  # one bad message must not take the stage down
+                log.exception("%s failed on %s from %s", name, type(env.msg).__name__, env.src)
+
+    tasks = [asyncio.create_task(heartbeat()), asyncio.create_task(receive())]
+    try:
+        await stopping.wait()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await stage.stop()
+        transport.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="One SpecSoT stage process (started by `specsot launch`).")
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--spec", required=True, help="the run's RunSpec as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
+    spec = RunSpec.from_json(args.spec)
+    try:
+        import uvloop
+    except ImportError:
+        log.warning("uvloop is not installed: running on the default asyncio loop")
+        asyncio.run(serve(args.name, spec))
+    else:
+        uvloop.run(serve(args.name, spec))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The skeleton stage (a device stage): routes each question, and decodes the skeletons of the
+questions that go the SoT way, several requests' skeletons in one running batch."""
+
+from __future__ import annotations
+
+import time
+
+from specsot_mq.errors import SpecSotError
+from specsot_mq.generate import Job
+from specsot_mq.messages import Ask, Failed, Skeleton, SkeletonText, ids, params_from_wire
+from specsot_mq.prompts import load_format
+from specsot_mq.sot.engine import SoTConfig, skeleton_params
+from specsot_mq.sot.router import route
+from specsot_mq.stages.worker import DeviceStage, batch_key
+
+
+class SkeletonStage(DeviceStage):
+    async def start(self) -> None:
+        self.slots = self.spec.skeleton_slots
+        self.config = SoTConfig(**self.spec.sot)
+        self.format = load_format(self.config.prompt_format)
+        self.parse = self.spec.named("parse")[0]
+        self.running: dict[str, dict] = {}  # rid -> the Ask, its text so far, counts
+        await super().start()
+
+    def inflight(self) -> int:
+        return len(self.running)
+
+    async def handle(self, env) -> None:
+        msg = env.msg
+        if not isinstance(msg, Ask):
+            return
+        try:
+            params = params_from_wire(msg.params)
+            decision = route(msg.question, msg.sot)
+        except (SpecSotError, TypeError) as exc:
+            self.post("gateway", Failed(msg.rid, str(exc)))
+            return
+        if not decision.use_sot:
+            self.post(self.parse, Skeleton(msg.rid, msg.question, msg.params, "direct", decision.reason, "", {}))
+            return
+        prompt = self.format.skeleton_ids(self.gen.tokenizer, msg.question)
+        self.running[msg.rid] = {"ask": msg, "reason": decision.reason, "text": self.format.skeleton_prefix,
+                                 "tokens": 0, "steps": 0, "started": time.monotonic()}  # fmt: skip
+        self.post("gateway", SkeletonText(msg.rid, self.format.skeleton_prefix, ids([])))
+        self.worker.submit([Job((msg.rid, 0), prompt, skeleton_params(self.config, params))],
+                           batch_key(msg.rid, params))  # fmt: skip
+
+    def on_delta(self, key, delta) -> None:
+        rid = key[0]
+        state = self.running.get(rid)
+        if state is None:
+            return
+        self.tokens += len(delta.token_ids)
+        state["tokens"] += len(delta.token_ids)
+        state["steps"] += 1
+        state["text"] += delta.text
+        if delta.text:
+            self.post("gateway", SkeletonText(rid, delta.text, ids(delta.token_ids)))
+        if delta.finish_reason:
+            del self.running[rid]
+            if delta.finish_reason == "abort":
+                return
+            ask = state["ask"]
+            stats = {"skeleton": {"tokens": state["tokens"], "steps": state["steps"],
+                                  "seconds": time.monotonic() - state["started"]}}  # fmt: skip
+            self.post(self.parse, Skeleton(rid, ask.question, ask.params, "sot", state["reason"], state["text"], stats))
+
+    def on_error(self, key, error: str) -> None:
+        if self.running.pop(key[0], None) is not None:
+            self.post("gateway", Failed(key[0], f"the skeleton stage failed: {error}"))
+
+    async def abort(self, rid: str) -> None:
+        self.running.pop(rid, None)
+        await super().abort(rid)
+

@@ -1,0 +1,157 @@
+"""The model side of a device stage: one thread runs the generation loop over the stage's one
+Generator (one model, one draft head, one KV cache allocated at start), admitting the prompts of any
+request into the running batch as slots free up. The event loop hands jobs in with submit() and
+gets every delta back on the loop through `emit`.
+
+Sampling: one decoder samples for its whole batch, so a batch holds greedy jobs of any requests,
+or the jobs of one sampled request (its seed then reproduces). A job that cannot join the running
+batch waits until the batch drains, and while one waits no more jobs are admitted, so none starve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from specsot_mq.generate import Delta, Generator, Job
+from specsot_mq.stages.base import Stage
+
+log = logging.getLogger("specsot.worker")
+
+
+class DeviceWorker:
+    """A thread that decodes jobs; `emit(key, delta)` is called on the event loop."""
+
+    def __init__(self, gen: Generator, emit: Callable[[object, Delta], None], loop: asyncio.AbstractEventLoop,
+                 on_error: Callable[[object, str], None]):  # fmt: skip
+        self.gen, self.emit, self.loop, self.on_error = gen, emit, loop, on_error
+        self.inbox: queue.Queue = queue.Queue()
+        self.cancelled: dict = {}  # request ids whose jobs stop (job keys are (rid, index)); the newest kept
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name="device-worker", daemon=True)
+        self.thread.start()
+
+    def submit(self, jobs: list[Job], batch_key: object) -> None:
+        """Queue jobs; jobs with equal batch_key may share a batch (see the module docstring)."""
+        self.inbox.put((batch_key, jobs))
+
+    def cancel(self, rid: str) -> None:
+        self.cancelled[rid] = True
+        while len(self.cancelled) > 10_000:  # bounded: memory stays flat however long the stage runs
+            del self.cancelled[next(iter(self.cancelled))]
+
+    def close(self) -> None:
+        self._stop.set()
+        self.inbox.put(None)
+        self.thread.join(timeout=10)
+
+    def _serve(self) -> None:
+        held: list[tuple[object, list[Job]]] = []  # jobs waiting for the next batch
+        while not self._stop.is_set():
+            if not held:
+                item = self.inbox.get()
+                if item is None:
+                    return
+                held.append(item)
+            key = held[0][0]
+            pending = [job for k, jobs in held if k == key for job in jobs]
+            held = [(k, jobs) for k, jobs in held if k != key]
+
+            def admit(room: int) -> list[Job]:
+                while True:  # take what has arrived since
+                    try:
+                        item = self.inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        self._stop.set()
+                        break
+                    if item[0] == key and not held:
+                        pending.extend(item[1])
+                    else:
+                        held.append(item)
+                pending[:] = [job for job in pending if job.key[0] not in self.cancelled]
+                taken = pending[:room]
+                del pending[:room]
+                return taken
+
+            if not pending:
+                continue
+            active: set = set()
+            try:
+                decoder = self.gen.new_decoder(pending[0].params)
+                for job_key, delta in self.gen.run(self._tracking(admit, active), decoder,
+                                                   cancelled=lambda k: k[0] in self.cancelled):  # fmt: skip
+                    if delta.finish_reason:
+                        active.discard(job_key)
+                    self.loop.call_soon_threadsafe(self.emit, job_key, delta)
+                    if self._stop.is_set():
+                        return
+            except Exception as exc:  # a failed batch fails its requests, not the stage
+                log.exception("decoding failed")
+                for job_key in active | {job.key for job in pending}:
+                    self.loop.call_soon_threadsafe(self.on_error, job_key, f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _tracking(admit, active: set):
+        def wrapped(room: int) -> list[Job]:
+            jobs = admit(room)
+            active.update(job.key for job in jobs)
+            return jobs
+
+        return wrapped
+
+
+class DeviceStage(Stage):
+    """A stage that owns a device: one Generator (model, draft head, KV cache allocated at start)
+    and the worker thread that decodes on it. Messages go out in order through one sender task."""
+
+    slots = 8  # sequences decoded at once; subclasses set it from the spec
+
+    async def start(self) -> None:
+        import torch
+
+        from specsot_mq.loader import load_generator
+
+        threads = self.spec.threads.get(self.name)
+        if threads:
+            torch.set_num_threads(threads)
+        host_device = self.spec.devices.get(self.name, "127.0.0.1#cpu")
+        slot = host_device.rpartition("#")[2]
+        device = "cpu" if slot == "cpu" else f"cuda:{slot}"
+        loop = asyncio.get_running_loop()
+        self.gen = await loop.run_in_executor(None, lambda: load_generator(
+            self.spec.model, self.spec.dtype, device, self.spec.max_len, self.slots, self.spec.draft))  # fmt: skip
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self._sender = asyncio.create_task(self._drain())
+        self.worker = DeviceWorker(self.gen, self.on_delta, loop, self.on_error)
+
+    async def _drain(self) -> None:
+        while True:
+            dst, msg = await self.outbox.get()
+            await self.send(dst, msg)
+
+    def post(self, dst: str, msg) -> None:
+        """Send without awaiting, keeping the order of posts."""
+        self.outbox.put_nowait((dst, msg))
+
+    def on_delta(self, key, delta: Delta) -> None:
+        """A job's new tokens (on the event loop)."""
+
+    def on_error(self, key, error: str) -> None:
+        """A job's batch failed."""
+
+    async def abort(self, rid: str) -> None:
+        self.worker.cancel(rid)
+
+    async def stop(self) -> None:
+        self.worker.close()
+        self._sender.cancel()
+
+
+def batch_key(rid: str, params) -> object:
+    """Greedy jobs of any requests share a batch; a sampled request gets its own (its seed)."""
+    return "greedy" if params.greedy else rid

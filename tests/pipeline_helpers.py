@@ -1,0 +1,76 @@
+"""Shared by the pipeline tests: a tiny random model folder (with the real tokenizer) and a random
+draft head for it, so stage processes load in a second; a fixed-plan parser stage (a tiny random
+model writes no usable skeleton); and a launch that is always stopped."""
+
+from __future__ import annotations
+
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from specsot_mq.sot.parser import Plan, Point
+from specsot_mq.stages.parse import ParseStage
+
+PLAN = Plan("plan", [Point(1, "Warm up"), Point(2, "Pick shoes", 80), Point(3, "Start slowly"),
+                     Point(4, "Track progress", 20), Point(5, "Rest well")])  # fmt: skip
+
+
+class FixedPlanParse(ParseStage):
+    """Every skeleton gives PLAN (swapped in with --stage parse=tests.pipeline_helpers:FixedPlanParse)."""
+
+    def plan(self, skeleton: str) -> Plan:
+        return PLAN
+
+
+def make_tiny_model(folder: Path, default_model_dir: Path) -> tuple[Path, Path]:
+    """A tiny random Llama over the real tokenizer, saved as an HF folder, and a random draft head."""
+    from conftest import ours_from_hf, tiny_hf
+    from specsot_mq.draft import DraftConfig, DraftHead
+    from specsot_mq.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir)
+    hf = tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=1024)
+    hf.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (default_model_dir / name).exists():
+            shutil.copy(default_model_dir / name, folder / name)
+    base = ours_from_hf(hf)
+    torch.manual_seed(1)
+    head = DraftHead(DraftConfig.for_base(base.cfg, 512))
+    head.d2t.copy_(torch.randperm(base.cfg.vocab_size)[:512])
+    draft = folder / "draft.safetensors"
+    head.save(draft)
+    return folder, draft
+
+
+@contextmanager
+def launched(spec, run_dir):
+    """Start a topology, wait until every stage is ready, and stop it whatever happens."""
+    import asyncio
+
+    from specsot_mq.client import Client
+    from specsot_mq.launch import Launcher
+
+    launcher = Launcher(spec, run_dir)
+    launcher.start()
+    try:
+        async def wait_ready():
+            async with Client(spec.client_address) as client:
+                for _ in range(240):
+                    try:
+                        if (await client.status(timeout=1.0)).ready:
+                            return
+                    except Exception:
+                        pass
+                    if launcher.check():
+                        break
+                    await asyncio.sleep(0.5)
+            logs = "\n".join(f"--- {name}\n{launcher.tail(name)}" for name in spec.kinds)
+            raise RuntimeError(f"the topology did not become ready:\n{logs}")
+
+        asyncio.run(wait_ready())
+        yield launcher
+    finally:
+        launcher.stop()

@@ -1,0 +1,117 @@
+"""The two transports. Every stage binds one PULL inbox at its address; what differs is who a
+message is handed to: the destination itself (p2p) or the next stage of the ring (ring)."""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+import zmq.asyncio
+
+from specsot_mq.messages import BROADCAST, Envelope, WireError, decode, encode, peek
+
+log = logging.getLogger("specsot.transport")
+TOPOLOGIES = ("p2p", "ring")
+_HWM = 100_000  # messages queued per link before a send waits (a dead peer holds them until it is back)
+
+
+class Transport:
+    """One stage's link to the others. `table` maps every stage name to its address (tcp://ip:port,
+    ipc://path or inproc://name), in ring order."""
+
+    def __init__(self, me: str, table: dict[str, str], ctx: zmq.asyncio.Context | None = None):
+        if me not in table:
+            raise ValueError(f"stage {me!r} is not in the address table")
+        self.me, self.table = me, dict(table)
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.inbox = self._socket(zmq.PULL)
+        self.inbox.bind(table[me])
+        self._out: dict[str, zmq.asyncio.Socket] = {}
+        self.dropped = 0  # malformed frames received and dropped
+
+    def _socket(self, kind):
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, _HWM)
+        sock.setsockopt(zmq.RCVHWM, _HWM)
+        return sock
+
+    def _link(self, name: str) -> zmq.asyncio.Socket:
+        if name not in self._out:
+            sock = self._socket(zmq.PUSH)
+            sock.connect(self.table[name])
+            self._out[name] = sock
+        return self._out[name]
+
+    async def send(self, dst: str, msg) -> None:
+        """Send msg to the stage named dst (BROADCAST: every other stage)."""
+        if dst != BROADCAST and dst not in self.table:
+            raise ValueError(f"no stage named {dst!r} (known: {', '.join(self.table)})")
+        await self._route(dst, encode(msg, dst, self.me))
+
+    async def _route(self, dst: str, frames: list) -> None:
+        raise NotImplementedError
+
+    async def _frames(self) -> list:
+        return await self.inbox.recv_multipart(copy=False)
+
+    async def recv(self) -> Envelope:
+        """The next message for this stage; malformed frames are logged and dropped."""
+        while True:
+            frames = await self._frames()
+            try:
+                env = await self._arrived(frames)
+                if env is not None:
+                    return env
+            except WireError as exc:
+                self.dropped += 1
+                log.warning("%s dropped a malformed message: %s", self.me, exc)
+
+    async def _arrived(self, frames: list) -> Envelope | None:
+        return decode(frames)
+
+    def close(self) -> None:
+        for sock in [self.inbox, *self._out.values()]:
+            sock.close(linger=0)
+
+
+class P2P(Transport):
+    """Senders connect straight to the receiver's inbox."""
+
+    async def _route(self, dst: str, frames: list) -> None:
+        names = [n for n in self.table if n != self.me] if dst == BROADCAST else [dst]
+        for name in names:
+            await self._link(name).send_multipart(frames, copy=False)
+
+
+class Ring(Transport):
+    """Each stage sends only to its successor (the next name in the table, wrapping around);
+    a stage forwards what is not for it without decoding the body. A broadcast goes once around."""
+
+    def __init__(self, me: str, table: dict[str, str], ctx: zmq.asyncio.Context | None = None):
+        super().__init__(me, table, ctx)
+        order = list(table)
+        self.successor = order[(order.index(me) + 1) % len(order)]
+        self.forwarded = 0
+
+    async def _route(self, dst: str, frames: list) -> None:
+        await self._link(self.successor).send_multipart(frames, copy=False)
+
+    async def _arrived(self, frames: list) -> Envelope | None:
+        _, dst, src = peek(frames)
+        if dst == self.me:
+            return decode(frames)
+        if dst == BROADCAST:
+            if self.successor != src:
+                await self._route(dst, frames)
+            return decode(frames) if src != self.me else None
+        self.forwarded += 1
+        await self._route(dst, frames)
+        return None
+
+
+def make_transport(topology: str, me: str, table: dict[str, str], ctx=None) -> Transport:
+    """The transport of this topology for stage `me`."""
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
+    return (P2P if topology == "p2p" else Ring)(me, table, ctx)
