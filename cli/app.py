@@ -1,4 +1,4 @@
-"""`specsot`: pull models and answer questions from the terminal."""
+"""`specsot`: pull models, answer questions, train draft heads; serve.py adds launch, chat and run."""
 
 from __future__ import annotations
 
@@ -123,6 +123,9 @@ def train_draft(
     print(json.dumps(record))
 
 
+from specsot_mq.cli import serve  # noqa: E402,F401  (registers launch, chat and run)
+
+
 def main() -> None:
     """Console entry point: user errors become one red line and exit status 2, not a traceback."""
     try:
@@ -133,3 +136,4 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")
         sys.exit(130)
+

@@ -15,7 +15,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 @dataclass(frozen=True, slots=True)
 class Device:
     host: str  # an IP address or a resolvable host name
-    slot: str  # "cpu" or a GPU number
+    slot: str  # a GPU number, or "cpu" ("cpu0", "cpu1"... name several CPU devices of one host)
 
     @property
     def name(self) -> str:
@@ -23,7 +23,7 @@ class Device:
 
     @property
     def torch_device(self) -> str:
-        return "cpu" if self.slot == "cpu" else f"cuda:{self.slot}"
+        return "cpu" if self.slot.startswith("cpu") else f"cuda:{self.slot}"
 
 
 def parse_devices(text: str, resolve: bool = True) -> list[Device]:
@@ -36,8 +36,9 @@ def parse_devices(text: str, resolve: bool = True) -> list[Device]:
         host, sep, slot = item.rpartition("#")
         if not sep or not host:
             raise SpecSotError(f"device {item!r} is not of the form ip#gpu: write e.g. 127.0.0.1#0, or 127.0.0.1#cpu")
-        if slot != "cpu" and not slot.isdecimal():
-            raise SpecSotError(f"device {item!r}: after '#' comes a GPU number or cpu, not {slot!r}")
+        if not slot.isdecimal() and not (slot.startswith("cpu") and (slot == "cpu" or slot[3:].isdecimal())):
+            raise SpecSotError(f"device {item!r}: after '#' comes a GPU number, cpu, or cpu0, cpu1... "
+                               f"(several CPU devices on one host), not {slot!r}")  # fmt: skip
         if resolve:
             _check_host(host, item)
         device = Device(host, slot)

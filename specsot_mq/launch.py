@@ -58,7 +58,7 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
     for name in dev:
         per_host[hosts[name]] = per_host.get(hosts[name], 0) + 1
     threads = {name: max(1, (os.cpu_count() or 1) // per_host[hosts[name]]) for name in dev
-               if dev[name].endswith("#cpu")}  # fmt: skip
+               if "#cpu" in dev[name]}  # fmt: skip
     profs = {f"branch@{p.name}": {"compute": p.compute, "memory_gb": p.memory_gb, "bandwidth_gb_s": p.bandwidth_gb_s,
                                   "max_parallel": p.max_parallel} for p in device_profiles(devices, profiles)}  # fmt: skip
     return RunSpec(topology, table, kinds, hosts, dev, profs, address("client"), threads=threads, **options)

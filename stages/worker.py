@@ -121,7 +121,7 @@ class DeviceStage(Stage):
             torch.set_num_threads(threads)
         host_device = self.spec.devices.get(self.name, "127.0.0.1#cpu")
         slot = host_device.rpartition("#")[2]
-        device = "cpu" if slot == "cpu" else f"cuda:{slot}"
+        device = "cpu" if slot.startswith("cpu") else f"cuda:{slot}"
         loop = asyncio.get_running_loop()
         self.gen = await loop.run_in_executor(None, lambda: load_generator(
             self.spec.model, self.spec.dtype, device, self.spec.max_len, self.slots, self.spec.draft))  # fmt: skip

@@ -53,6 +53,11 @@ def launched(spec, run_dir):
     from specsot_mq.client import Client
     from specsot_mq.launch import Launcher
 
+    import os
+
+    tests = str(Path(__file__).parent)  # stage processes import FixedPlanParse from here
+    if tests not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
     launcher = Launcher(spec, run_dir)
     launcher.start()
     try:

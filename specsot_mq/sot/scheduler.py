@@ -136,7 +136,7 @@ def profile_for(device: str, profiles: dict[str, DeviceProfile]) -> DeviceProfil
     host, _, slot = device.rpartition("#")
     if not host or not slot:
         raise SpecSotError(f"device '{device}' is not of the form ip#gpu: write e.g. 127.0.0.1#0 or 127.0.0.1#cpu")
-    kind = "cpu" if slot == "cpu" else "cuda" if slot.isdecimal() else None
+    kind = "cpu" if slot.startswith("cpu") else "cuda" if slot.isdecimal() else None
     if kind is None:
         raise SpecSotError(
             f"device '{device}' names neither a GPU number nor cpu: write ip#0, ip#1, ... or ip#cpu, "

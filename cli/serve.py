@@ -1,0 +1,422 @@
+"""`specsot launch`, `specsot chat` and `specsot run`: the stage topology and its two clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from specsot_mq.cli.app import DraftOpt, DtypeOpt, ModelOpt, app, err
+from specsot_mq.errors import SpecSotError
+
+DevicesOpt = Annotated[str, typer.Option("--devices", help="Devices as ip#gpu,... (#cpu for a CPU device).")]
+TopologyOpt = Annotated[str, typer.Option("--topology", help="p2p or ring.")]
+RunOpt = Annotated[str, typer.Option("--run", help="Name of the run (its run file under $SPECSOT_HOME/runs).")]
+StageOpt = Annotated[Optional[list[str]], typer.Option("--stage", help="Swap a stage: KIND=module.path:Class.")]
+
+
+def _run_file(name: str) -> Path:
+    from specsot_mq.launch import runs_folder
+
+    return Path(name) if name.endswith(".json") else runs_folder() / f"{name}.json"
+
+
+def start_topology(devices: str, topology: str, model, dtype, draft, stages, remote: str, devices_file,
+                   max_points: int, point_tokens: int, skeleton_tokens: int, base_port: int, restart: bool):  # fmt: skip
+    """Plan and start a topology; returns (launcher, spec)."""
+    from specsot_mq.devices import parse_devices
+    from specsot_mq.launch import Launcher, plan_run
+    from specsot_mq.sot.engine import SoTConfig
+    from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
+    from specsot_mq.stages.base import parse_overrides
+
+    SoTConfig(max_points=max_points, point_tokens=point_tokens, skeleton_tokens=skeleton_tokens)  # validates
+    profiles = load_profiles(devices_file or default_profiles_path())
+    run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
+    sot = {"max_points": max_points, "point_tokens": point_tokens, "skeleton_tokens": skeleton_tokens}
+    spec = plan_run(parse_devices(devices), profiles, topology, run_dir, base_port, model=model, dtype=dtype,
+                    draft=draft, sot=sot, overrides=parse_overrides(stages or []))  # fmt: skip
+    launcher = Launcher(spec, run_dir, remote=remote, restart=restart)
+    launcher.start()
+    return launcher, spec
+
+
+async def wait_ready(launcher, spec, timeout: float = 300.0, on_tick=None) -> None:
+    """Until every stage has said Ready; SpecSotError (with the log's tail) if one dies first."""
+    from specsot_mq.client import Client
+
+    deadline = time.monotonic() + timeout
+    async with Client(spec.client_address) as client:
+        while time.monotonic() < deadline:
+            try:
+                status = await client.status(timeout=1.0)
+                if on_tick:
+                    on_tick(status)
+                if status.ready:
+                    return
+            except SpecSotError:
+                pass
+            for stage in launcher.stages.values():
+                if stage.proc is not None and stage.proc.poll() is not None:
+                    raise SpecSotError(f"stage {stage.name} exited while starting; its log ends with:\n"
+                                       f"{launcher.tail(stage.name)}")  # fmt: skip
+            await asyncio.sleep(0.5)
+    raise SpecSotError(f"the stages were not ready after {timeout:.0f} s; logs are in {launcher.run_dir}")
+
+
+def _table(status, launcher) -> Table:
+    table = Table(title=f"SpecSoT-MQ · {launcher.spec.topology} · clients at {launcher.spec.client_address}")
+    for col in ("stage", "host", "device", "pid", "state", "in flight", "tok/s", "memory MB"):
+        table.add_column(col, justify="right" if col in ("pid", "in flight", "tok/s", "memory MB") else "left")
+    rows = {s["stage"]: s for s in (status.stages if status else [])}
+    for name, proc in launcher.stages.items():
+        s = rows.get(name, {})
+        alive = proc.proc is not None and proc.proc.poll() is None
+        state = (s.get("state", "ready") if s.get("up") else "starting" if not s.get("ever_up") else "down") if alive else "dead"
+        color = {"busy": "green", "idle": "cyan", "ready": "cyan", "starting": "yellow"}.get(state, "red")
+        table.add_row(name, launcher.spec.hosts[name], launcher.spec.devices.get(name, "-"),
+                      str(proc.proc.pid if proc.proc else "-"), f"[{color}]{state}[/]", str(s.get("inflight", 0)),
+                      f"{s.get('tokens_per_s', 0.0):.1f}", f"{s.get('rss_mb', 0.0):.0f}")  # fmt: skip
+    return table
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@app.command()
+def launch(
+    devices: DevicesOpt = "127.0.0.1#cpu",
+    topology: TopologyOpt = "p2p",
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "auto",
+    draft: DraftOpt = "auto",
+    stage: StageOpt = None,
+    run: RunOpt = "default",
+    remote: Annotated[str, typer.Option(help="Command that runs {command} on {host}.")] = "ssh {host} {command}",
+    devices_file: Annotated[Optional[str], typer.Option(help="Device profiles (default devices.json).")] = None,
+    max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8,
+    point_tokens: Annotated[int, typer.Option(help="Most tokens per point.")] = 160,
+    skeleton_tokens: Annotated[int, typer.Option(help="Most tokens in a skeleton.")] = 128,
+    base_port: Annotated[int, typer.Option(help="First tcp port (multi-host runs).")] = 5600,
+    restart: Annotated[bool, typer.Option(help="Restart a stage that dies.")] = True,
+):
+    """Start every stage process, show them live, and stop them all on Ctrl-C or SIGTERM."""
+    from specsot_mq.client import Client
+
+    with _sigterm_as_interrupt():
+        launcher, spec = start_topology(devices, topology, model, dtype, draft, stage, remote, devices_file,
+                                        max_points, point_tokens, skeleton_tokens, base_port, restart)  # fmt: skip
+        run_file = _run_file(run)
+        tty = sys.stdout.isatty()
+        try:
+            asyncio.run(wait_ready(launcher, spec))
+            launcher.write_run_file(run_file)
+            print(f"ready: {len(spec.kinds)} stages, {topology}; clients attach with --run {run} "
+                  f"(run file {run_file})", flush=True)  # fmt: skip
+
+            async def watch(live):
+                async with Client(spec.client_address) as client:
+                    while True:
+                        for report in launcher.check():
+                            if live:
+                                live.console.print(f"[red]{report}[/]")
+                            else:
+                                print(report, flush=True)
+                            launcher.write_run_file(run_file)
+                        try:
+                            status = await client.status(timeout=1.0)
+                        except SpecSotError:
+                            status = None
+                        if live:
+                            live.update(_table(status, launcher))
+                        await asyncio.sleep(0.5)
+
+            if tty:
+                with Live(_table(None, launcher), refresh_per_second=4) as live:
+                    asyncio.run(watch(live))
+            else:
+                asyncio.run(watch(None))
+        except KeyboardInterrupt:
+            err.print("stopping every stage…")
+        finally:
+            launcher.stop()
+            run_file.unlink(missing_ok=True)
+
+
+@contextmanager
+def _topology(run: str, **start):
+    """The client address of the run named `run` if one is live, else of a local one started now
+    (and stopped on exit)."""
+    from specsot_mq.launch import read_run_file
+
+    info = read_run_file(_run_file(run))
+    if info is not None:
+        yield info["client_address"]
+        return
+    err.print("[dim]no running launch found: starting a local one (specsot launch starts one to share)…[/]")
+    launcher, spec = start_topology(start.pop("devices"), start.pop("topology"), **start)
+    try:
+        with _sigterm_as_interrupt():
+            asyncio.run(wait_ready(launcher, spec))
+            yield spec.client_address
+    finally:
+        launcher.stop()
+
+
+def _local_options(model, dtype, draft, devices, topology):
+    return {"devices": devices, "topology": topology, "model": model, "dtype": dtype, "draft": draft, "stages": None,
+            "remote": "ssh {host} {command}", "devices_file": None, "max_points": 8, "point_tokens": 160,
+            "skeleton_tokens": 128, "base_port": 5600, "restart": True}  # fmt: skip
+
+
+def parse_batch_line(line: str, number: int) -> tuple[str, str]:
+    """(id, question) from one input line: a plain question, JSONL {"id", "question"}, or the
+    OpenAI batch format {"custom_id", "body": {"messages"}}. SpecSotError says what is wrong."""
+    text = line.strip()
+    if not text.startswith("{"):
+        return f"line-{number}", text
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecSotError(f"line {number} is not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(row, dict):
+        raise SpecSotError(f"line {number} must be a JSON object")
+    rid = row.get("id", row.get("custom_id", f"line-{number}"))
+    if "question" in row:
+        question = row["question"]
+    elif isinstance(row.get("body"), dict) and isinstance(row["body"].get("messages"), list):
+        users = [m.get("content") for m in row["body"]["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+        question = users[-1] if users else None
+    else:
+        raise SpecSotError(f'line {number} has neither "question" nor "body": {{"messages": [...]}}')
+    if not isinstance(question, str) or not question.strip():
+        raise SpecSotError(f"line {number}: the question must be a non-empty string")
+    return str(rid), question
+
+
+@app.command("run")
+def run_batch(
+    input: Annotated[str, typer.Option("-i", "--input", help="Questions file, '-' for stdin.")] = "-",
+    output: Annotated[str, typer.Option("-o", "--output", help="Answers file (JSONL), '-' for stdout.")] = "-",
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 4,
+    run: RunOpt = "default",
+    sot: Annotated[str, typer.Option(help="auto, always or never.")] = "auto",
+    max_tokens: Annotated[int, typer.Option(help="Most new tokens per phase.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 decodes greedily.")] = 0.0,
+    timeout: Annotated[float, typer.Option(help="Seconds a request may stay silent.")] = 600.0,
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "auto",
+    draft: DraftOpt = "auto",
+    devices: DevicesOpt = "127.0.0.1#cpu",
+    topology: TopologyOpt = "p2p",
+):
+    """Answer questions in batch: one line in (plain or JSONL), one JSON line out, in input order."""
+    from specsot_mq.client import Client
+    from specsot_mq.messages import Failed
+    from specsot_mq.sampling import SamplingParams
+
+    if concurrency < 1:
+        raise SpecSotError(f"--concurrency must be at least 1, got {concurrency}")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    src = sys.stdin if input == "-" else open(input, encoding="utf-8")
+    lines = [(n, line) for n, line in enumerate(src.read().splitlines(), 1) if line.strip()]
+    dst = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")
+
+    async def answer_all(address: str) -> int:
+        gate = asyncio.Semaphore(concurrency)
+        failures = 0
+
+        async def one(client, number, line):
+            nonlocal failures
+            try:
+                rid, question = parse_batch_line(line, number)
+            except SpecSotError as exc:
+                failures += 1
+                return {"id": f"line-{number}", "line": number, "error": str(exc)}
+            async with gate:
+                msg = await client.answer(question, params, sot, timeout=timeout)
+            if isinstance(msg, Failed):
+                failures += 1
+                return {"id": rid, "line": number, "error": msg.error}
+            return {"id": rid, "line": number, "answer": msg.answer, "mode": msg.mode, "reason": msg.reason,
+                    "skeleton": msg.skeleton, "points": [{"index": i, "title": t, "text": x} for i, t, x in msg.points],
+                    "stats": msg.stats}  # fmt: skip
+
+        async with Client(address) as client:
+            tasks = [asyncio.create_task(one(client, n, line)) for n, line in lines]
+            for task in tasks:  # in input order, each written as soon as it and those before it are done
+                dst.write(json.dumps(await task, ensure_ascii=False) + "\n")
+                dst.flush()
+        return failures
+
+    with _topology(run, **_local_options(model, dtype, draft, devices, topology)) as address:
+        failures = asyncio.run(answer_all(address))
+    if failures:
+        err.print(f"[yellow]{failures} of {len(lines)} lines failed (see their \"error\")[/]")
+
+
+CHAT_HELP = """/? help · /bye or /exit quit · /clear forget the conversation · /set mode auto|always|never ·
+/set temperature T · /set max_tokens N · Ctrl+C stops an answer · Ctrl+D quits"""
+
+
+@app.command()
+def chat(
+    run: RunOpt = "default",
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "auto",
+    draft: DraftOpt = "auto",
+    devices: DevicesOpt = "127.0.0.1#cpu",
+    topology: TopologyOpt = "p2p",
+):
+    """Chat in the terminal: the skeleton streams, then one live row per point, then the answer."""
+    from specsot_mq.sampling import SamplingParams
+
+    console = Console(highlight=False)
+    settings = {"mode": "auto", "temperature": 0.0, "max_tokens": 256}
+    history: list[tuple[str, str]] = []
+    with _topology(run, **_local_options(model, dtype, draft, devices, topology)) as address:
+        console.print(f"[dim]connected to {address} · {CHAT_HELP}[/]")
+        while True:
+            try:
+                line = console.input("[bold]>>> [/]").strip()
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                console.print()
+                continue
+            if not line:
+                continue
+            if line.startswith("/"):
+                if line in ("/bye", "/exit"):
+                    break
+                _slash(line, settings, history, console)
+                continue
+            params = SamplingParams(max_tokens=settings["max_tokens"], temperature=settings["temperature"])
+            rid = uuid.uuid4().hex[:12]
+            try:
+                answer = asyncio.run(_chat_turn(address, _with_history(line, history), params, settings["mode"],
+                                                rid, console))  # fmt: skip
+            except KeyboardInterrupt:
+                asyncio.run(_cancel(address, rid))
+                console.print("[yellow]stopped[/]")
+                continue
+            if answer is not None:
+                history.append((line, answer))
+
+
+def _slash(line: str, settings: dict, history: list, console: Console) -> None:
+    parts = line.split()
+    if parts[0] in ("/?", "/help"):
+        console.print(CHAT_HELP)
+    elif parts[0] == "/clear":
+        history.clear()
+        console.print("[dim]conversation cleared[/]")
+    elif parts[0] == "/set" and len(parts) == 3 and parts[1] in settings:
+        key, value = parts[1], parts[2]
+        try:
+            if key == "mode":
+                if value not in ("auto", "always", "never"):
+                    raise ValueError
+                settings[key] = value
+            else:
+                settings[key] = float(value) if key == "temperature" else int(value)
+                if settings[key] < 0 or key == "max_tokens" and settings[key] < 1:
+                    raise ValueError
+        except ValueError:
+            console.print(f"[red]/set {key} does not take {value!r}[/]")
+            return
+        console.print(f"[dim]{key} = {settings[key]}[/]")
+    else:
+        console.print(f"[red]unknown command {line!r}[/]: {CHAT_HELP}")
+
+
+def _with_history(question: str, history: list[tuple[str, str]]) -> str:
+    """The question with the last two turns as context (the stages answer one question at a time)."""
+    if not history:
+        return question
+    turns = "\n".join(f"Q: {q}\nA: {a[:600]}" for q, a in history[-2:])
+    return f"Earlier in this conversation:\n{turns}\n\nNow answer: {question}"
+
+
+async def _cancel(address: str, rid: str) -> None:
+    from specsot_mq.client import Client
+
+    async with Client(address) as client:
+        await client.cancel(rid)
+        await asyncio.sleep(0.1)
+
+
+async def _chat_turn(address, question, params, mode, rid, console: Console) -> str | None:
+    from specsot_mq.client import Client
+    from specsot_mq.messages import Answer, Failed, MergePlan, PointText, SkeletonText
+
+    titles, texts = {}, {}
+
+    def rows() -> Table:
+        table = Table(show_header=False, box=None, expand=True)
+        table.add_column("point", no_wrap=True)
+        table.add_column("text", overflow="ellipsis", no_wrap=True, ratio=1)
+        for index, title in titles.items():
+            table.add_row(f"[bold]{index}. {title}[/]" if index else "[bold]answer[/]", texts.get(index, "")[-160:].replace("\n", " "))
+        return table
+
+    async with Client(address) as client:
+        live = None
+        try:
+            async for msg in client.ask(question, params, mode, rid=rid, timeout=600):
+                if isinstance(msg, SkeletonText):
+                    console.print(msg.text, end="", style="dim")
+                elif isinstance(msg, MergePlan):
+                    console.print()
+                    titles = {i: t for i, t in msg.points}
+                    live = Live(rows(), console=console, refresh_per_second=8, transient=True)
+                    live.start()
+                elif isinstance(msg, PointText):
+                    texts[msg.index] = texts.get(msg.index, "") + msg.text
+                    if live:
+                        live.update(rows())
+                elif isinstance(msg, Failed):
+                    console.print(f"[red]error:[/] {msg.error}")
+                    return None
+                elif isinstance(msg, Answer):
+                    if live:
+                        live.stop()
+                        live = None
+                    console.print(msg.answer)
+                    console.print(f"[dim]{_stats_line(msg)}[/]")
+                    return msg.answer
+        finally:
+            if live:
+                live.stop()
+    return None
+
+
+def _stats_line(answer) -> str:
+    phases = {k: v for k, v in answer.stats.items() if isinstance(v, dict)}
+    tokens = sum(p["tokens"] for p in phases.values())
+    seconds = answer.stats.get("seconds", 0.0)
+    taus = ", ".join(f"{k} {p['tokens'] / p['steps']:.2f}" for k, p in phases.items() if p.get("steps"))
+    return (f"mode {answer.mode} · {len(answer.points)} points · {tokens} tokens · {seconds:.2f} s · "
+            f"{tokens / seconds if seconds else 0:.1f} tok/s · tau {taus}")  # fmt: skip
+

@@ -1,0 +1,198 @@
+"""The stage pipeline: transports with fake stages over inproc, then real stage processes (a tiny
+random model with the real tokenizer and a random draft head) in p2p and ring topologies answering
+exactly as the in-process engine, a branch stage killed mid-request, and `specsot run` with a
+malformed line."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from pipeline_helpers import PLAN, launched, make_tiny_model
+from specsot_mq.client import Client
+from specsot_mq.devices import parse_devices
+from specsot_mq.launch import plan_run
+from specsot_mq.messages import BROADCAST, Abort, Answer, Failed, Membership, encode
+from specsot_mq.sampling import SamplingParams
+from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
+from specsot_mq.transports import make_transport
+
+NAMES = ["gateway", "skeleton", "parse", "branch@a", "merge"]
+
+
+@pytest.mark.parametrize("topology", ["p2p", "ring"])
+async def test_fake_stages_reach_each_other_and_survive_malformed_frames(topology):
+    """Fake stages over inproc (each one receiving in its own task, as the runner does): any stage
+    reaches any other by name, a broadcast reaches every other stage once, and a malformed frame is
+    dropped while the stage keeps receiving."""
+    ctx = zmq.asyncio.Context()
+    table = {name: f"inproc://{topology}-{name}" for name in NAMES}
+    links = {name: make_transport(topology, name, table, ctx) for name in NAMES}
+    inbox = {name: asyncio.Queue() for name in NAMES}
+
+    async def pump(name):
+        while True:
+            inbox[name].put_nowait(await links[name].recv())
+
+    pumps = [asyncio.create_task(pump(name)) for name in NAMES]
+    try:
+        await links["merge"].send("skeleton", Membership(["x"]))
+        env = await asyncio.wait_for(inbox["skeleton"].get(), 5)
+        assert (env.src, env.dst, env.msg) == ("merge", "skeleton", Membership(["x"]))
+        if topology == "ring":  # it went merge -> gateway -> skeleton
+            assert links["gateway"].forwarded == 1
+        await links["parse"].send(BROADCAST, Abort("r1"))
+        for name in NAMES:
+            if name != "parse":
+                assert (await asyncio.wait_for(inbox[name].get(), 5)).msg == Abort("r1")
+        await asyncio.sleep(0.2)
+        assert all(q.empty() for q in inbox.values())  # once each, and never back to the sender
+        # Garbage straight into merge's inbox, then a good message: only the good one arrives.
+        raw = ctx.socket(zmq.PUSH)
+        raw.connect(table["merge"])
+        await raw.send_multipart([msgpack.packb([99, "Nope", "merge", "x"]), b"junk"])
+        await raw.send_multipart(encode(Membership(["ok"]), "merge", "parse"))
+        assert (await asyncio.wait_for(inbox["merge"].get(), 5)).msg == Membership(["ok"])
+        assert links["merge"].dropped == 1
+        raw.close()
+    finally:
+        for task in pumps:
+            task.cancel()
+        for link in links.values():
+            link.close()
+        ctx.term()
+
+
+# -- real stage processes ---------------------------------------------------------------------
+
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+QUESTION = "How do I start running?"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, default_model_dir):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), default_model_dir)
+
+
+def tiny_spec(tiny_model, topology, run_dir, devices="127.0.0.1#cpu0,127.0.0.1#cpu1"):
+    model, draft = tiny_model
+    return plan_run(parse_devices(devices), load_profiles(default_profiles_path()), topology, run_dir,
+                    model=str(model), dtype="fp32", draft=str(draft), max_len=512,
+                    sot={"point_tokens": 12, "skeleton_tokens": 16}, heartbeat_s=0.25, dead_after_s=2.0,
+                    overrides={"parse": "pipeline_helpers:FixedPlanParse"})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """What the in-process engine answers, with the same model, head and settings."""
+    from specsot_mq.loader import load_generator
+    from specsot_mq.sot.engine import SoTConfig, SoTEngine
+
+    model, draft = tiny_model
+    gen = load_generator(str(model), "fp32", "cpu", 512, 8, str(draft))
+    engine = SoTEngine(gen, SoTConfig(sot="always", point_tokens=12, skeleton_tokens=16))
+    skeleton = "".join(e.text for e in engine.stream(QUESTION, PARAMS) if type(e).__name__ == "SkeletonDelta")
+    expanded = list(engine.expand(QUESTION, PLAN, PARAMS))[-1]
+    direct = engine.generate("What is 17 * 23?", PARAMS)
+    return skeleton, expanded, direct
+
+
+def short_run_dir():
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.mkdtemp(prefix="specsot-test-"))  # ipc paths must stay short
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["p2p", "ring"])
+def test_topologies_answer_exactly_as_the_in_process_engine(tiny_model, reference, topology):
+    skeleton, expanded, direct = reference
+    spec = tiny_spec(tiny_model, topology, short_run_dir())
+    with launched(spec, spec_dir(spec)):
+
+        async def ask_all():
+            async with Client(spec.client_address) as client:
+                return await asyncio.gather(
+                    client.answer(QUESTION, PARAMS, "always", timeout=120),
+                    client.answer("What is 17 * 23?", PARAMS, "auto", timeout=120),
+                    client.answer(QUESTION, PARAMS, "always", timeout=120),  # two requests' points in one batch
+                )
+
+        sot, direct_got, again = asyncio.run(ask_all())
+    assert isinstance(sot, Answer), sot
+    assert sot.skeleton == skeleton and sot.answer == expanded.answer and again.answer == expanded.answer
+    assert [p[2] for p in sot.points] == [text for _, _, text in expanded.points]
+    assert sot.stats["points"]["tokens"] == 5 * 12 and sot.stats["skeleton"]["tokens"] == 12  # min(skeleton_tokens, max_tokens)
+    assert direct_got.mode == "direct" and direct_got.answer == direct.answer
+
+
+def spec_dir(spec):
+    from pathlib import Path
+
+    return Path(spec.client_address.removeprefix("ipc://")).parent
+
+
+@pytest.mark.slow
+def test_a_branch_killed_mid_request_fails_that_request_and_the_rest_keeps_serving(tiny_model):
+    spec = tiny_spec(tiny_model, "p2p", short_run_dir())
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    with launched(spec, spec_dir(spec)) as launcher:
+        spec.sot["point_tokens"] = 400
+
+        async def scenario():
+            async with Client(spec.client_address) as client:
+                seen_points = asyncio.Event()
+                outcome = {}
+
+                async def doomed():
+                    async for msg in client.ask(QUESTION, long, "always", timeout=60):
+                        if type(msg).__name__ == "PointText":
+                            seen_points.set()
+                        outcome["last"] = msg
+
+                task = asyncio.create_task(doomed())
+                await asyncio.wait_for(seen_points.wait(), 60)
+                victim = launcher.stages["branch@127.0.0.1#cpu0"].proc
+                killed_at = time.monotonic()
+                os.kill(victim.pid, signal.SIGKILL)
+                await asyncio.wait_for(task, 30)
+                failed_after = time.monotonic() - killed_at
+                await asyncio.sleep(0.5)
+                reports = launcher.check()
+                after = await client.answer(QUESTION, PARAMS, "always", timeout=120)
+                return outcome["last"], failed_after, reports, after
+
+        last, failed_after, reports, after = asyncio.run(scenario())
+    assert isinstance(last, Failed) and "branch@127.0.0.1#cpu0" in last.error, last
+    assert failed_after < 15
+    assert any("branch@127.0.0.1#cpu0" in r and "signal 9" in r for r in reports), reports
+    assert isinstance(after, Answer), after
+
+
+@pytest.mark.slow
+def test_specsot_run_answers_good_lines_and_fails_only_the_malformed_one(tiny_model, tmp_path):
+    spec = tiny_spec(tiny_model, "ring", short_run_dir(), devices="127.0.0.1#cpu")
+    with launched(spec, spec_dir(spec)) as launcher:
+        run_file = tmp_path / "run.json"
+        launcher.write_run_file(run_file)
+        lines = ["How do I start running?", '{"id": "q2", "question": "What is 17 * 23?"}', '{"id": oops',
+                 '{"custom_id": "c4", "body": {"messages": [{"role": "user", "content": "Name a fruit."}]}}',
+                 '{"id": "q5"}']  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "run", "--run", str(run_file),
+                              "--max-tokens", "8", "--concurrency", "3"], input="\n".join(lines), text=True,
+                             capture_output=True, timeout=300)  # fmt: skip
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["id"] for r in rows] == ["line-1", "q2", "line-3", "c4", "line-5"], out.stderr
+    assert [("error" in r) for r in rows] == [False, False, True, False, True]
+    assert "not valid JSON" in rows[2]["error"] and "neither" in rows[4]["error"]
+    assert rows[0]["mode"] == "sot" and len(rows[0]["points"]) == 5 and rows[1]["mode"] == "direct"
+    assert "2 of 5 lines failed" in out.stderr
