@@ -23,14 +23,13 @@ from specsot_mq.transports import make_transport
 log = logging.getLogger("specsot.stage")
 
 
-def rss_mb() -> tuple[float, float]:
-    """(resident memory now, peak resident memory) of this process, in MB."""
+def rss_mb() -> float:
+    """Resident memory of this process now, in MB."""
     try:
         with open("/proc/self/statm") as f:
-            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        now = 0.0
-    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:  # not Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 async def serve(name: str, spec: RunSpec, ctx=None) -> None:
@@ -51,7 +50,7 @@ async def serve(name: str, spec: RunSpec, ctx=None) -> None:
 
     async def heartbeat():
         last_tokens, last_time = 0, time.monotonic()
-        rate = 0.0
+        rate = peak = 0.0
         while True:
             await asyncio.sleep(spec.heartbeat_s)
             now = time.monotonic()
@@ -59,7 +58,10 @@ async def serve(name: str, spec: RunSpec, ctx=None) -> None:
                 rate = (stage.tokens - last_tokens) / (now - last_time)
                 last_tokens, last_time = stage.tokens, now
             inflight = stage.inflight()
-            beat = Heartbeat(name, os.getpid(), "busy" if inflight else "idle", inflight, rate, *rss_mb())
+            # The peak is sampled here: ru_maxrss would count the launcher's memory from before exec.
+            now_mb = rss_mb()
+            peak = max(peak, now_mb)
+            beat = Heartbeat(name, os.getpid(), "busy" if inflight else "idle", inflight, rate, now_mb, peak)
             if name == "gateway":
                 await stage.handle_local(beat)
             else:

@@ -46,7 +46,7 @@ def make_tiny_model(folder: Path, default_model_dir: Path) -> tuple[Path, Path]:
 
 
 @contextmanager
-def launched(spec, run_dir):
+def launched(spec, run_dir, remote: str = "ssh {host} {command}"):
     """Start a topology, wait until every stage is ready, and stop it whatever happens."""
     import asyncio
 
@@ -58,7 +58,7 @@ def launched(spec, run_dir):
     tests = str(Path(__file__).parent)  # stage processes import FixedPlanParse from here
     if tests not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
-    launcher = Launcher(spec, run_dir)
+    launcher = Launcher(spec, run_dir, remote=remote)
     launcher.start()
     try:
         async def wait_ready():

@@ -196,3 +196,78 @@ def test_specsot_run_answers_good_lines_and_fails_only_the_malformed_one(tiny_mo
     assert "not valid JSON" in rows[2]["error"] and "neither" in rows[4]["error"]
     assert rows[0]["mode"] == "sot" and len(rows[0]["points"]) == 5 and rows[1]["mode"] == "direct"
     assert "2 of 5 lines failed" in out.stderr
+
+
+NETNS_SCRIPT = """
+import asyncio, json, sys
+from pathlib import Path
+from pipeline_helpers import launched
+from specsot_mq.client import Client
+from specsot_mq.devices import parse_devices
+from specsot_mq.launch import plan_run
+from specsot_mq.sampling import SamplingParams
+from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
+import tempfile
+
+model, draft = sys.argv[1], sys.argv[2]
+run_dir = Path(tempfile.mkdtemp(prefix="specsot-netns-"))
+spec = plan_run(parse_devices("10.77.0.1#cpu,10.77.0.2#cpu"), load_profiles(default_profiles_path()), "ring", run_dir,
+                base_port=6100, model=model, dtype="fp32", draft=draft, max_len=512,
+                sot={"point_tokens": 12, "skeleton_tokens": 16}, overrides={"parse": "pipeline_helpers:FixedPlanParse"})
+with launched(spec, run_dir, remote="ip netns exec specsot-b {command}"):
+    async def go():
+        async with Client(spec.client_address) as client:
+            return await client.answer("How do I start running?", SamplingParams(max_tokens=12, ignore_eos=True), "always", timeout=120)
+    answer = asyncio.run(go())
+print(json.dumps({"answer": answer.answer, "tables": list(spec.table.values()), "branch_host": spec.hosts["branch@10.77.0.2#cpu"]}))
+"""
+
+
+def _netns_setup() -> str | None:
+    """Two network namespaces joined by a veth pair (10.77.0.1 and 10.77.0.2); None, or why not."""
+    import shutil
+
+    if shutil.which("ip") is None:
+        return "no `ip` command on this machine"
+    steps = [
+        "ip netns add specsot-a", "ip netns add specsot-b",
+        "ip link add specsot-va type veth peer name specsot-vb",
+        "ip link set specsot-va netns specsot-a", "ip link set specsot-vb netns specsot-b",
+        "ip -n specsot-a addr add 10.77.0.1/24 dev specsot-va", "ip -n specsot-b addr add 10.77.0.2/24 dev specsot-vb",
+        "ip -n specsot-a link set specsot-va up", "ip -n specsot-b link set specsot-vb up",
+        "ip -n specsot-a link set lo up", "ip -n specsot-b link set lo up",
+    ]  # fmt: skip
+    for step in steps:
+        done = subprocess.run(step.split(), capture_output=True, text=True)
+        if done.returncode:
+            _netns_teardown()
+            return f"cannot create network namespaces here (`{step}`: {done.stderr.strip()})"
+    return None
+
+
+def _netns_teardown() -> None:
+    for ns in ("specsot-a", "specsot-b"):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.mark.slow
+def test_two_network_namespaces_as_two_hosts_over_tcp(tiny_model, reference):
+    """Stages on 'host' 10.77.0.1 (started directly) and a branch on 10.77.0.2 (started through the
+    remote command template, here `ip netns exec`), linked over tcp, answer as in-process."""
+    why = _netns_setup()
+    if why:
+        pytest.skip(why)
+    try:
+        from pathlib import Path
+
+        tests = str(Path(__file__).parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+        done = subprocess.run(["ip", "netns", "exec", "specsot-a", sys.executable, "-c", NETNS_SCRIPT,
+                               str(tiny_model[0]), str(tiny_model[1])], capture_output=True, text=True, env=env,
+                              timeout=300)  # fmt: skip
+    finally:
+        _netns_teardown()
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["answer"] == reference[1].answer
+    assert all(a.startswith("tcp://10.77.0.") for a in out["tables"]) and out["branch_host"] == "10.77.0.2"

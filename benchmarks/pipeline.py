@@ -1,0 +1,142 @@
+"""Answers per minute of a launched stage topology at 1, 4 and 8 concurrent clients, against the
+in-process engine answering the same questions one at a time, plus every device stage's peak memory.
+
+    python benchmarks/pipeline.py --limit 8 --max-tokens 64
+
+The pipeline gains by overlapping phases (request 2's skeleton while request 1's points decode) and
+by batching the points of several requests in a branch stage. Last line: one JSON object with
+`pipeline_vs_inproc_N` for each client count N, answers per minute, and peak memory per stage.
+`--soak N` then sends N more requests and reports each stage's memory before and after them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import load_prompts  # noqa: E402  (a sibling script)
+
+from specsot_mq.client import Client  # noqa: E402
+from specsot_mq.devices import parse_devices  # noqa: E402
+from specsot_mq.launch import Launcher, plan_run  # noqa: E402
+from specsot_mq.messages import Answer  # noqa: E402
+from specsot_mq.sampling import SamplingParams  # noqa: E402
+from specsot_mq.sot.scheduler import default_profiles_path, load_profiles  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--draft", default="auto")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--questions", type=Path, default=None)
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64, help="cap on every phase (skeleton, each point, direct)")
+    p.add_argument("--devices", default="127.0.0.1#cpu")
+    p.add_argument("--topology", default="p2p")
+    p.add_argument("--clients", default="1,4,8")
+    p.add_argument("--soak", type=int, default=0, help="extra requests to check memory stays flat")
+    args = p.parse_args(argv)
+    console = Console(stderr=True)
+    questions, source = load_prompts(args.questions, args.limit)
+    params = SamplingParams(max_tokens=args.max_tokens)
+    sot = {"point_tokens": args.max_tokens, "skeleton_tokens": args.max_tokens}
+    clients = [int(c) for c in args.clients.split(",")]
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console)  # fmt: skip
+
+    # In-process: one engine, one question at a time.
+    from specsot_mq.loader import load_generator
+    from specsot_mq.sot.engine import SoTConfig, SoTEngine
+
+    gen = load_generator(args.model, args.dtype, "cpu", 2048, 8, args.draft)
+    engine = SoTEngine(gen, SoTConfig(point_tokens=args.max_tokens, skeleton_tokens=args.max_tokens))
+    with progress:
+        task = progress.add_task("in-process, sequential", total=len(questions))
+        start = time.perf_counter()
+        for q in questions:
+            engine.generate(q, params)
+            progress.advance(task)
+        inproc_apm = 60 * len(questions) / (time.perf_counter() - start)
+    del engine, gen
+
+    run_dir = Path(tempfile.mkdtemp(prefix="specsot-bench-"))
+    spec = plan_run(parse_devices(args.devices), load_profiles(default_profiles_path()), args.topology, run_dir,
+                    model=args.model, dtype=args.dtype, draft=args.draft, sot=sot)  # fmt: skip
+    launcher = Launcher(spec, run_dir)
+    launcher.start()
+    results, memory = {}, {}
+    try:
+        from specsot_mq.cli.serve import wait_ready
+
+        asyncio.run(wait_ready(launcher, spec))
+
+        async def batch(n_clients: int, items: list[str], task) -> float:
+            gate = asyncio.Semaphore(n_clients)
+            async with Client(spec.client_address) as client:
+                async def one(q):
+                    async with gate:
+                        msg = await client.answer(q, params, timeout=600)
+                    if not isinstance(msg, Answer):
+                        raise RuntimeError(f"a request failed: {msg.error}")
+                    progress.advance(task)
+
+                start = time.perf_counter()
+                await asyncio.gather(*(one(q) for q in items))
+                return 60 * len(items) / (time.perf_counter() - start)
+
+        async def stage_memory() -> dict:
+            async with Client(spec.client_address) as client:
+                status = await client.status()
+            return {s["stage"]: (s.get("rss_mb", 0.0), s.get("peak_rss_mb", 0.0)) for s in status.stages}
+
+        with progress:
+            for n in clients:
+                task = progress.add_task(f"pipeline, {n} clients", total=len(questions))
+                results[n] = asyncio.run(batch(n, questions, task))
+            memory = asyncio.run(stage_memory())
+            soak = None
+            if args.soak:
+                before = memory
+                task = progress.add_task(f"soak, {args.soak} requests", total=args.soak)
+                asyncio.run(batch(4, [questions[i % len(questions)] for i in range(args.soak)], task))
+                after = asyncio.run(stage_memory())
+                soak = {name: [round(before[name][0]), round(after[name][0])] for name in after}
+    finally:
+        launcher.stop()
+
+    table = Table(title=f"{len(questions)} questions ({source}), {args.max_tokens} tokens per phase, {args.topology} "
+                        f"over {args.devices}, {torch.get_num_threads()} threads in-process")  # fmt: skip
+    for col in ("engine", "clients", "answers/min", "vs in-process"):
+        table.add_column(col, justify="right")
+    table.add_row("in-process", "1 (sequential)", f"{inproc_apm:.1f}", "1.00x")
+    for n, apm in results.items():
+        table.add_row("pipeline", str(n), f"{apm:.1f}", f"{apm / inproc_apm:.2f}x")
+    Console().print(table)
+    mem = Table(title="stage memory (MB)")
+    for col in ("stage", "now", "peak", *(["soak before", "soak after"] if soak else [])):
+        mem.add_column(col, justify="right")
+    for name, (now, peak) in memory.items():
+        mem.add_row(name, f"{now:.0f}", f"{peak:.0f}", *(map(str, soak[name]) if soak else []))
+    Console().print(mem)
+    summary = {"inproc_answers_per_min": round(inproc_apm, 2),
+               **{f"pipeline_answers_per_min_{n}": round(a, 2) for n, a in results.items()},
+               **{f"pipeline_vs_inproc_{n}": round(a / inproc_apm, 3) for n, a in results.items()},
+               "peak_rss_mb": {name: round(peak) for name, (_, peak) in memory.items()}, "soak_rss_mb": soak}  # fmt: skip
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

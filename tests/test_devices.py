@@ -1,0 +1,63 @@
+"""--devices parsing and the run plan: one clear error per mistake, and the address table and ring
+order the launcher computes."""
+
+import pytest
+
+from specsot_mq.devices import Device, parse_devices
+from specsot_mq.errors import SpecSotError
+from specsot_mq.launch import plan_run
+from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
+from specsot_mq.stages.base import parse_overrides
+
+
+def test_devices_parse_in_order():
+    assert parse_devices("127.0.0.1#0, 127.0.0.1#cpu,10.0.0.2#cpu1") == [
+        Device("127.0.0.1", "0"), Device("127.0.0.1", "cpu"), Device("10.0.0.2", "cpu1")]  # fmt: skip
+    assert Device("10.0.0.2", "3").torch_device == "cuda:3" and Device("h", "cpu1").torch_device == "cpu"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "empty entry"),
+    ("127.0.0.1#0,,127.0.0.1#1", "empty entry"),
+    ("127.0.0.1", "not of the form ip#gpu"),
+    ("#0", "not of the form ip#gpu"),
+    ("127.0.0.1#gpu0", "GPU number, cpu"),
+    ("127.0.0.1#0,127.0.0.1#0", "listed twice"),
+    ("no-such-host.invalid#0", "unknown host"),
+])  # fmt: skip
+def test_device_mistakes_get_one_clear_error(text, message):
+    with pytest.raises(SpecSotError, match=message):
+        parse_devices(text)
+
+
+def test_a_device_without_a_profile_is_named(tmp_path):
+    path = tmp_path / "devices.json"
+    path.write_text('{"profiles": {"cpu": {"compute": 1, "memory_gb": 1, "bandwidth_gb_s": 1, "max_parallel": 2}}}')
+    with pytest.raises(SpecSotError, match="'127.0.0.1#0' has no profile"):
+        plan_run(parse_devices("127.0.0.1#0"), load_profiles(path), "p2p", tmp_path)
+
+
+def test_run_plan_local_and_remote(tmp_path):
+    profiles = load_profiles(default_profiles_path())
+    local = plan_run(parse_devices("127.0.0.1#cpu0,127.0.0.1#cpu1"), profiles, "ring", tmp_path)
+    assert list(local.table) == ["gateway", "skeleton", "parse", "schedule", "branch@127.0.0.1#cpu0",
+                                 "branch@127.0.0.1#cpu1", "merge"]  # the ring order  # fmt: skip
+    assert all(a.startswith("ipc://") for a in local.table.values())
+    assert local.devices["skeleton"] == "127.0.0.1#cpu0" and local.profiles["branch@127.0.0.1#cpu1"]["max_parallel"] == 8
+    remote = plan_run(parse_devices("127.0.0.1#cpu,192.0.2.7#0"), profiles, "p2p", tmp_path, base_port=7000)
+    assert remote.table["gateway"] == "tcp://127.0.0.1:7000" and remote.table["branch@192.0.2.7#0"].startswith("tcp://192.0.2.7:")
+    assert remote.hosts["branch@192.0.2.7#0"] == "192.0.2.7" and remote.hosts["merge"] == "127.0.0.1"
+    with pytest.raises(SpecSotError, match="--topology"):
+        plan_run(parse_devices("127.0.0.1#cpu"), profiles, "mesh", tmp_path)
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("parse", "KIND=module.path:ClassName"),
+    ("nope=a.b:C", "KIND=module.path:ClassName"),
+    ("parse=no_such_module:X", "cannot be loaded"),
+    ("parse=specsot_mq.errors:SpecSotError", "not a Stage subclass"),
+])  # fmt: skip
+def test_stage_overrides_are_checked(flag, message):
+    with pytest.raises(SpecSotError, match=message):
+        parse_overrides([flag])
+    assert parse_overrides(["parse=specsot_mq.stages.parse:ParseStage"]) == {"parse": "specsot_mq.stages.parse:ParseStage"}
