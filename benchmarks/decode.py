@@ -330,9 +330,14 @@ def main(argv=None) -> dict:
     return result
 
 
-if __name__ == "__main__":
+def run_script(main) -> None:
+    """A benchmark's entry point: a user error (bad flag, missing file) is one line and exit 2."""
     try:
         main()
     except SpecSotError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    run_script(main)

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import cpu_name, load_prompts, load_transformers, load_with_draft, run_hf, same_prefix  # noqa: E402  (a sibling script)
+from decode import cpu_name, load_prompts, load_transformers, load_with_draft, run_hf, same_prefix, run_script  # noqa: E402  (a sibling script)
 
 from specsot_mq.errors import SpecSotError  # noqa: E402
 from specsot_mq.generate import Generator  # noqa: E402
@@ -180,8 +180,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SpecSotError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main)

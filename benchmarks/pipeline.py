@@ -25,11 +25,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import load_prompts  # noqa: E402  (a sibling script)
+from decode import load_prompts, run_script  # noqa: E402  (a sibling script)
 
 from specsot_mq.client import Client  # noqa: E402
 from specsot_mq.devices import parse_devices  # noqa: E402
-from specsot_mq.launch import Launcher, plan_run  # noqa: E402
+from specsot_mq.launch import Launcher, plan_run, wait_ready  # noqa: E402
 from specsot_mq.messages import Answer  # noqa: E402
 from specsot_mq.sampling import SamplingParams  # noqa: E402
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles  # noqa: E402
@@ -78,9 +78,7 @@ def main(argv=None) -> dict:
     launcher.start()
     results, memory = {}, {}
     try:
-        from specsot_mq.cli.serve import wait_ready
-
-        asyncio.run(wait_ready(launcher, spec))
+        asyncio.run(wait_ready(launcher))
 
         async def batch(n_clients: int, items: list[str], task) -> float:
             gate = asyncio.Semaphore(n_clients)
@@ -139,4 +137,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

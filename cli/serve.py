@@ -7,7 +7,6 @@ import json
 import signal
 import sys
 import tempfile
-import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,8 +32,9 @@ def _run_file(name: str) -> Path:
     return Path(name) if name.endswith(".json") else runs_folder() / f"{name}.json"
 
 
-def start_topology(devices: str, topology: str, model, dtype, draft, stages, remote: str, devices_file,
-                   max_points: int, point_tokens: int, skeleton_tokens: int, base_port: int, restart: bool):  # fmt: skip
+def start_topology(devices: str, topology: str, model, dtype, draft, stages=None, remote: str = "ssh {host} {command}",
+                   devices_file=None, max_points: int = 8, point_tokens: int = 160, skeleton_tokens: int = 128,
+                   base_port: int = 5600, restart: bool = True):  # fmt: skip
     """Plan and start a topology; returns (launcher, spec)."""
     from specsot_mq.devices import parse_devices
     from specsot_mq.launch import Launcher, plan_run
@@ -51,29 +51,6 @@ def start_topology(devices: str, topology: str, model, dtype, draft, stages, rem
     launcher = Launcher(spec, run_dir, remote=remote, restart=restart)
     launcher.start()
     return launcher, spec
-
-
-async def wait_ready(launcher, spec, timeout: float = 300.0, on_tick=None) -> None:
-    """Until every stage has said Ready; SpecSotError (with the log's tail) if one dies first."""
-    from specsot_mq.client import Client
-
-    deadline = time.monotonic() + timeout
-    async with Client(spec.client_address) as client:
-        while time.monotonic() < deadline:
-            try:
-                status = await client.status(timeout=1.0)
-                if on_tick:
-                    on_tick(status)
-                if status.ready:
-                    return
-            except SpecSotError:
-                pass
-            for stage in launcher.stages.values():
-                if stage.proc is not None and stage.proc.poll() is not None:
-                    raise SpecSotError(f"stage {stage.name} exited while starting; its log ends with:\n"
-                                       f"{launcher.tail(stage.name)}")  # fmt: skip
-            await asyncio.sleep(0.5)
-    raise SpecSotError(f"the stages were not ready after {timeout:.0f} s; logs are in {launcher.run_dir}")
 
 
 def _table(status, launcher) -> Table:
@@ -123,6 +100,7 @@ def launch(
 ):
     """Start every stage process, show them live, and stop them all on Ctrl-C or SIGTERM."""
     from specsot_mq.client import Client
+    from specsot_mq.launch import wait_ready
 
     with _sigterm_as_interrupt():
         launcher, spec = start_topology(devices, topology, model, dtype, draft, stage, remote, devices_file,
@@ -130,7 +108,7 @@ def launch(
         run_file = _run_file(run)
         tty = sys.stdout.isatty()
         try:
-            asyncio.run(wait_ready(launcher, spec))
+            asyncio.run(wait_ready(launcher))
             launcher.write_run_file(run_file)
             print(f"ready: {len(spec.kinds)} stages, {topology}; clients attach with --run {run} "
                   f"(run file {run_file})", flush=True)  # fmt: skip
@@ -165,29 +143,23 @@ def launch(
 
 
 @contextmanager
-def _topology(run: str, **start):
+def _topology(run: str, *start):
     """The client address of the run named `run` if one is live, else of a local one started now
     (and stopped on exit)."""
-    from specsot_mq.launch import read_run_file
+    from specsot_mq.launch import read_run_file, wait_ready
 
     info = read_run_file(_run_file(run))
     if info is not None:
         yield info["client_address"]
         return
     err.print("[dim]no running launch found: starting a local one (specsot launch starts one to share)…[/]")
-    launcher, spec = start_topology(start.pop("devices"), start.pop("topology"), **start)
+    launcher, spec = start_topology(*start)
     try:
         with _sigterm_as_interrupt():
-            asyncio.run(wait_ready(launcher, spec))
+            asyncio.run(wait_ready(launcher))
             yield spec.client_address
     finally:
         launcher.stop()
-
-
-def _local_options(model, dtype, draft, devices, topology):
-    return {"devices": devices, "topology": topology, "model": model, "dtype": dtype, "draft": draft, "stages": None,
-            "remote": "ssh {host} {command}", "devices_file": None, "max_points": 8, "point_tokens": 160,
-            "skeleton_tokens": 128, "base_port": 5600, "restart": True}  # fmt: skip
 
 
 def parse_batch_line(line: str, number: int) -> tuple[str, str]:
@@ -270,7 +242,7 @@ def run_batch(
                 dst.flush()
         return failures
 
-    with _topology(run, **_local_options(model, dtype, draft, devices, topology)) as address:
+    with _topology(run, devices, topology, model, dtype, draft) as address:
         failures = asyncio.run(answer_all(address))
     if failures:
         err.print(f"[yellow]{failures} of {len(lines)} lines failed (see their \"error\")[/]")
@@ -295,7 +267,7 @@ def chat(
     console = Console(highlight=False)
     settings = {"mode": "auto", "temperature": 0.0, "max_tokens": 256}
     history: list[tuple[str, str]] = []
-    with _topology(run, **_local_options(model, dtype, draft, devices, topology)) as address:
+    with _topology(run, devices, topology, model, dtype, draft) as address:
         console.print(f"[dim]connected to {address} · {CHAT_HELP}[/]")
         while True:
             try:

@@ -9,6 +9,7 @@ this machine: ipc sockets in the run folder; otherwise tcp from `base_port` up.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
@@ -16,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specsot_mq.devices import Device, device_profiles, is_local
@@ -59,8 +60,9 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
         per_host[hosts[name]] = per_host.get(hosts[name], 0) + 1
     threads = {name: max(1, (os.cpu_count() or 1) // per_host[hosts[name]]) for name in dev
                if "#cpu" in dev[name]}  # fmt: skip
-    profs = {f"branch@{p.name}": {"compute": p.compute, "memory_gb": p.memory_gb, "bandwidth_gb_s": p.bandwidth_gb_s,
-                                  "max_parallel": p.max_parallel} for p in device_profiles(devices, profiles)}  # fmt: skip
+    # Each branch's profile fields but its name (the stage is named after the device already).
+    profs = {f"branch@{p.name}": {k: v for k, v in asdict(p).items() if k != "name"}
+             for p in device_profiles(devices, profiles)}  # fmt: skip
     return RunSpec(topology, table, kinds, hosts, dev, profs, address("client"), threads=threads, **options)
 
 
@@ -71,7 +73,6 @@ class StageProcess:
     log_path: Path
     proc: subprocess.Popen | None = None
     restarts: int = 0
-    exit_codes: list[int] = field(default_factory=list)
 
 
 class Launcher:
@@ -82,7 +83,6 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.stages = {name: StageProcess(name, self._command(name), self.run_dir / f"{_safe(name)}.log")
                        for name in spec.kinds}  # fmt: skip
-        self.events: list[str] = []  # what happened, for the table and the log
 
     def _command(self, name: str) -> list[str]:
         cmd = [sys.executable, "-m", "specsot_mq.stages.runner", "--name", name, "--spec", self.spec.to_json()]
@@ -109,7 +109,6 @@ class Launcher:
             code = stage.proc.poll() if stage.proc else None
             if code is None:
                 continue
-            stage.exit_codes.append(code)
             why = f"signal {-code}" if code < 0 else f"exit code {code}"
             report = f"stage {stage.name} (pid {stage.proc.pid}) died: {why}; log: {stage.log_path}"
             if self.restart and stage.restarts < 5:
@@ -119,7 +118,6 @@ class Launcher:
             else:
                 stage.proc = None
             reports.append(report)
-        self.events += reports
         return reports
 
     def pids(self) -> dict[str, int | None]:
@@ -153,6 +151,26 @@ class Launcher:
             return "\n".join(self.stages[name].log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+async def wait_ready(launcher: Launcher, timeout: float = 300.0) -> None:
+    """Until every stage has said Ready; SpecSotError (with the log's tail) if one dies first."""
+    from specsot_mq.client import Client
+
+    deadline = time.monotonic() + timeout
+    async with Client(launcher.spec.client_address) as client:
+        while time.monotonic() < deadline:
+            try:
+                if (await client.status(timeout=1.0)).ready:
+                    return
+            except SpecSotError:
+                pass
+            for stage in launcher.stages.values():
+                if stage.proc is not None and stage.proc.poll() is not None:
+                    raise SpecSotError(f"stage {stage.name} exited while starting; its log ends with:\n"
+                                       f"{launcher.tail(stage.name)}")  # fmt: skip
+            await asyncio.sleep(0.5)
+    raise SpecSotError(f"the stages were not ready after {timeout:.0f} s; logs are in {launcher.run_dir}")
 
 
 def read_run_file(path: Path) -> dict | None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import time
 
-from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Job
-from specsot_mq.messages import BranchTask, Failed, PointEnd, PointText, ids, params_from_wire
+from specsot_mq.messages import BranchTask, PointEnd, PointText, ids
 from specsot_mq.stages.worker import DeviceStage, batch_key
 
 
@@ -15,20 +14,14 @@ class BranchStage(DeviceStage):
     async def start(self) -> None:
         self.slots = int(self.spec.profiles[self.name]["max_parallel"])
         self.merge = self.spec.named("merge")[0]
-        self.running: dict[str, dict[int, list]] = {}  # rid -> index -> [tokens, steps, started]
-        await super().start()
-
-    def inflight(self) -> int:
-        return len(self.running)
+        await super().start()  # self.running: rid -> index -> [tokens, steps, started]
 
     async def handle(self, env) -> None:
         msg = env.msg
         if not isinstance(msg, BranchTask):
             return
-        try:
-            params = params_from_wire(msg.params)
-        except (SpecSotError, TypeError) as exc:
-            self.post("gateway", Failed(msg.rid, str(exc)))
+        params = self.params(msg.rid, msg.params)
+        if params is None:
             return
         prefix = msg.prefix.tolist()
         now = time.monotonic()
@@ -52,11 +45,3 @@ class BranchStage(DeviceStage):
             if not points:
                 del self.running[rid]
             self.post(self.merge, PointEnd(rid, index, delta.finish_reason, count[0], count[1], time.monotonic() - count[2]))
-
-    def on_error(self, key, error: str) -> None:
-        if self.running.pop(key[0], None) is not None:
-            self.post("gateway", Failed(key[0], f"branch stage {self.name} failed: {error}"))
-
-    async def abort(self, rid: str) -> None:
-        self.running.pop(rid, None)
-        await super().abort(rid)

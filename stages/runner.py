@@ -73,7 +73,7 @@ async def serve(name: str, spec: RunSpec, ctx=None) -> None:
             try:
                 if isinstance(env.msg, Abort):
                     await stage.abort(env.msg.rid)
-                if not isinstance(env.msg, Abort) or name == "gateway":
+                else:
                     await stage.handle(env)
             except Exception:  # one bad message must not take the stage down
                 log.exception("%s failed on %s from %s", name, type(env.msg).__name__, env.src)

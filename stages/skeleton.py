@@ -7,7 +7,7 @@ import time
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Job
-from specsot_mq.messages import Ask, Failed, Skeleton, SkeletonText, ids, params_from_wire
+from specsot_mq.messages import Ask, Failed, Skeleton, SkeletonText, ids
 from specsot_mq.prompts import load_format
 from specsot_mq.sot.engine import SoTConfig, skeleton_params
 from specsot_mq.sot.router import route
@@ -20,20 +20,18 @@ class SkeletonStage(DeviceStage):
         self.config = SoTConfig(**self.spec.sot)
         self.format = load_format(self.config.prompt_format)
         self.parse = self.spec.named("parse")[0]
-        self.running: dict[str, dict] = {}  # rid -> the Ask, its text so far, counts
-        await super().start()
-
-    def inflight(self) -> int:
-        return len(self.running)
+        await super().start()  # self.running: rid -> the Ask, its text so far, counts
 
     async def handle(self, env) -> None:
         msg = env.msg
         if not isinstance(msg, Ask):
             return
+        params = self.params(msg.rid, msg.params)
+        if params is None:
+            return
         try:
-            params = params_from_wire(msg.params)
             decision = route(msg.question, msg.sot)
-        except (SpecSotError, TypeError) as exc:
+        except SpecSotError as exc:
             self.post("gateway", Failed(msg.rid, str(exc)))
             return
         if not decision.use_sot:
@@ -65,12 +63,4 @@ class SkeletonStage(DeviceStage):
             stats = {"skeleton": {"tokens": state["tokens"], "steps": state["steps"],
                                   "seconds": time.monotonic() - state["started"]}}  # fmt: skip
             self.post(self.parse, Skeleton(rid, ask.question, ask.params, "sot", state["reason"], state["text"], stats))
-
-    def on_error(self, key, error: str) -> None:
-        if self.running.pop(key[0], None) is not None:
-            self.post("gateway", Failed(key[0], f"the skeleton stage failed: {error}"))
-
-    async def abort(self, rid: str) -> None:
-        self.running.pop(rid, None)
-        await super().abort(rid)
 

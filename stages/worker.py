@@ -16,7 +16,9 @@ import queue
 import threading
 from collections.abc import Callable
 
+from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator, Job
+from specsot_mq.messages import Failed, params_from_wire
 from specsot_mq.stages.base import Stage
 
 log = logging.getLogger("specsot.worker")
@@ -114,14 +116,14 @@ class DeviceStage(Stage):
     async def start(self) -> None:
         import torch
 
+        from specsot_mq.devices import parse_devices
         from specsot_mq.loader import load_generator
 
+        self.running: dict[str, object] = {}  # rid -> what the subclass keeps about that request
         threads = self.spec.threads.get(self.name)
         if threads:
             torch.set_num_threads(threads)
-        host_device = self.spec.devices.get(self.name, "127.0.0.1#cpu")
-        slot = host_device.rpartition("#")[2]
-        device = "cpu" if slot.startswith("cpu") else f"cuda:{slot}"
+        device = parse_devices(self.spec.devices[self.name], resolve=False)[0].torch_device
         loop = asyncio.get_running_loop()
         self.gen = await loop.run_in_executor(None, lambda: load_generator(
             self.spec.model, self.spec.dtype, device, self.spec.max_len, self.slots, self.spec.draft))  # fmt: skip
@@ -138,13 +140,27 @@ class DeviceStage(Stage):
         """Send without awaiting, keeping the order of posts."""
         self.outbox.put_nowait((dst, msg))
 
+    def params(self, rid: str, wire: dict):
+        """A message's SamplingParams, or None after failing the request with the reason."""
+        try:
+            return params_from_wire(wire)
+        except (SpecSotError, TypeError) as exc:
+            self.post("gateway", Failed(rid, str(exc)))
+            return None
+
     def on_delta(self, key, delta: Delta) -> None:
         """A job's new tokens (on the event loop)."""
 
     def on_error(self, key, error: str) -> None:
-        """A job's batch failed."""
+        """A job's batch failed: so does its request."""
+        if self.running.pop(key[0], None) is not None:
+            self.post("gateway", Failed(key[0], f"stage {self.name} failed: {error}"))
+
+    def inflight(self) -> int:
+        return len(self.running)
 
     async def abort(self, rid: str) -> None:
+        self.running.pop(rid, None)
         self.worker.cancel(rid)
 
     async def stop(self) -> None:

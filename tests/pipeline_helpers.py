@@ -49,11 +49,9 @@ def make_tiny_model(folder: Path, default_model_dir: Path) -> tuple[Path, Path]:
 def launched(spec, run_dir, remote: str = "ssh {host} {command}"):
     """Start a topology, wait until every stage is ready, and stop it whatever happens."""
     import asyncio
-
-    from specsot_mq.client import Client
-    from specsot_mq.launch import Launcher
-
     import os
+
+    from specsot_mq.launch import Launcher, wait_ready
 
     tests = str(Path(__file__).parent)  # stage processes import FixedPlanParse from here
     if tests not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
@@ -61,21 +59,7 @@ def launched(spec, run_dir, remote: str = "ssh {host} {command}"):
     launcher = Launcher(spec, run_dir, remote=remote)
     launcher.start()
     try:
-        async def wait_ready():
-            async with Client(spec.client_address) as client:
-                for _ in range(240):
-                    try:
-                        if (await client.status(timeout=1.0)).ready:
-                            return
-                    except Exception:
-                        pass
-                    if launcher.check():
-                        break
-                    await asyncio.sleep(0.5)
-            logs = "\n".join(f"--- {name}\n{launcher.tail(name)}" for name in spec.kinds)
-            raise RuntimeError(f"the topology did not become ready:\n{logs}")
-
-        asyncio.run(wait_ready())
+        asyncio.run(wait_ready(launcher, timeout=120))
         yield launcher
     finally:
         launcher.stop()

@@ -82,12 +82,18 @@ def tiny_model(tmp_path_factory, default_model_dir):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), default_model_dir)
 
 
-def tiny_spec(tiny_model, topology, run_dir, devices="127.0.0.1#cpu0,127.0.0.1#cpu1"):
+def tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu0,127.0.0.1#cpu1", point_tokens=12):
+    """A run of the tiny model, and its folder (short: ipc socket paths have a length limit)."""
+    import tempfile
+    from pathlib import Path
+
     model, draft = tiny_model
-    return plan_run(parse_devices(devices), load_profiles(default_profiles_path()), topology, run_dir,
+    run_dir = Path(tempfile.mkdtemp(prefix="specsot-test-"))
+    spec = plan_run(parse_devices(devices), load_profiles(default_profiles_path()), topology, run_dir,
                     model=str(model), dtype="fp32", draft=str(draft), max_len=512,
-                    sot={"point_tokens": 12, "skeleton_tokens": 16}, heartbeat_s=0.25, dead_after_s=2.0,
+                    sot={"point_tokens": point_tokens, "skeleton_tokens": 16}, heartbeat_s=0.25, dead_after_s=2.0,
                     overrides={"parse": "pipeline_helpers:FixedPlanParse"})  # fmt: skip
+    return spec, run_dir
 
 
 @pytest.fixture(scope="module")
@@ -105,19 +111,12 @@ def reference(tiny_model):
     return skeleton, expanded, direct
 
 
-def short_run_dir():
-    import tempfile
-    from pathlib import Path
-
-    return Path(tempfile.mkdtemp(prefix="specsot-test-"))  # ipc paths must stay short
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("topology", ["p2p", "ring"])
 def test_topologies_answer_exactly_as_the_in_process_engine(tiny_model, reference, topology):
     skeleton, expanded, direct = reference
-    spec = tiny_spec(tiny_model, topology, short_run_dir())
-    with launched(spec, spec_dir(spec)):
+    spec, run_dir = tiny_spec(tiny_model, topology)
+    with launched(spec, run_dir):
 
         async def ask_all():
             async with Client(spec.client_address) as client:
@@ -135,18 +134,11 @@ def test_topologies_answer_exactly_as_the_in_process_engine(tiny_model, referenc
     assert direct_got.mode == "direct" and direct_got.answer == direct.answer
 
 
-def spec_dir(spec):
-    from pathlib import Path
-
-    return Path(spec.client_address.removeprefix("ipc://")).parent
-
-
 @pytest.mark.slow
 def test_a_branch_killed_mid_request_fails_that_request_and_the_rest_keeps_serving(tiny_model):
-    spec = tiny_spec(tiny_model, "p2p", short_run_dir())
+    spec, run_dir = tiny_spec(tiny_model, "p2p", point_tokens=400)  # points still decoding when one is killed
     long = SamplingParams(max_tokens=400, ignore_eos=True)
-    with launched(spec, spec_dir(spec)) as launcher:
-        spec.sot["point_tokens"] = 400
+    with launched(spec, run_dir) as launcher:
 
         async def scenario():
             async with Client(spec.client_address) as client:
@@ -180,8 +172,8 @@ def test_a_branch_killed_mid_request_fails_that_request_and_the_rest_keeps_servi
 
 @pytest.mark.slow
 def test_specsot_run_answers_good_lines_and_fails_only_the_malformed_one(tiny_model, tmp_path):
-    spec = tiny_spec(tiny_model, "ring", short_run_dir(), devices="127.0.0.1#cpu")
-    with launched(spec, spec_dir(spec)) as launcher:
+    spec, run_dir = tiny_spec(tiny_model, "ring", devices="127.0.0.1#cpu")
+    with launched(spec, run_dir) as launcher:
         run_file = tmp_path / "run.json"
         launcher.write_run_file(run_file)
         lines = ["How do I start running?", '{"id": "q2", "question": "What is 17 * 23?"}', '{"id": oops',
