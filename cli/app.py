@@ -98,7 +98,7 @@ def train_draft(
     out: Annotated[Optional[str], typer.Option(help="Where to write the head (.safetensors).")] = None,
     work_dir: Annotated[Optional[str], typer.Option(help="Data and checkpoints (resumable).")] = None,
     questions: Annotated[int, typer.Option(help="Questions the model writes for itself.")] = 640,
-    epochs: Annotated[int, typer.Option(help="Training epochs.")] = 8,
+    epochs: Annotated[int, typer.Option(help="Training epochs.")] = 5,
     draft_vocab: Annotated[int, typer.Option(help="Draft vocabulary size (most frequent tokens).")] = 8192,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = None,

@@ -5,7 +5,8 @@
    point expansions for them, since those are what the head will draft. Saved as JSONL, resumable.
 2. features: one base forward per sequence captures the hidden states the head reads.
 3. training: EAGLE-1 objective (regress the next feature + cross-entropy on the next token over the
-   draft vocabulary) plus a second unrolled step fed with the head's own predicted features, so
+   draft vocabulary), unrolled over several draft depths fed with the head's own predicted
+   features and attending as a tree node does at inference (EAGLE-3's training-time test), so
    deeper draft steps are trained on what they will see. Checkpoint per epoch, resumable.
 4. evaluation: draft accuracy per depth on held-out sequences (teacher-forced, unrolled).
 """
@@ -44,11 +45,12 @@ class TrainConfig:
     skeleton_tokens: int = 96
     point_tokens: int = 64
     draft_vocab: int = 8192
-    epochs: int = 8
-    lr: float = 5e-4
-    tokens_per_batch: int = 4096  # training batch size in tokens
-    unroll_weight: float = 0.5  # weight of the second (self-fed) step
-    ce_weight: float = 0.1  # EAGLE-1 weighting: feature regression dominates
+    epochs: int = 5
+    lr: float = 1e-3
+    tokens_per_batch: int = 1024  # training batch size in tokens (small: many steps on little data)
+    depths: int = 3  # draft depths unrolled in training (the first reads true features)
+    depth_decay: float = 0.7  # loss weight of depth d is depth_decay ** (d - 1)
+    ce_weight: float = 1.0  # cross-entropy next to feature regression (0.1 in EAGLE-1 learnt slower here)
     train_context: int = 64  # prompt tokens kept before each generated part when training
     seed: int = 0
 
@@ -196,21 +198,65 @@ def _pad(samples, idx, t2d):
     return tokens, feats, t2d[tokens], generated
 
 
-def head_losses(head: DraftHead, tokens, feats, targets, generated, unroll: bool):
-    """Per depth: (feature regression, cross-entropy, correct top-1 count, target count).
+class _StepCache:
+    """A training stand-in for the head's KVCache: entries are concatenated, never written in
+    place, so autograd can run through every depth of the unrolled draft."""
 
-    Depth 1 at draft position i reads (x[i+1], F[i]) and predicts F[i+1] and x[i+2], as at
-    inference. Depth 2 at position i+1 reads (x[i+2], the head's own prediction of F[i+1]) and
-    predicts F[i+2] and x[i+3].
+    def __init__(self):
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.length = 0
+
+    def reserve(self, slots, n: int) -> list[int]:
+        starts = [self.length] * len(slots)
+        self.length += n
+        return starts
+
+    def write(self, layer, slots, starts, k, v) -> None:
+        self.k.append(k)
+        self.v.append(v)
+
+    def view(self, layer, slots, length):
+        return torch.cat(self.k, 2), torch.cat(self.v, 2)
+
+
+def _step_mask(t: int, depth: int, device) -> torch.Tensor:
+    """[T, depth*T] visibility for the depth-`depth` pass: the query of anchor i sees the depth-1
+    entries of anchors <= i (drafted from true features) and, at each deeper level, only its own
+    chain's entry, as a tree node sees its real context and its ancestors at inference."""
+    i = torch.arange(t, device=device)
+    blocks = [i[:, None] >= i[None, :]] + [i[:, None] == i[None, :]] * (depth - 1)
+    return torch.cat(blocks, 1)
+
+
+def unroll(head: DraftHead, tokens, feats, depths: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The draft unrolled as at inference (EAGLE-3's training-time test): per depth, the predicted
+    features [B, T, H] and draft logits [B, T, V] at every anchor i < T = n - depths - 1.
+
+    Depth d at anchor i is the entry at position i+d-1, reading token x[i+d] and, for d = 1, the
+    base feature F[i], deeper the head's own prediction from depth d-1; it predicts F[i+d] and
+    x[i+d+1]. All depths share one attention context laid out as at inference (see _step_mask).
     """
     b, n = tokens.shape
-    results, inp = [], feats
-    for depth in (1, 2) if unroll else (1,):
-        t = n - depth - 1
-        if t <= 0:
-            break
+    t = n - depths - 1
+    if t <= 0:
+        return []
+    cache, out, inp = _StepCache(), [], feats[:, :t]
+    for depth in range(1, depths + 1):
         positions = torch.arange(depth - 1, depth - 1 + t).expand(b, t)
-        pred, logits = head(tokens[:, depth : depth + t], inp[:, :t], positions, head.new_cache(b, n))
+        mask = _step_mask(t, depth, tokens.device).expand(b, t, depth * t)
+        pred, logits = head(tokens[:, depth : depth + t], inp, positions, cache, mask=mask)
+        out.append((pred, logits))
+        inp = pred  # the next depth reads the head's own predictions
+    return out
+
+
+def head_losses(head: DraftHead, tokens, feats, targets, generated, depths: int):
+    """Per depth of `unroll`: (feature regression, cross-entropy, correct top-1 count, target
+    count), over the targets the base generated."""
+    results = []
+    for depth, (pred, logits) in enumerate(unroll(head, tokens, feats, depths), start=1):
+        t = pred.shape[1]
         valid = generated[:, depth + 1 : depth + 1 + t]
         reg = (F.smooth_l1_loss(pred, feats[:, depth : depth + t], reduction="none").mean(-1) * valid).sum()
         reg = reg / valid.sum().clamp(min=1)
@@ -219,7 +265,6 @@ def head_losses(head: DraftHead, tokens, feats, targets, generated, unroll: bool
         ce = F.cross_entropy(logits[ok], tgt[ok]) if ok.any() else logits.sum() * 0
         correct = (logits[ok].argmax(-1) == tgt[ok]).sum()
         results.append((reg, ce, correct, ok.sum()))
-        inp = pred  # the next depth reads the head's own predictions
     return results
 
 
@@ -265,8 +310,10 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
             sums = torch.zeros(4)
             for idx in _batches(train, cfg.tokens_per_batch, rng):
                 tokens, feats, targets, mask = _pad(train, idx, t2d)
-                res = head_losses(head, tokens, feats, targets, mask, unroll=cfg.unroll_weight > 0)
-                loss = sum((w * (reg + cfg.ce_weight * ce)) for w, (reg, ce, _, _) in zip((1.0, cfg.unroll_weight), res))
+                res = head_losses(head, tokens, feats, targets, mask, cfg.depths)
+                if not res:
+                    continue
+                loss = sum(cfg.depth_decay**d * (reg + cfg.ce_weight * ce) for d, (reg, ce, _, _) in enumerate(res))
                 opt.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -277,22 +324,20 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1}, ckpt)
             history.append({"epoch": epoch + 1, "train_acc1": round((sums[2] / max(sums[3], 1)).item(), 4)})
     head.eval()
-    accuracy = evaluate_head(head, evals, t2d)
+    accuracy = evaluate_head(head, evals, t2d, cfg.depths)
     info = {"draft_vocab_coverage": round(covered / max(generated, 1), 4), "history": history, **accuracy}
     return head, info
 
 
 @torch.no_grad()
-def evaluate_head(head: DraftHead, samples, t2d) -> dict:
-    """Teacher-forced top-1 accuracy of depth 1 and of the self-fed depth 2 on held-out sequences."""
-    sums = [[0.0, 0.0], [0.0, 0.0]]
+def evaluate_head(head: DraftHead, samples, t2d, depths: int) -> dict:
+    """Teacher-forced top-1 accuracy per unrolled depth on held-out sequences."""
+    sums = torch.zeros(depths, 2)
     for i in range(len(samples)):
         tokens, feats, targets, mask = _pad(samples, [i], t2d)
-        for d, (_, _, acc, n) in enumerate(head_losses(head, tokens, feats, targets, mask, unroll=True)):
-            sums[d][0] += acc.item()
-            sums[d][1] += n.item()
-    return {"heldout_acc_depth1": round(sums[0][0] / max(sums[0][1], 1), 4),
-            "heldout_acc_depth2": round(sums[1][0] / max(sums[1][1], 1), 4)}  # fmt: skip
+        for d, (_, _, acc, n) in enumerate(head_losses(head, tokens, feats, targets, mask, depths)):
+            sums[d] += torch.tensor([acc.item(), n.item()])
+    return {f"heldout_acc_depth{d + 1}": round((sums[d, 0] / sums[d, 1].clamp(min=1)).item(), 4) for d in range(depths)}
 
 
 def _float_view(base: LlamaModel) -> LlamaModel:

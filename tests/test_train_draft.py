@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from conftest import ours_from_hf, tiny_hf
-from specsot_mq.draft import DraftHead
+from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.loader import load_model
-from specsot_mq.train_draft import _pad, head_losses
+from specsot_mq.train_draft import _pad, head_losses, unroll
 
 
 def test_losses_target_the_next_feature_and_the_token_after_it():
-    """A head that predicts exactly F[i+1] and x[i+2] has zero regression loss and full accuracy
-    at depth 1; targets only cover base-generated tokens."""
+    """A head that predicts exactly F[i+d] and x[i+d+1] at depth d has zero regression loss and
+    full accuracy at every depth; targets only cover base-generated tokens."""
     base = ours_from_hf(tiny_hf("llama"))
     ids = torch.tensor([3, 5, 7, 11, 13, 17, 19, 23])
     feats = torch.randn(8, base.cfg.hidden_size)
@@ -25,19 +25,44 @@ def test_losses_target_the_next_feature_and_the_token_after_it():
     assert generated[0].tolist() == [False] * 3 + [True] * 5
 
     class Perfect(torch.nn.Module):
-        def new_cache(self, b, n):
-            return None
-
-        def __call__(self, tok, feat, pos, cache):
+        def __call__(self, tok, feat, pos, cache, mask):
+            cache.reserve([0], tok.shape[1])
             t = tok.shape[1]
             depth = int(pos[0, 0]) + 1
             pred = f[:, depth : depth + t]
             logits = torch.nn.functional.one_hot(tokens[:, depth + 1 : depth + 1 + t], base.cfg.vocab_size).float() * 10
             return pred, logits
 
-    (reg, ce, correct, count), second = head_losses(Perfect(), tokens, f, targets, generated, unroll=True)
-    assert reg.item() == 0 and correct == count == 5  # x[3..7] from depth-1 positions 1..5
-    assert second[0].item() == 0 and second[2] == second[3] == 5  # x[3..7] from positions 0..4
+    first, second = head_losses(Perfect(), tokens, f, targets, generated, depths=2)
+    # 5 anchors (8 - 2 - 1); depth 1 targets x[2..6], of which x[3..6] were generated
+    assert first[0].item() == 0 and first[2] == first[3] == 4
+    assert second[0].item() == 0 and second[2] == second[3] == 5  # x[3..7]
+
+
+def test_unrolled_training_forward_is_the_draft_chain_at_inference():
+    """What training scores at depth d for anchor i is exactly what the head computes at
+    inference for a chain: true-feature entries 0..i in its KV cache, then each deeper entry fed
+    with the previous prediction (float32, random head)."""
+    base = ours_from_hf(tiny_hf("llama"))
+    torch.manual_seed(0)
+    head = DraftHead(DraftConfig.for_base(base.cfg, 50))
+    head.d2t.copy_(torch.randperm(base.cfg.vocab_size)[:50])
+    head = head.attach(base).eval().requires_grad_(False)
+    n, depths = 12, 3
+    tokens = torch.randint(0, base.cfg.vocab_size, (1, n))
+    feats = torch.randn(1, n, base.cfg.hidden_size)
+    with torch.no_grad():
+        levels = unroll(head, tokens, feats, depths)
+        for i in (0, 3, n - depths - 2):
+            cache = head.new_cache(1, n + depths)
+            pred, logits = head(tokens[:, 1 : i + 2], feats[:, : i + 1], torch.arange(i + 1)[None], cache)
+            feature = pred[:, -1:]
+            torch.testing.assert_close(logits[:, -1], levels[0][1][:, i])
+            for d in range(2, depths + 1):
+                pos = torch.tensor([[i + d - 1]])
+                feature, step_logits = head(tokens[:, i + d : i + d + 1], feature, pos, cache)
+                torch.testing.assert_close(step_logits[:, 0], levels[d - 1][1][:, i])
+                torch.testing.assert_close(feature[:, 0], levels[d - 1][0][:, i])
 
 
 @pytest.mark.slow
