@@ -6,7 +6,8 @@ in-process engine answering the same questions one at a time, plus every device 
 The pipeline gains by overlapping phases (request 2's skeleton while request 1's points decode) and
 by batching the points of several requests in a branch stage. Last line: one JSON object with
 `pipeline_vs_inproc_N` for each client count N, answers per minute, and peak memory per stage.
-`--soak N` then sends N more requests and reports each stage's memory before and after them.
+`--soak N` then sends N more requests (4 clients) and reports each stage's memory (RSS once idle)
+before them and after each quarter of them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main(argv=None) -> dict:
     p.add_argument("--devices", default="127.0.0.1#cpu")
     p.add_argument("--topology", default="p2p")
     p.add_argument("--clients", default="1,4,8")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per device stage (default: cores shared)")
     p.add_argument("--soak", type=int, default=0, help="extra requests to check memory stays flat")
     args = p.parse_args(argv)
     console = Console(stderr=True)
@@ -73,7 +75,7 @@ def main(argv=None) -> dict:
 
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-bench-"))
     spec = plan_run(parse_devices(args.devices), load_profiles(default_profiles_path()), args.topology, run_dir,
-                    model=args.model, dtype=args.dtype, draft=args.draft, sot=sot)  # fmt: skip
+                    stage_threads=args.threads, model=args.model, dtype=args.dtype, draft=args.draft, sot=sot)  # fmt: skip
     launcher = Launcher(spec, run_dir)
     launcher.start()
     results, memory = {}, {}
@@ -103,14 +105,20 @@ def main(argv=None) -> dict:
             for n in clients:
                 task = progress.add_task(f"pipeline, {n} clients", total=len(questions))
                 results[n] = asyncio.run(batch(n, questions, task))
+            time.sleep(2 * spec.heartbeat_s + 0.5)  # idle stages release freed memory on a heartbeat
             memory = asyncio.run(stage_memory())
             soak = None
-            if args.soak:
-                before = memory
+            if args.soak:  # memory after each quarter of the soak: flat means no growth per request
+                soak = {name: [round(now)] for name, (now, _) in memory.items()}
                 task = progress.add_task(f"soak, {args.soak} requests", total=args.soak)
-                asyncio.run(batch(4, [questions[i % len(questions)] for i in range(args.soak)], task))
-                after = asyncio.run(stage_memory())
-                soak = {name: [round(before[name][0]), round(after[name][0])] for name in after}
+                done = 0
+                for quarter in range(1, 5):
+                    items = [questions[i % len(questions)] for i in range(done, args.soak * quarter // 4)]
+                    done += len(items)
+                    asyncio.run(batch(4, items, task))
+                    time.sleep(2 * spec.heartbeat_s + 0.5)
+                    for name, (now, _) in asyncio.run(stage_memory()).items():
+                        soak[name].append(round(now))
     finally:
         launcher.stop()
 
@@ -123,7 +131,8 @@ def main(argv=None) -> dict:
         table.add_row("pipeline", str(n), f"{apm:.1f}", f"{apm / inproc_apm:.2f}x")
     Console().print(table)
     mem = Table(title="stage memory (MB)")
-    for col in ("stage", "now", "peak", *(["soak before", "soak after"] if soak else [])):
+    marks = [f"after {args.soak * q // 4}" for q in range(5)] if soak else []
+    for col in ("stage", "now", "peak", *(f"soak {m}" for m in marks)):
         mem.add_column(col, justify="right")
     for name, (now, peak) in memory.items():
         mem.add_row(name, f"{now:.0f}", f"{peak:.0f}", *(map(str, soak[name]) if soak else []))

@@ -32,8 +32,10 @@ def runs_folder() -> Path:
 
 
 def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology: str, run_dir: Path,
-             base_port: int = 5600, **options) -> RunSpec:  # fmt: skip
-    """The RunSpec of a topology over these devices (options: RunSpec fields such as model, sot)."""
+             base_port: int = 5600, stage_threads: int | None = None, **options) -> RunSpec:  # fmt: skip
+    """The RunSpec of a topology over these devices (options: RunSpec fields such as model, sot).
+    A CPU device stage gets `stage_threads` torch threads, by default its host's cores shared
+    evenly between the host's device stages."""
     from specsot_mq.transports import TOPOLOGIES
 
     if topology not in TOPOLOGIES:
@@ -58,7 +60,7 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
     per_host: dict[str, int] = {}
     for name in dev:
         per_host[hosts[name]] = per_host.get(hosts[name], 0) + 1
-    threads = {name: max(1, (os.cpu_count() or 1) // per_host[hosts[name]]) for name in dev
+    threads = {name: stage_threads or max(1, (os.cpu_count() or 1) // per_host[hosts[name]]) for name in dev
                if "#cpu" in dev[name]}  # fmt: skip
     # Each branch's profile fields but its name (the stage is named after the device already).
     profs = {f"branch@{p.name}": {k: v for k, v in asdict(p).items() if k != "name"}

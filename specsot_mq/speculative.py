@@ -42,18 +42,23 @@ from specsot_mq.verify import Acceptance, accept_greedy, accept_sampled
 class TreeParams:
     """The shape of the draft trees.
 
-    Defaults suit a CPU: a verify pass of up to ~16 tokens costs about as much as one token (the
-    weights are read once either way) and more grows fast, so root + 12 nodes. Depth 5 lets a good
-    head gain up to 6 tokens a step; topk 4 keeps each draft forward at 4 rows, where the draft
-    output layer (the draft's main cost) is still cheap, and 4 forwards per step (depth - 1).
+    Defaults are what measures fastest on this 2-core CPU with the shipped head (`benchmarks/
+    eagle.py` sweep): a chain of 4 nodes (topk 1). A verify pass of up to ~16 tokens costs little
+    more than one token (the weights are read once either way), but the head's top-1 is right only
+    ~43% of the time, so wider trees (12x5x4: tau 1.58) gain fewer tokens than their draft and
+    verify time costs, while the chain (tau 1.34) pays for itself. A stronger head wants
+    `--num-draft-tokens 12 --draft-depth 5 --draft-topk 4`.
     """
 
-    num_draft_tokens: int = 12  # tree nodes verified besides the root (--num-draft-tokens)
-    depth: int = 5  # deepest level of the tree (--draft-depth)
-    topk: int = 4  # children per expanded node and nodes expanded per level (--draft-topk)
-    # Verify tokens of one batched forward, all sequences together: with many sequences (SoT
-    # branches) the CPU is compute-bound, so each tree shrinks to fit (never below one node).
-    max_batch_tokens: int = 64
+    num_draft_tokens: int = 4  # tree nodes verified besides the root (--num-draft-tokens)
+    depth: int = 4  # deepest level of the tree (--draft-depth)
+    topk: int = 1  # children per expanded node and nodes expanded per level (--draft-topk)
+    # Tokens of one batched verify, all sequences together (the root is one per sequence): with
+    # many sequences (SoT branches, several requests) a CPU is compute-bound, so each tree shrinks
+    # to fit, down to no draft at all, where speculation would cost more than it gains
+    # (`benchmarks/pipeline.py --clients 4` on 2 cores: 24 tokens gave 21.7 answers/min, 12 gave
+    # 27.8, 8 gave 30.3; in-process, 8 also beat both and `--draft none`).
+    max_batch_tokens: int = 8
 
     def __post_init__(self):
         flags = {"--num-draft-tokens": self.num_draft_tokens, "--draft-depth": self.depth, "--draft-topk": self.topk}
@@ -205,12 +210,15 @@ class EagleDecoder:
         gen = None if self.sampler.params.greedy else self.sampler.generator
         # Every row's tree must fit in the base cache: near its end, trees get smaller and shallower.
         room = min(self.cache.capacity - n for n in lengths) - 1
+        # Many sequences at once: each tree gets its share of the verify budget, down to none (a
+        # plain step, where batching alone keeps the device busy), and no deeper than its nodes.
+        budget = max(0, min(tp.num_draft_tokens, tp.max_batch_tokens // len(seqs) - 1, room))
         logq, q = self._draft_dist(torch.stack([s.logits for s in states]))
         search = start_search(logq, tp.topk, gen)
         qs = [None if q is None else q[:, None]]  # draft distributions of the expanded nodes...
         expanded = [torch.full((len(seqs), 1), -1, device=dev)]  # ...and their search nodes (-1 = root)
         parent_feature = torch.stack([s.feature for s in states])[:, None].expand(-1, search.beam.shape[1], -1)
-        for depth in range(1, min(tp.depth, room)):
+        for depth in range(1, min(tp.depth, budget)):
             beam = search.beam
             expanded.append(beam)
             tokens = head.d2t[search.ids.gather(1, beam)]
@@ -225,8 +233,7 @@ class EagleDecoder:
             parent_feature = hidden.gather(1, from_slot[:, :, None].expand(-1, -1, hidden.shape[-1]))
         for s, n in zip(seqs, lengths):
             self.draft_cache.truncate(s, n)
-        per_tree = max(1, tp.max_batch_tokens // len(seqs) - 1)  # -1: the root is verified too
-        kept = select_nodes(search, max(0, min(tp.num_draft_tokens, per_tree, room)))
+        kept = select_nodes(search, budget)
         if gen is not None:
             qs = self._tree_q(search, torch.cat(expanded, 1), torch.cat(qs, 1), kept)
         return [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import os
 import resource
@@ -32,6 +33,16 @@ def rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim), so that after a burst of
+    requests with varying tensor shapes the stage's RSS shows what it holds, not what it once
+    held. A no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 async def serve(name: str, spec: RunSpec, ctx=None) -> None:
     """Run stage `name` until SIGTERM (or until the task is cancelled, as tests do in-process)."""
     transport = make_transport(spec.topology, name, spec.table, ctx)
@@ -51,6 +62,7 @@ async def serve(name: str, spec: RunSpec, ctx=None) -> None:
     async def heartbeat():
         last_tokens, last_time = 0, time.monotonic()
         rate = peak = 0.0
+        was_busy = False
         while True:
             await asyncio.sleep(spec.heartbeat_s)
             now = time.monotonic()
@@ -58,6 +70,9 @@ async def serve(name: str, spec: RunSpec, ctx=None) -> None:
                 rate = (stage.tokens - last_tokens) / (now - last_time)
                 last_tokens, last_time = stage.tokens, now
             inflight = stage.inflight()
+            if was_busy and not inflight:
+                release_free_memory()
+            was_busy = inflight > 0
             # The peak is sampled here: ru_maxrss would count the launcher's memory from before exec.
             now_mb = rss_mb()
             peak = max(peak, now_mb)

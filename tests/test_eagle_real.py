@@ -8,6 +8,7 @@ from specsot_mq.draft import DraftHead
 from specsot_mq.generate import Generator
 from specsot_mq.loader import load_model, resolve_draft
 from specsot_mq.sampling import SamplingParams
+from specsot_mq.speculative import TreeParams
 from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
 from test_real_model import mt_bench_first_turns
 
@@ -25,7 +26,8 @@ def test_eagle_greedy_equals_plain_greedy_on_mt_bench(default_model_dir):
     model = load_model(default_model_dir, dtype=torch.float32)
     head = DraftHead.load(resolve_draft("auto", default_model_dir), model).prepack()
     plain = Generator(model, tokenizer, max_len=1024)
-    eagle = Generator(model, tokenizer, max_len=1024, draft=head)
+    # A branching tree (the default is a chain): trees are the harder case for exactness.
+    eagle = Generator(model, tokenizer, max_len=1024, draft=head, tree=TreeParams(num_draft_tokens=12, depth=5, topk=4))
     params = SamplingParams(max_tokens=128)
     taus = []
     for question in mt_bench_first_turns(5):

@@ -11,7 +11,7 @@ from test_generate import CharTokenizer
 from test_tree import chi_square_p
 from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import Generator
+from specsot_mq.generate import Generator, Job
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.sampling import Sampler, SamplingParams
 from specsot_mq.speculative import EagleDecoder, TreeParams
@@ -72,6 +72,9 @@ def heads(base):
 
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+# A branching tree, so tree drafting and verification are what these tests check (the default
+# is a chain, the fastest shape for the shipped head on a CPU).
+TREE = TreeParams(num_draft_tokens=12, depth=5, topk=4)
 
 
 @pytest.mark.parametrize("kind", ["random", "oracle"])
@@ -79,7 +82,7 @@ def test_greedy_speculative_equals_plain_greedy(base, kind):
     prompt = [BOS, 5, 6, 7, 8]
     gen = Generator(base, CharTokenizer(), max_len=len(prompt) + 40)  # the trees must shrink at the end
     plain = gen.generate(prompt, GREEDY)
-    decoder = EagleDecoder(base, heads(base)[kind], gen.cache, Sampler(GREEDY))
+    decoder = EagleDecoder(base, heads(base)[kind], gen.cache, Sampler(GREEDY), TREE)
     spec = gen.generate(prompt, GREEDY, decoder=decoder)
     assert spec.token_ids == plain.token_ids and spec.finish_reason == "length"
     stats = decoder.stats
@@ -94,11 +97,39 @@ def test_sequences_decoded_together_equal_each_alone(base, kind):
     prompts = [[BOS, 5, 6, 7, 8, 9], [BOS, 12], [BOS, 40, 41, 42]]
     gen = Generator(base, CharTokenizer(), max_len=64, num_slots=3)
     head = heads(base)[kind]
-    decoder = lambda: EagleDecoder(base, head, gen.cache, Sampler(GREEDY))  # noqa: E731
+    decoder = lambda: EagleDecoder(base, head, gen.cache, Sampler(GREEDY), TREE)  # noqa: E731
     alone = [gen.generate(p, GREEDY, decoder=decoder()).token_ids for p in prompts]
     together = gen.generate_many(prompts, GREEDY, decoder=decoder())
     assert [c.token_ids for c in together] == alone
     assert alone == [c.token_ids for c in gen.generate_many(prompts, GREEDY)]  # and plain decoding
+
+
+def test_trees_shrink_with_the_batch_down_to_plain_steps(base):
+    """A verify budget of 6 tokens: one sequence drafts 5 nodes, two draft 2 each, four draft none
+    (plain steps, the draft cache still kept in step); every output equals plain decoding, and a
+    sequence that later runs alone drafts again."""
+    tree = TreeParams(num_draft_tokens=12, depth=5, topk=4, max_batch_tokens=6)
+    for n, nodes in ((1, 5), (2, 2), (4, 0)):
+        prompts = [[BOS, 5 + i, 6, 7] for i in range(n)]
+        gen = Generator(base, CharTokenizer(), max_len=64, num_slots=n)
+        decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY), tree)
+        with torch.inference_mode():
+            decoder.prefill({i: p for i, p in enumerate(prompts)})
+            assert [t.size - 1 for t in decoder.draft(list(range(n)))] == [nodes] * n
+        decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY), tree)
+        got = gen.generate_many(prompts, GREEDY, decoder=decoder)
+        assert [c.token_ids for c in got] == [c.token_ids for c in gen.generate_many(prompts, GREEDY)]
+    # Four sequences, one far longer: once it runs alone, its trees grow back and get accepted.
+    gen = Generator(base, CharTokenizer(), max_len=80, num_slots=4)
+    decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY), tree)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 4, 4, 4)]
+    prompts = [[BOS, 5 + i, 6, 7] for i in range(4)]
+    jobs = [Job(i, p, params[i]) for i, p in enumerate(prompts)]
+    out = {}
+    for key, delta in gen.run(lambda room, js=jobs: [js.pop(0) for _ in range(min(room, len(js)))], decoder):
+        out.setdefault(key, []).extend(delta.token_ids)
+    assert out[0] == gen.generate(prompts[0], params[0]).token_ids
+    assert decoder.stats.accepted > 0
 
 
 def test_sequences_finishing_early_leave_the_batch(base):
@@ -106,7 +137,7 @@ def test_sequences_finishing_early_leave_the_batch(base):
     gen = Generator(base, CharTokenizer(), max_len=64, num_slots=2)
     free = gen.generate_many(prompts, GREEDY)
     gen.eos_ids = frozenset({free[0].token_ids[6]})
-    decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY))
+    decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY), TREE)
     both = gen.generate_many(prompts, SamplingParams(max_tokens=40), decoder=decoder)
     plain = gen.generate_many(prompts, SamplingParams(max_tokens=40))
     assert [c.token_ids for c in both] == [c.token_ids for c in plain]
@@ -116,7 +147,7 @@ def test_sequences_finishing_early_leave_the_batch(base):
 def test_accepted_path_is_compacted_in_place(base):
     prompt = [BOS, 20, 21, 22]
     cache = base.new_cache(1, 64)
-    decoder = EagleDecoder(base, OracleHead(base), cache, Sampler(GREEDY))
+    decoder = EagleDecoder(base, OracleHead(base), cache, Sampler(GREEDY), TREE)
     with torch.inference_mode():
         first = decoder.prefill({0: prompt})[0]
         new = decoder.step()[0]
@@ -134,7 +165,7 @@ def test_accepted_path_is_compacted_in_place(base):
 def test_draft_cache_after_steps_equals_one_fresh_draft_pass(base):
     prompt = [BOS, 30, 31, 32, 33]
     head = random_head(base, seed=3)
-    decoder = EagleDecoder(base, head, base.new_cache(1, 64), Sampler(GREEDY))
+    decoder = EagleDecoder(base, head, base.new_cache(1, 64), Sampler(GREEDY), TREE)
     with torch.inference_mode():
         ids = prompt + decoder.prefill({0: prompt})[0]
         for _ in range(4):
@@ -157,7 +188,7 @@ def test_seeded_sampling_reproduces(base, kind):
     prompts = [[BOS, 5, 6, 7], [BOS, 50]]
 
     def run(p):
-        decoder = EagleDecoder(base, head, gen.cache, Sampler(p))
+        decoder = EagleDecoder(base, head, gen.cache, Sampler(p), TREE)
         return [c.token_ids for c in gen.generate_many(prompts, p, decoder=decoder)], decoder.stats
 
     (a, stats), (b, _) = run(params), run(params)
@@ -176,7 +207,7 @@ def test_sampling_through_the_decoder_keeps_the_base_distribution(base):
     head, sampler = random_head(base), Sampler(params)
     counts = torch.zeros(base.cfg.vocab_size, dtype=torch.float64)
     for _ in range(rounds):
-        decoder = EagleDecoder(base, head, gen.cache, sampler, TreeParams(num_draft_tokens=8, depth=3, topk=3))
+        decoder = EagleDecoder(base, head, gen.cache, sampler, TreeParams(8, 3, 3, max_batch_tokens=b * 9))
         for done in gen.generate_many([prompt] * b, params, decoder=decoder):
             counts[done.token_ids[1]] += 1
     with torch.inference_mode():  # exact: sum over x of p(x | prompt) p(y | prompt, x)
@@ -227,8 +258,8 @@ def test_shared_prefix_prefill_fills_both_caches_as_separate_prefills_do(base):
     head = random_head(base)
     prefix = [BOS, 3, 1, 4, 1, 5]
     prompts = {0: prefix + [9, 2], 1: prefix + [6], 2: prefix + [5, 3, 5]}
-    shared = EagleDecoder(base, head, base.new_cache(3, 32), Sampler(GREEDY))
-    alone = EagleDecoder(base, head, base.new_cache(3, 32), Sampler(GREEDY))
+    shared = EagleDecoder(base, head, base.new_cache(3, 32), Sampler(GREEDY), TREE)
+    alone = EagleDecoder(base, head, base.new_cache(3, 32), Sampler(GREEDY), TREE)
     with torch.inference_mode():
         roots = shared.prefill(prompts, shared=len(prefix))
         want = {s: alone.prefill({s: p})[s] for s, p in prompts.items()}
@@ -247,7 +278,7 @@ def test_shared_prefix_and_admission_with_eagle_equal_plain_decoding(base):
     prompts = [prefix + [1], prefix + [2, 3], prefix + [4, 5, 6], prefix + [9]]
     gen = Generator(base, CharTokenizer(), max_len=64, num_slots=2)
     plain = [gen.generate(p, GREEDY).token_ids for p in prompts]
-    decoder = EagleDecoder(base, random_head(base), gen.cache, Sampler(GREEDY))
+    decoder = EagleDecoder(base, random_head(base), gen.cache, Sampler(GREEDY), TREE)
     spec = gen.generate_many(prompts, GREEDY, decoder=decoder, shared=len(prefix), max_parallel=2)
     assert [c.token_ids for c in spec] == plain
 
@@ -261,7 +292,7 @@ def test_stop_string_ends_speculative_output_where_plain_decoding_ends(base):
     stop = free[10:12]
     params = SamplingParams(max_tokens=40, stop=(stop,), ignore_eos=True)
     plain = gen.generate(prompt, params)
-    spec = gen.generate(prompt, params, decoder=EagleDecoder(base, OracleHead(base), gen.cache, Sampler(params)))
+    spec = gen.generate(prompt, params, decoder=EagleDecoder(base, OracleHead(base), gen.cache, Sampler(params), TREE))
     assert spec.token_ids == plain.token_ids and spec.text == plain.text and spec.finish_reason == "stop"
 
 
@@ -293,7 +324,7 @@ def test_jobs_of_several_prefix_groups_joining_a_running_batch_equal_plain_decod
         return ready
 
     head = random_head(base) if kind == "random" else OracleHead(base)
-    decoder = EagleDecoder(base, head, gen.cache, Sampler(GREEDY))
+    decoder = EagleDecoder(base, head, gen.cache, Sampler(GREEDY), TREE)
     jobs = {job.key: job for _, job in arrivals}
     got, finish = {key: [] for key in jobs}, {}
     for key, delta in gen.run(admit, decoder, cancelled=lambda key: key == "x" and step[0] > 6):
