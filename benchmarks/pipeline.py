@@ -1,7 +1,7 @@
 """Answers per minute of a launched stage topology at 1, 4 and 8 concurrent clients, against the
 in-process engine answering the same questions one at a time, plus every device stage's peak memory.
 
-    python benchmarks/pipeline.py --limit 8 --max-tokens 64
+    python benchmarks/pipeline.py --limit 16 --max-tokens 64
 
 The pipeline gains by overlapping phases (request 2's skeleton while request 1's points decode) and
 by batching the points of several requests in a branch stage. Last line: one JSON object with
@@ -42,7 +42,7 @@ def main(argv=None) -> dict:
     p.add_argument("--draft", default="auto")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--questions", type=Path, default=None)
-    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--limit", type=int, default=16, help="questions per measurement (few leave a long tail with several clients)")
     p.add_argument("--max-tokens", type=int, default=64, help="cap on every phase (skeleton, each point, direct)")
     p.add_argument("--devices", default="127.0.0.1#cpu")
     p.add_argument("--topology", default="p2p")
