@@ -53,7 +53,8 @@ class TreeParams:
     num_draft_tokens: int = 4  # tree nodes verified besides the root (--num-draft-tokens)
     depth: int = 4  # deepest level of the tree (--draft-depth)
     topk: int = 1  # children per expanded node and nodes expanded per level (--draft-topk)
-    # Tokens of one batched verify, all sequences together (the root is one per sequence): with
+    # Tokens of one batched verify, all sequences together (the root is one per sequence; at
+    # least one full tree, so a sequence decoding alone always gets its whole tree): with
     # many sequences (SoT branches, several requests) a CPU is compute-bound, so each tree shrinks
     # to fit, down to no draft at all, where speculation would cost more than it gains
     # (`benchmarks/pipeline.py --clients 4` on 2 cores: 24 tokens gave 21.7 answers/min, 12 gave
@@ -210,9 +211,11 @@ class EagleDecoder:
         gen = None if self.sampler.params.greedy else self.sampler.generator
         # Every row's tree must fit in the base cache: near its end, trees get smaller and shallower.
         room = min(self.cache.capacity - n for n in lengths) - 1
-        # Many sequences at once: each tree gets its share of the verify budget, down to none (a
-        # plain step, where batching alone keeps the device busy), and no deeper than its nodes.
-        budget = max(0, min(tp.num_draft_tokens, tp.max_batch_tokens // len(seqs) - 1, room))
+        # Many sequences at once: each tree gets its share of the verify budget (never less than
+        # one full tree), down to none (a plain step, where batching alone keeps the device
+        # busy), and the draft goes no deeper than its nodes.
+        verify_budget = max(tp.max_batch_tokens, tp.num_draft_tokens + 1)
+        budget = max(0, min(tp.num_draft_tokens, verify_budget // len(seqs) - 1, room))
         logq, q = self._draft_dist(torch.stack([s.logits for s in states]))
         search = start_search(logq, tp.topk, gen)
         qs = [None if q is None else q[:, None]]  # draft distributions of the expanded nodes...

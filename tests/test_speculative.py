@@ -105,10 +105,16 @@ def test_sequences_decoded_together_equal_each_alone(base, kind):
 
 
 def test_trees_shrink_with_the_batch_down_to_plain_steps(base):
-    """A verify budget of 6 tokens: one sequence drafts 5 nodes, two draft 2 each, four draft none
-    (plain steps, the draft cache still kept in step); every output equals plain decoding, and a
-    sequence that later runs alone drafts again."""
-    tree = TreeParams(num_draft_tokens=12, depth=5, topk=4, max_batch_tokens=6)
+    """A verify budget of 6 tokens: one sequence drafts its whole tree of 5 nodes, two draft 2
+    each, four draft none (plain steps, the draft cache still kept in step); every output equals
+    plain decoding, and a sequence that later runs alone drafts again. A budget smaller than one
+    tree still lets one sequence draft the whole tree."""
+    gen = Generator(base, CharTokenizer(), max_len=64)
+    decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY), TreeParams(12, 5, 4, max_batch_tokens=6))
+    with torch.inference_mode():
+        decoder.prefill({0: [BOS, 5, 6, 7]})
+        assert decoder.draft([0])[0].size - 1 == 12
+    tree = TreeParams(num_draft_tokens=5, depth=5, topk=4, max_batch_tokens=6)
     for n, nodes in ((1, 5), (2, 2), (4, 0)):
         prompts = [[BOS, 5 + i, 6, 7] for i in range(n)]
         gen = Generator(base, CharTokenizer(), max_len=64, num_slots=n)
