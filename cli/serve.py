@@ -385,10 +385,10 @@ async def _chat_turn(address, question, params, mode, rid, console: Console) -> 
 
 
 def _stats_line(answer) -> str:
-    phases = {k: v for k, v in answer.stats.items() if isinstance(v, dict)}
-    tokens = sum(p["tokens"] for p in phases.values())
-    seconds = answer.stats.get("seconds", 0.0)
-    taus = ", ".join(f"{k} {p['tokens'] / p['steps']:.2f}" for k, p in phases.items() if p.get("steps"))
-    return (f"mode {answer.mode} · {len(answer.points)} points · {tokens} tokens · {seconds:.2f} s · "
-            f"{tokens / seconds if seconds else 0:.1f} tok/s · tau {taus}")  # fmt: skip
+    """The engine's one-line summary (Final.summary) of an Answer from the stages."""
+    from specsot_mq.sot.engine import Final, PhaseStats
 
+    phases = {name: PhaseStats(p["tokens"], p["seconds"], p["tokens"] / p["steps"] if p.get("steps") else None)
+              for name, p in answer.stats.items() if isinstance(p, dict)}  # fmt: skip
+    return Final(answer.answer, answer.mode, answer.reason, answer.skeleton, points=answer.points, phases=phases,
+                 seconds=answer.stats.get("seconds", 0.0)).summary()  # fmt: skip

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import socket
 from dataclasses import dataclass
 
 from specsot_mq.errors import SpecSotError
-from specsot_mq.sot.scheduler import DeviceProfile, profile_for
+from specsot_mq.sot.scheduler import DeviceProfile
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -22,8 +23,13 @@ class Device:
         return f"{self.host}#{self.slot}"
 
     @property
+    def kind(self) -> str:
+        """The devices.json profile the device falls back to when it is not mapped by name."""
+        return "cpu" if self.slot.startswith("cpu") else "cuda"
+
+    @property
     def torch_device(self) -> str:
-        return "cpu" if self.slot.startswith("cpu") else f"cuda:{self.slot}"
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.slot}"
 
 
 def parse_devices(text: str, resolve: bool = True) -> list[Device]:
@@ -61,8 +67,16 @@ def _check_host(host: str, item: str) -> None:
 
 
 def device_profiles(devices: list[Device], profiles: dict[str, DeviceProfile]) -> list[DeviceProfile]:
-    """Each device's profile from devices.json (SpecSotError naming a device without one)."""
-    return [profile_for(d.name, profiles) for d in devices]
+    """Each device's profile from devices.json (load_profiles), as a copy named after the device:
+    its own entry under "devices" first, else the profile of its kind ("cpu" or "cuda")."""
+    found = []
+    for d in devices:
+        profile = profiles.get(d.name) or profiles.get(d.kind)
+        if profile is None:
+            raise SpecSotError(f"device '{d.name}' has no profile: add a \"{d.kind}\" profile or map the device "
+                               "under \"devices\" in devices.json")  # fmt: skip
+        found.append(dataclasses.replace(profile, name=d.name))
+    return found
 
 
 def is_local(host: str) -> bool:

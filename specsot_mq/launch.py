@@ -53,7 +53,7 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
 
     def address(name: str) -> str:
         if local:
-            return f"ipc://{run_dir}/{name.replace('#', '_').replace('@', '_')}.sock"
+            return f"ipc://{run_dir}/{_safe(name)}.sock"
         return f"tcp://{hosts.get(name, first.host)}:{next(port)}"
 
     table = {name: address(name) for name in kinds}

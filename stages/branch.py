@@ -11,18 +11,14 @@ from specsot_mq.stages.worker import DeviceStage, batch_key
 
 
 class BranchStage(DeviceStage):
+    message = BranchTask
+
     async def start(self) -> None:
         self.slots = int(self.spec.profiles[self.name]["max_parallel"])
         self.merge = self.spec.named("merge")[0]
         await super().start()  # self.running: rid -> index -> [tokens, steps, started]
 
-    async def handle(self, env) -> None:
-        msg = env.msg
-        if not isinstance(msg, BranchTask):
-            return
-        params = self.params(msg.rid, msg.params)
-        if params is None:
-            return
+    def accept(self, msg: BranchTask, params) -> None:
         prefix = msg.prefix.tolist()
         now = time.monotonic()
         self.running[msg.rid] = {i: [0, 0, now] for i in msg.indices}

@@ -33,14 +33,18 @@ def rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc
+    _LIBC = None
+
+
 def release_free_memory() -> None:
     """Hand the heap's free pages back to the OS (glibc's malloc_trim), so that after a burst of
     requests with varying tensor shapes the stage's RSS shows what it holds, not what it once
     held. A no-op elsewhere."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
 
 
 async def serve(name: str, spec: RunSpec, ctx=None) -> None:

@@ -15,6 +15,8 @@ from specsot_mq.stages.worker import DeviceStage, batch_key
 
 
 class SkeletonStage(DeviceStage):
+    message = Ask
+
     async def start(self) -> None:
         self.slots = self.spec.skeleton_slots
         self.config = SoTConfig(**self.spec.sot)
@@ -22,13 +24,7 @@ class SkeletonStage(DeviceStage):
         self.parse = self.spec.named("parse")[0]
         await super().start()  # self.running: rid -> the Ask, its text so far, counts
 
-    async def handle(self, env) -> None:
-        msg = env.msg
-        if not isinstance(msg, Ask):
-            return
-        params = self.params(msg.rid, msg.params)
-        if params is None:
-            return
+    def accept(self, msg: Ask, params) -> None:
         try:
             decision = route(msg.question, msg.sot)
         except SpecSotError as exc:

@@ -112,6 +112,7 @@ class DeviceStage(Stage):
     and the worker thread that decodes on it. Messages go out in order through one sender task."""
 
     slots = 8  # sequences decoded at once; subclasses set it from the spec
+    message: type = object  # the message a subclass decodes (it gets them in accept())
 
     async def start(self) -> None:
         import torch
@@ -140,13 +141,19 @@ class DeviceStage(Stage):
         """Send without awaiting, keeping the order of posts."""
         self.outbox.put_nowait((dst, msg))
 
-    def params(self, rid: str, wire: dict):
-        """A message's SamplingParams, or None after failing the request with the reason."""
+    async def handle(self, env) -> None:
+        msg = env.msg
+        if not isinstance(msg, self.message):
+            return
         try:
-            return params_from_wire(wire)
+            params = params_from_wire(msg.params)
         except (SpecSotError, TypeError) as exc:
-            self.post("gateway", Failed(rid, str(exc)))
-            return None
+            self.post("gateway", Failed(msg.rid, str(exc)))
+            return
+        self.accept(msg, params)
+
+    def accept(self, msg, params) -> None:
+        """A request's message, its SamplingParams checked: queue its decoding."""
 
     def on_delta(self, key, delta: Delta) -> None:
         """A job's new tokens (on the event loop)."""

@@ -22,6 +22,9 @@ def test_devices_parse_in_order():
     ("127.0.0.1", "not of the form ip#gpu"),
     ("#0", "not of the form ip#gpu"),
     ("127.0.0.1#gpu0", "GPU number, cpu"),
+    ("localhost", "not of the form ip#gpu"),
+    ("10.0.0.2#", "GPU number, cpu"),
+    ("10.0.0.2#mps", "GPU number, cpu"),
     ("127.0.0.1#0,127.0.0.1#0", "listed twice"),
     ("no-such-host.invalid#0", "unknown host"),
 ])  # fmt: skip

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from specsot_mq.devices import device_profiles, parse_devices
 from specsot_mq.errors import SpecSotError
 from specsot_mq.sot.parser import Point, parse_plan_direct, parse_skeleton
 from specsot_mq.sot.router import route
@@ -14,7 +15,6 @@ from specsot_mq.sot.scheduler import (
     DeviceProfile,
     default_profiles_path,
     load_profiles,
-    profile_for,
     schedule,
 )
 
@@ -317,35 +317,29 @@ def test_missing_devices_file(tmp_path):
         load_profiles(tmp_path / "nope.json")
 
 
+def profile_of(name: str, profiles):
+    return device_profiles(parse_devices(name, resolve=False), profiles)[0]
+
+
 @pytest.mark.parametrize("name, profile, compute", [
     ("127.0.0.1#cpu", "cpu", 40.0),   # mapped exactly
     ("10.0.0.2#0", "h100", 700.0),    # mapped exactly, ahead of the cuda fallback
     ("10.0.0.9#cpu", "cpu", 40.0),    # #cpu falls back to the cpu profile
     ("10.0.0.9#3", "cuda", 200.0),    # #N falls back to the cuda profile
 ])  # fmt: skip
-def test_profile_for_resolves_devices(tmp_path, name, profile, compute):
-    resolved = profile_for(name, load_profiles(write(tmp_path, GOOD)))
+def test_device_profiles_resolve_devices(tmp_path, name, profile, compute):
+    resolved = profile_of(name, load_profiles(write(tmp_path, GOOD)))
     assert (resolved.name, resolved.compute) == (name, compute)
 
 
-@pytest.mark.parametrize("name, message", [
-    ("localhost", "not of the form ip#gpu"),
-    ("10.0.0.2#", "not of the form ip#gpu"),
-    ("10.0.0.2#mps", "neither a GPU number nor cpu"),
-])  # fmt: skip
-def test_profile_for_bad_names(name, message):
-    with pytest.raises(SpecSotError, match=message):
-        profile_for(name, load_profiles(default_profiles_path()))
-
-
-def test_profile_for_without_a_fallback_profile(tmp_path):
+def test_device_without_a_fallback_profile(tmp_path):
     profiles = load_profiles(write(tmp_path, changed(lambda d: d["profiles"].pop("cuda"))))
     with pytest.raises(SpecSotError, match="'10.0.0.9#0' has no profile: add a \"cuda\" profile"):
-        profile_for("10.0.0.9#0", profiles)
+        profile_of("10.0.0.9#0", profiles)
 
 
 def test_the_shipped_devices_file_loads_and_covers_cpu_and_cuda():
     profiles = load_profiles(default_profiles_path())
     assert {"cpu", "cuda", "h100", "h200"} <= set(profiles)
-    assert profile_for("127.0.0.1#cpu", profiles).max_parallel == 8
-    assert profile_for("127.0.0.1#0", profiles).compute == 200
+    assert profile_of("127.0.0.1#cpu", profiles).max_parallel == 8
+    assert profile_of("127.0.0.1#0", profiles).compute == 200

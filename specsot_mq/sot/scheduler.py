@@ -126,30 +126,6 @@ def load_profiles(path: str | Path) -> dict[str, DeviceProfile]:
     return resolved
 
 
-def profile_for(device: str, profiles: dict[str, DeviceProfile]) -> DeviceProfile:
-    """The profile of a device named "ip#gpu", as a copy named after the device.
-
-    Exact match under "devices" first, then "ip#cpu" takes the "cpu" profile and "ip#N" the "cuda" one.
-    """
-    if "#" in device and device in profiles:
-        return dataclasses.replace(profiles[device], name=device)
-    host, _, slot = device.rpartition("#")
-    if not host or not slot:
-        raise SpecSotError(f"device '{device}' is not of the form ip#gpu: write e.g. 127.0.0.1#0 or 127.0.0.1#cpu")
-    kind = "cpu" if slot.startswith("cpu") else "cuda" if slot.isdecimal() else None
-    if kind is None:
-        raise SpecSotError(
-            f"device '{device}' names neither a GPU number nor cpu: write ip#0, ip#1, ... or ip#cpu, "
-            "or map it to a profile under \"devices\" in devices.json"
-        )
-    if kind not in profiles:
-        raise SpecSotError(
-            f"device '{device}' has no profile: add a \"{kind}\" profile or map the device under \"devices\" "
-            "in devices.json"
-        )
-    return dataclasses.replace(profiles[kind], name=device)
-
-
 def _profile(path: Path, name: str, fields: object) -> DeviceProfile:
     """One validated profile from its JSON object."""
     where = f"devices file {path}: profile '{name}'"
