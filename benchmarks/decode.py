@@ -132,7 +132,8 @@ def load_transformers(folder: Path, dtype: torch.dtype):
 
 
 def load_with_draft(model: str | None, draft: str, dtype: torch.dtype):
-    """(folder, tokenizer, our model, its prepacked draft head) for the EAGLE benchmarks."""
+    """(folder, tokenizer, our model, its prepacked draft head, the head's file) for the EAGLE
+    benchmarks."""
     from specsot_mq.draft import DraftHead
     from specsot_mq.loader import resolve_draft
 
@@ -141,7 +142,7 @@ def load_with_draft(model: str | None, draft: str, dtype: torch.dtype):
     if draft_path is None:
         raise SpecSotError(f"no draft head for {folder.name}: train one with `specsot train-draft` or pass --draft")
     ours = load_model(folder, dtype=dtype)
-    return folder, load_tokenizer(folder), ours, DraftHead.load(draft_path, ours).prepack()
+    return folder, load_tokenizer(folder), ours, DraftHead.load(draft_path, ours).prepack(), draft_path
 
 
 def run_ours(gen: Generator, ids: list[int], new_tokens: int) -> Sample:

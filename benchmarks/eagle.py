@@ -71,9 +71,8 @@ def main(argv=None) -> dict:
     sweep = [parse_tree(t) for t in args.sweep.split(",") if t.strip()]
     n = args.new_tokens
 
-    folder, tokenizer, model, head = load_with_draft(args.model, args.draft, dtype)
+    folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype)
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in prompts]
-    head_name = f"{folder.name} head"
     max_len = max(map(len, prompt_ids)) + n + 64
     plain = Generator(model, tokenizer, max_len=max_len)
     def tree_name(t: TreeParams) -> str:
@@ -85,7 +84,7 @@ def main(argv=None) -> dict:
 
     out.print(
         f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | torch {torch.__version__} | "
-        f"{len(prompts)} prompts ({source}), {n} new tokens | draft {head_name} "
+        f"{len(prompts)} prompts ({source}), {n} new tokens | draft {draft_path.name} "
         f"(vocab {head.cfg.draft_vocab_size}) | tree {main_tree}"
     )
     rows = {"hf": [], "plain": [], "eagle": []}
@@ -173,7 +172,7 @@ def main(argv=None) -> dict:
         "threads": torch.get_num_threads(),
         "new_tokens": n,
         "prompts": len(prompts),
-        "draft": head_name,
+        "draft": draft_path.name,
     }
     print(json.dumps(result), flush=True)
     return result

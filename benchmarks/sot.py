@@ -57,8 +57,7 @@ def main(argv=None) -> dict:
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     questions, source = load_prompts(args.questions, args.limit)
 
-    folder, tokenizer, model, head = load_with_draft(args.model, args.draft, dtype)
-    head_name = f"{folder.name} head"
+    folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype)
     max_len = 2048
     plain_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel)
     eagle_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel, draft=head)
@@ -85,7 +84,7 @@ def main(argv=None) -> dict:
 
     out.print(
         f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | {len(questions)} questions ({source}) "
-        f"| max tokens {args.max_tokens} per phase | draft {head_name} | max parallel {args.max_parallel}"
+        f"| max tokens {args.max_tokens} per phase | draft {draft_path.name} | max parallel {args.max_parallel}"
     )
     rows = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -123,7 +122,7 @@ def main(argv=None) -> dict:
         result[f"{engine}_vs_hf"] = median_speedup(engine, rows)
         result[f"{engine}_vs_hf_sot_routed"] = median_speedup(engine, planned)
     result.update(questions=len(rows), sot_routed=len(planned), dtype=args.dtype, max_tokens=args.max_tokens,
-                  threads=torch.get_num_threads(), draft=head_name,
+                  threads=torch.get_num_threads(), draft=draft_path.name,
                   per_question=[{"question": r["question"], "mode": r["specsot"][2],
                                  **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]} for e in ENGINES}} for r in rows])  # fmt: skip
     summary = Table(title="median speedup over transformers generate")

@@ -6,7 +6,9 @@ import pytest
 from conftest import ours_from_hf, tiny_hf
 from specsot_mq.generate import Generator
 from specsot_mq.sampling import SamplingParams
-from specsot_mq.sot.engine import Final, PointDone, SkeletonDelta, SoTConfig, SoTEngine
+from specsot_mq.sot.engine import (
+    Final, PointDone, SkeletonDelta, SoTConfig, SoTEngine, point_params, point_prompts, skeleton_params,
+)  # fmt: skip
 from specsot_mq.sot.parser import Plan, Point, parse_skeleton
 from specsot_mq.tokenizer import load_tokenizer
 
@@ -32,9 +34,9 @@ def expand(gen, max_parallel):
 
 def test_points_decoded_together_equal_each_prompt_decoded_alone(tiny):
     engine, got, final = expand(tiny, max_parallel=5)
-    prefix, suffixes = engine.point_prompts("How do I start running?", PLAN)
+    prefix, suffixes = point_prompts(engine.gen.tokenizer, engine.format, "How do I start running?", PLAN)
     for index, suffix in suffixes.items():
-        alone = tiny.generate(prefix + suffix, engine.point_params(PARAMS)).token_ids
+        alone = tiny.generate(prefix + suffix, point_params(engine.config, PARAMS)).token_ids
         assert got[index] == alone, index
     assert [i for i, _, _ in final.points] == [1, 2, 3, 4, 5]  # merged in plan order
     assert final.answer.startswith("1. Warm up") and "\n5. Rest well" in final.answer
@@ -78,14 +80,14 @@ def test_real_model_phases_equal_plain_greedy(default_model_dir):
         events = list(engine.stream(question, params))
         final = events[-1]
         sk_prompt = engine.format.skeleton_ids(gen.tokenizer, question)
-        assert final.skeleton_ids == plain.generate(sk_prompt, engine.skeleton_params(params)).token_ids
+        assert final.skeleton_ids == plain.generate(sk_prompt, skeleton_params(engine.config, params)).token_ids
         assert "".join(e.text for e in events if isinstance(e, SkeletonDelta)) == final.skeleton
         if final.mode != "sot":
             continue
         planned += 1
-        prefix, suffixes = engine.point_prompts(question, parse_skeleton(final.skeleton, 8))
+        prefix, suffixes = point_prompts(engine.gen.tokenizer, engine.format, question, parse_skeleton(final.skeleton, 8))
         done = {e.index: e.token_ids for e in events if isinstance(e, PointDone)}
         for index, suffix in suffixes.items():
-            want = plain.generate(prefix + suffix, engine.point_params(params)).token_ids
+            want = plain.generate(prefix + suffix, point_params(engine.config, params)).token_ids
             assert done[index] == want, (question, index)
     assert planned >= 2

@@ -148,7 +148,7 @@ class SoTEngine:
         phases: dict[str, PhaseStats] = {}
         skeleton = self.format.skeleton_prefix
         yield SkeletonDelta(skeleton)
-        sk_params = self.skeleton_params(params)
+        sk_params = skeleton_params(self.config, params)
         sk_ids = []
         for _, delta in self._run("skeleton", [self.format.skeleton_ids(self.gen.tokenizer, question)], sk_params, phases):
             skeleton += delta.text
@@ -161,14 +161,14 @@ class SoTEngine:
         yield from self._points(question, skeleton, sk_ids, plan, params, phases, start)
 
     def _points(self, question, skeleton, sk_ids, plan: Plan, params, phases, start) -> Iterator[Event]:
-        prefix, suffixes = self.point_prompts(question, plan)
+        prefix, suffixes = point_prompts(self.gen.tokenizer, self.format, question, plan)
         # Longest predicted first, so the long points start early (LPT over the one local device).
         order = schedule(plan.points, [self.device])[0].point_indices
         points = [next(p for p in plan.points if p.index == i) for i in order]
         prompts = [prefix + suffixes[p.index] for p in points]
         texts = {p.index: "" for p in points}
         ids = {p.index: [] for p in points}
-        pt_params = self.point_params(params)
+        pt_params = point_params(self.config, params)
         for seq, delta in self._run("points", prompts, pt_params, phases, shared=len(prefix)):
             index = points[seq].index
             texts[index] += delta.text
@@ -185,15 +185,6 @@ class SoTEngine:
     def expand(self, question: str, plan: Plan, params: SamplingParams | None = None) -> Iterator[Event]:
         """Only the branch phase: expand a given plan's points (all together), then merge."""
         yield from self._points(question, "", [], plan, params or SamplingParams(), {}, time.perf_counter())
-
-    def skeleton_params(self, params: SamplingParams) -> SamplingParams:
-        return skeleton_params(self.config, params)
-
-    def point_params(self, params: SamplingParams) -> SamplingParams:
-        return point_params(self.config, params)
-
-    def point_prompts(self, question: str, plan: Plan) -> tuple[list[int], dict[int, list[int]]]:
-        return point_prompts(self.gen.tokenizer, self.format, question, plan)
 
     def _direct(self, question, params, reason, start, phases) -> Iterator[Event]:
         text = ""
