@@ -11,6 +11,7 @@ writes a PNG plot (with matplotlib, if installed) and ends with one JSON line ho
 of the speedups over all questions and over those routed to SoT.
 
     python benchmarks/sot.py [--limit 8] [--max-tokens 256] [--dtype bf16|fp32] [--plot out.png]
+        [--layout batching|bim] [--prompt-format sot|plan] [--engines hf,specsot]
 """
 
 from __future__ import annotations
@@ -50,9 +51,15 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--max-parallel", type=int, default=8)
     p.add_argument("--sot", default="auto", help="routing for the SoT engines: auto, always, never")
+    p.add_argument("--layout", default="batching", help="the points' cache layout: batching or bim")
+    p.add_argument("--prompt-format", default="sot", help="sot (numbered plan) or plan ([PLAN]/[DIRECT])")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"which of {','.join(ENGINES)} to run (hf always)")
     p.add_argument("--plot", type=Path, default=Path("benchmarks/out/sot.png"))
     p.add_argument("--json-only", action="store_true")
     args = p.parse_args(argv)
+    engines = ["hf", *(e for e in ENGINES[1:] if e in args.engines.split(","))]
+    if unknown := set(args.engines.split(",")) - set(ENGINES):
+        p.error(f"--engines: unknown {', '.join(sorted(unknown))}; choose from {','.join(ENGINES)}")
     out = Console(quiet=args.json_only, soft_wrap=True)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     questions, source = load_prompts(args.questions, args.limit)
@@ -61,7 +68,8 @@ def main(argv=None) -> dict:
     max_len = 2048
     plain_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel)
     eagle_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel, draft=head)
-    config = SoTConfig(sot=args.sot, max_parallel=args.max_parallel)
+    config = SoTConfig(sot=args.sot, prompt_format=args.prompt_format, max_parallel=args.max_parallel,
+                       layout=args.layout)  # fmt: skip
     sot, specsot = SoTEngine(plain_gen, config), SoTEngine(eagle_gen, config)
     hf = load_transformers(folder, dtype)
     params = SamplingParams(max_tokens=args.max_tokens)
@@ -84,18 +92,19 @@ def main(argv=None) -> dict:
 
     out.print(
         f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | {len(questions)} questions ({source}) "
-        f"| max tokens {args.max_tokens} per phase | draft {draft_path.name} | max parallel {args.max_parallel}"
+        f"| max tokens {args.max_tokens} per phase | draft {draft_path.name} | max parallel {args.max_parallel} "
+        f"| layout {args.layout} | prompt format {args.prompt_format}"
     )
     rows = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True, disable=args.json_only) as bar:  # fmt: skip
-        task = bar.add_task("warm-up", total=1 + len(questions) * len(ENGINES))
-        for engine in ENGINES:
+        task = bar.add_task("warm-up", total=1 + len(questions) * len(engines))
+        for engine in engines:
             run(engine, "Say hello.")
         bar.advance(task)
         for i, q in enumerate(questions):
             row = {"question": q[:60], "routed_sot": route(q, args.sot).use_sot}
-            for engine in ENGINES:
+            for engine in engines:
                 bar.update(task, description=f"question {i + 1}: {engine}")
                 row[engine] = run(engine, q)
                 bar.advance(task)
@@ -104,40 +113,46 @@ def main(argv=None) -> dict:
     table = Table(title="seconds to a complete answer (tokens) and speedup over transformers generate")
     table.add_column("question")
     table.add_column("mode")
-    for engine in ENGINES:
+    for engine in engines:
         table.add_column(engine, justify="right")
     for r in rows:
         hf_s = r["hf"][0]
-        cells = [f"{r[e][0]:.1f}s ({r[e][1]})" + ("" if e == "hf" else f" {hf_s / r[e][0]:.2f}x") for e in ENGINES]
-        table.add_row(r["question"], r["specsot"][2], *cells)
+        cells = [f"{r[e][0]:.1f}s ({r[e][1]})" + ("" if e == "hf" else f" {hf_s / r[e][0]:.2f}x") for e in engines]
+        table.add_row(r["question"], mode(r), *cells)
     out.print(table)
 
     def median_speedup(engine: str, subset) -> float | None:
         values = [r["hf"][0] / r[engine][0] for r in subset]
         return round(statistics.median(values), 3) if values else None
 
-    planned = [r for r in rows if r["specsot"][2] == "sot"]
+    planned = [r for r in rows if mode(r) == "sot"]
     result = {}
-    for engine in ("specsot", "sot", "eagle"):
+    for engine in [e for e in ("specsot", "sot", "eagle") if e in engines]:
         result[f"{engine}_vs_hf"] = median_speedup(engine, rows)
         result[f"{engine}_vs_hf_sot_routed"] = median_speedup(engine, planned)
     result.update(questions=len(rows), sot_routed=len(planned), dtype=args.dtype, max_tokens=args.max_tokens,
-                  threads=torch.get_num_threads(), draft=draft_path.name,
-                  per_question=[{"question": r["question"], "mode": r["specsot"][2],
-                                 **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]} for e in ENGINES}} for r in rows])  # fmt: skip
+                  threads=torch.get_num_threads(), draft=draft_path.name, layout=args.layout,
+                  prompt_format=args.prompt_format,
+                  per_question=[{"question": r["question"], "mode": mode(r),
+                                 **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]} for e in engines}} for r in rows])  # fmt: skip
     summary = Table(title="median speedup over transformers generate")
     summary.add_column("engine")
     summary.add_column("all questions", justify="right")
     summary.add_column("routed to SoT", justify="right")
-    for engine in ("eagle", "sot", "specsot"):
+    for engine in [e for e in ("eagle", "sot", "specsot") if e in engines]:
         summary.add_row(engine, str(result[f"{engine}_vs_hf"]), str(result[f"{engine}_vs_hf_sot_routed"]))
     out.print(summary)
-    _plot(rows, args.plot, out)
+    _plot(rows, engines, args.plot, out)
     print(json.dumps(result), flush=True)
     return result
 
 
-def _plot(rows, path: Path, out: Console) -> None:
+def mode(row) -> str:
+    """How the SoT engines answered the question: "sot" (with a plan) or "direct"."""
+    return (row.get("specsot") or row.get("sot") or (0, 0, "direct"))[2]
+
+
+def _plot(rows, engines, path: Path, out: Console) -> None:
     try:
         import matplotlib
 
@@ -148,10 +163,11 @@ def _plot(rows, path: Path, out: Console) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
-    width = 0.2
-    for k, engine in enumerate(ENGINES):
-        ax.bar([i + (k - 1.5) * width for i in range(len(rows))], [r[engine][0] for r in rows], width, label=engine)
-    ax.set_xticks(range(len(rows)), [f"Q{i + 1}{'*' if r['specsot'][2] == 'sot' else ''}" for i, r in enumerate(rows)])
+    width = 0.8 / len(engines)
+    for k, engine in enumerate(engines):
+        offset = (k - (len(engines) - 1) / 2) * width
+        ax.bar([i + offset for i in range(len(rows))], [r[engine][0] for r in rows], width, label=engine)
+    ax.set_xticks(range(len(rows)), [f"Q{i + 1}{'*' if mode(r) == 'sot' else ''}" for i, r in enumerate(rows)])
     ax.set_ylabel("seconds to a complete answer")
     ax.set_title("answer latency per question (* = answered with a plan)")
     ax.legend()

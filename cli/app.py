@@ -29,6 +29,7 @@ DraftOpt = Annotated[str, typer.Option(help="EAGLE draft head: auto (the shipped
 NumDraftOpt = Annotated[Optional[int], typer.Option(help="Draft tree nodes verified per step.")]
 DepthOpt = Annotated[Optional[int], typer.Option(help="Deepest level of the draft tree.")]
 TopkOpt = Annotated[Optional[int], typer.Option(help="Children per expanded node in the draft tree.")]
+FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan) or plan (the model picks [PLAN] or [DIRECT]).")]
 
 
 def tree_params(num_draft_tokens, depth, topk):
@@ -70,7 +71,8 @@ def ask(
     sot: Annotated[str, typer.Option(help="Plan and expand in parallel: auto, always or never.")] = "auto",
     max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8,
     max_parallel: Annotated[int, typer.Option(help="Points decoded at once (cache slots).")] = 8,
-    layout: Annotated[str, typer.Option(help="Branch layout: batching (EAGLE) or bim (one slot, plain).")] = "batching",
+    layout: Annotated[str, typer.Option(help="Points' KV: batching (a cache slot each) or bim (one slot, branch-index map).")] = "batching",
+    prompt_format: FormatOpt = "sot",
 ):
     """Answer one question: a streamed skeleton, then every point expanded in parallel."""
     from specsot_mq.cli.display import AnswerView
@@ -84,7 +86,7 @@ def ask(
     if not question:
         raise SpecSotError("the question is empty: pass it as an argument or on stdin with '-'")
     params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop or ()))
-    config = SoTConfig(sot=sot, max_points=max_points, max_parallel=max_parallel, layout=layout)
+    config = SoTConfig(sot=sot, prompt_format=prompt_format, max_points=max_points, max_parallel=max_parallel, layout=layout)
     tree = tree_params(num_draft_tokens, draft_depth, draft_topk)
     gen = load_generator(model, dtype=dtype, device=device, max_len=max_len, num_slots=max_parallel,
                          draft=draft, tree=tree)  # fmt: skip

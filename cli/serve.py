@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from specsot_mq.cli.app import DraftOpt, DtypeOpt, ModelOpt, app, err
+from specsot_mq.cli.app import DraftOpt, DtypeOpt, FormatOpt, ModelOpt, app, err
 from specsot_mq.errors import SpecSotError
 
 DevicesOpt = Annotated[str, typer.Option("--devices", help="Devices as ip#gpu,... (#cpu for a CPU device).")]
@@ -34,7 +34,7 @@ def _run_file(name: str) -> Path:
 
 def start_topology(devices: str, topology: str, model, dtype, draft, stages=None, remote: str = "ssh {host} {command}",
                    devices_file=None, max_points: int = 8, point_tokens: int = 160, skeleton_tokens: int = 128,
-                   base_port: int = 5600, restart: bool = True):  # fmt: skip
+                   base_port: int = 5600, restart: bool = True, prompt_format: str = "sot"):  # fmt: skip
     """Plan and start a topology; returns (launcher, spec)."""
     from specsot_mq.devices import parse_devices
     from specsot_mq.launch import Launcher, plan_run
@@ -42,10 +42,11 @@ def start_topology(devices: str, topology: str, model, dtype, draft, stages=None
     from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
     from specsot_mq.stages.base import parse_overrides
 
-    SoTConfig(max_points=max_points, point_tokens=point_tokens, skeleton_tokens=skeleton_tokens)  # validates
+    sot = {"max_points": max_points, "point_tokens": point_tokens, "skeleton_tokens": skeleton_tokens,
+           "prompt_format": prompt_format}
+    SoTConfig(**sot)  # validates
     profiles = load_profiles(devices_file or default_profiles_path())
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
-    sot = {"max_points": max_points, "point_tokens": point_tokens, "skeleton_tokens": skeleton_tokens}
     spec = plan_run(parse_devices(devices), profiles, topology, run_dir, base_port, model=model, dtype=dtype,
                     draft=draft, sot=sot, overrides=parse_overrides(stages or []))  # fmt: skip
     launcher = Launcher(spec, run_dir, remote=remote, restart=restart)
@@ -97,6 +98,7 @@ def launch(
     skeleton_tokens: Annotated[int, typer.Option(help="Most tokens in a skeleton.")] = 128,
     base_port: Annotated[int, typer.Option(help="First tcp port (multi-host runs).")] = 5600,
     restart: Annotated[bool, typer.Option(help="Restart a stage that dies.")] = True,
+    prompt_format: FormatOpt = "sot",
 ):
     """Start every stage process, show them live, and stop them all on Ctrl-C or SIGTERM."""
     from specsot_mq.client import Client
@@ -104,7 +106,8 @@ def launch(
 
     with _sigterm_as_interrupt():
         launcher, spec = start_topology(devices, topology, model, dtype, draft, stage, remote, devices_file,
-                                        max_points, point_tokens, skeleton_tokens, base_port, restart)  # fmt: skip
+                                        max_points, point_tokens, skeleton_tokens, base_port, restart,
+                                        prompt_format)  # fmt: skip
         run_file = _run_file(run)
         tty = sys.stdout.isatty()
         try:

@@ -20,6 +20,7 @@ import torch
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
+from specsot_mq.layout import new_layout
 from specsot_mq.model import LlamaModel
 from specsot_mq.sampling import Sampler, SamplingParams
 from specsot_mq.tokenizer import Detokenizer, chat_prompt_ids
@@ -32,6 +33,7 @@ class Delta:
     text: str  # new text (may be empty while a character or a possible stop string is incomplete)
     token_ids: list[int]  # tokens accepted in this step
     finish_reason: str | None = None  # None while running; then "stop" (EOS or stop string) or "length"
+    stop: str | None = None  # the stop string that ended it (not in `text`), as vLLM's stop_reason
 
 
 @dataclass(slots=True)
@@ -56,14 +58,17 @@ class Completion:
 class Decoder(Protocol):
     """What the loop drives: plain decoding here, speculative decoding elsewhere.
 
-    Sequences are named by their cache slot. prefill() starts sequences (also while others run),
+    Sequences are named 0..max_sequences-1 (a cache slot each in the batching layout, see
+    layout.py). prefill() starts sequences (also while others run),
     step() returns new tokens for every running sequence, drop() ends one.
     """
 
+    max_sequences: int  # sequences that can run at once
+
     def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, list[int]]:
-        """Start prompts[slot] in each slot; return each one's first token. The first `shared`
+        """Start sequence s on prompts[s]; return each one's first token. The first `shared`
         tokens of every prompt are the same: they are computed once (or, with prefix_from, taken
-        from that slot, which already holds them) and copied."""
+        from that sequence's cache, which already holds them) and shared."""
         ...
 
     def step(self) -> dict[int, list[int]]: ...
@@ -71,86 +76,32 @@ class Decoder(Protocol):
     def drop(self, slot: int) -> None: ...
 
 
-@dataclass(slots=True)
-class Prefilled:
-    """The base model's pass over a set of prompts (see prefill_prompts)."""
-
-    slots: list[int]  # in row order
-    lengths: list[int]  # each prompt's length
-    last_logits: torch.Tensor  # [B, V] logits at each prompt's last token
-    features: torch.Tensor | None  # [B, T, F*H] features of the suffix tokens (right-padded), if asked
-    prefix_features: torch.Tensor | None  # [shared, F*H] features of the shared prefix, if computed now
-
-
-def prefill_prompts(model: LlamaModel, cache: KVCache, prompts: dict[int, list[int]], shared: int = 0,
-                    prefix_from: int | None = None, hidden_layers=()) -> Prefilled:  # fmt: skip
-    """Put prompts into their cache slots with as little work as possible: the shared prefix once
-    (in the first slot, or already in `prefix_from`), copied to the others in place; then every
-    suffix in ONE forward, right-padded (padding sits after each row's real tokens, so causal rows
-    never see it, and each slot is truncated to its real length afterwards)."""
-    dev = model.device
-    slots = list(prompts)
-    if not 0 <= shared < min(len(p) for p in prompts.values()):
-        raise ValueError(f"shared prefix {shared} must be shorter than every prompt")
-    prefix_features = None
-    if shared:
-        if prefix_from is None:
-            prefix_from = slots[0]
-            cache.truncate(prefix_from, 0)
-            head = prompts[prefix_from][:shared]
-            out = model(torch.tensor([head], device=dev), torch.arange(shared, device=dev)[None], cache,
-                        slots=[prefix_from], hidden_layers=hidden_layers, last_only=True)  # fmt: skip
-            if hidden_layers:
-                prefix_features = torch.cat(out.hidden, -1)[0]
-        for s in slots:
-            if s == prefix_from:
-                cache.truncate(s, shared)
-            else:
-                cache.copy_prefix(prefix_from, [s], shared)
-    else:
-        for s in slots:
-            cache.truncate(s, 0)
-    suffixes = [prompts[s][shared:] for s in slots]
-    t = max(map(len, suffixes))
-    ids = torch.tensor([x + [0] * (t - len(x)) for x in suffixes], device=dev)
-    positions = torch.arange(shared, shared + t, device=dev).expand(len(slots), t)
-    last = torch.tensor([len(x) - 1 for x in suffixes], device=dev)
-    out = model(ids, positions, cache, slots=slots, hidden_layers=hidden_layers, logits_at=last)
-    for s, x in zip(slots, suffixes):
-        cache.truncate(s, shared + len(x))
-    return Prefilled(
-        slots,
-        [len(prompts[s]) for s in slots],
-        out.logits[:, 0],
-        torch.cat(out.hidden, -1) if hidden_layers else None,
-        prefix_features,
-    )
-
-
 class PlainDecoder:
     """One token per sequence per forward; all running sequences share each forward."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, sampler: Sampler):
-        self.model, self.cache, self.sampler = model, cache, sampler
-        self.last: dict[int, int] = {}  # running slot -> the token fed to its next step
+    def __init__(self, model: LlamaModel, cache: KVCache, sampler: Sampler, layout: str = "batching"):
+        self.model, self.sampler = model, sampler
+        self.layout = new_layout(layout, model, cache)
+        self.max_sequences = self.layout.max_sequences
+        self.last: dict[int, int] = {}  # running sequence -> the token fed to its next step
 
     def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, list[int]]:
-        pre = prefill_prompts(self.model, self.cache, prompts, shared, prefix_from)
+        pre = self.layout.prefill(prompts, shared, prefix_from)
         first = dict(zip(pre.slots, self.sampler(pre.last_logits).tolist()))
         self.last.update(first)
         return {slot: [tok] for slot, tok in first.items()}
 
     def step(self) -> dict[int, list[int]]:
         seqs = list(self.last)
-        dev = self.model.device
-        ids = torch.tensor([[self.last[s]] for s in seqs], device=dev)
-        positions = torch.tensor([[self.cache.lengths[s]] for s in seqs], device=dev)
-        logits = self.model(ids, positions, self.cache, slots=seqs).logits[:, -1]
-        self.last = dict(zip(seqs, self.sampler(logits).tolist()))
+        ids = [[self.last[s]] for s in seqs]
+        logits, _ = self.layout.forward(seqs, ids, [[self.layout.length(s)] for s in seqs])
+        self.layout.commit(seqs, [[0]] * len(seqs))
+        self.last = dict(zip(seqs, self.sampler(logits[:, -1]).tolist()))
         return {seq: [tok] for seq, tok in self.last.items()}
 
     def drop(self, seq: int) -> None:
         self.last.pop(seq, None)
+        self.layout.drop(seq)
 
 
 @dataclass
@@ -162,16 +113,16 @@ class _StopState:
     released: int = 0
 
     def feed(self, piece: str, final: bool) -> tuple[str, bool]:
-        """Add decoded text; return (text safe to release now, whether a stop string was hit)."""
+        """Add decoded text; return (text safe to release now, the stop string hit or None)."""
         self.text += piece
-        hits = [i for s in self.stops if (i := self.text.find(s, self.released)) >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, self.released)) >= 0]
         if hits:
-            end = min(hits)
+            end, hit = min(hits)
             self.text = self.text[:end]
         else:
-            end = len(self.text) if final else self._safe_end()
+            end, hit = len(self.text) if final else self._safe_end(), None
         out, self.released = self.text[self.released : end], end
-        return out, bool(hits)
+        return out, hit
 
     def _safe_end(self) -> int:
         """Where the first possible beginning of a stop string lies in the unreleased tail."""
@@ -217,7 +168,7 @@ class _Output:
         """Accept proposed tokens up to the first stopping point; return the resulting delta.
         Tokens are checked one at a time, so a step that proposes several (speculative decoding)
         stops exactly where one-token-at-a-time decoding would."""
-        accepted, texts, finish = [], [], None
+        accepted, texts, finish, hit = [], [], None, None
         for tok in new:
             accepted.append(tok)
             self.produced += 1
@@ -235,7 +186,7 @@ class _Output:
                 finish = "stop"
             if finish:
                 break
-        return Delta("".join(texts), accepted, finish)
+        return Delta("".join(texts), accepted, finish, hit)
 
 
 class Generator:
@@ -266,14 +217,15 @@ class Generator:
             return list(prompt)
         return chat_prompt_ids(self.tokenizer, prompt)
 
-    def new_decoder(self, params: SamplingParams) -> Decoder:
-        """The decoder for one call: EAGLE when the generator has a draft head, else plain."""
+    def new_decoder(self, params: SamplingParams, layout: str = "batching") -> Decoder:
+        """The decoder for one call: EAGLE when the generator has a draft head, else plain; layout
+        "batching" (a cache slot per sequence) or "bim" (all in one slot, see layout.py)."""
         sampler = Sampler(params, self.model.device)
         if self.draft is None:
-            return PlainDecoder(self.model, self.cache, sampler)
+            return PlainDecoder(self.model, self.cache, sampler, layout)
         from specsot_mq.speculative import EagleDecoder
 
-        return EagleDecoder(self.model, self.draft, self.cache, sampler, self.tree, draft_cache=self.draft_cache)
+        return EagleDecoder(self.model, self.draft, self.cache, sampler, self.tree, self.draft_cache, layout)
 
     def stream_many(
         self,
@@ -286,7 +238,7 @@ class Generator:
         """Prompts decoded together, at most `max_parallel` (default: every cache slot) at once; a
         waiting prompt takes the slot of the first to finish. Yields (prompt index, Delta); each
         prompt's last delta has finish_reason set. `shared`: the prompts' common prefix length
-        (computed once, see prefill_prompts)."""
+        (computed once, see layout.prefill_prompts)."""
         params = params or SamplingParams()
         waiting = [Job(n, self.prompt_ids(p), params, shared, 0) for n, p in enumerate(prompts)]
         if max_parallel is not None and max_parallel < 1:
@@ -311,9 +263,7 @@ class Generator:
         come from different callers (a serving stage admits points of several requests into one
         running batch). Yields (job key, Delta); a job's last delta has finish_reason set
         ("abort" when `cancelled(key)` turned true while it ran)."""
-        # One sequence per cache slot, unless the decoder packs several into one (BIM layout).
-        capacity = getattr(decoder, "max_sequences", self.cache.num_slots)
-        width = min(max_parallel or capacity, capacity)
+        width = min(max_parallel or decoder.max_sequences, decoder.max_sequences)
         free = list(range(width - 1, -1, -1))  # a stack: slot 0 first
         running: dict[int, tuple[Job, _Output]] = {}
         holder: dict[object, int] = {}  # group -> a slot whose cache holds that group's prefix

@@ -166,7 +166,8 @@ class LlamaModel(nn.Module):
             final norm).
         last_only: compute logits for the last position of each row only (hidden states are
             still returned for every position).
-        logits_at: [B] one position per row whose logits to compute (rows of different lengths).
+        logits_at: [B] or [B, K]: the positions of each row whose logits to compute (logits
+            [B, 1 or K, V]), e.g. the last token of rows of different lengths.
         """
         b, t = input_ids.shape
         slots = list(range(b)) if slots is None else list(slots)
@@ -191,7 +192,7 @@ class LlamaModel(nn.Module):
         if last_only:
             x = x[:, -1:]
         elif logits_at is not None:
-            x = x[torch.arange(b, device=x.device), logits_at][:, None]
+            x = x[torch.arange(b, device=x.device)[:, None], logits_at.view(b, -1)]
         return ForwardOutput(self.lm_head(x), [saved[i] for i in hidden_layers])
 
 

@@ -3,9 +3,9 @@
 One step for all running sequences: draft() grows an EAGLE-2 tree per sequence with the draft
 head (tree.py), verify() runs ONE base forward over every tree ([B, N+1], each row its own slot and
 length), accept (verify.py) walks each tree, and the caches are compacted in place: the base cache
-moves the accepted entries right after the root with one `move` per sequence, the draft cache is
-truncated back and extended with the accepted tokens (draft_extend), whose last output seeds the
-next tree.
+keeps the root and the accepted entries (the layout's commit: a slot per sequence, or all
+branches in one slot, see layout.py), the draft cache is truncated back and extended with the
+accepted tokens (draft_extend), whose last output seeds the next tree.
 
 Conventions (shared with train_draft.py): base features F_i are the concatenated hidden states
 `head.cfg.feature_layers` at position i. Draft position i reads (token x_{i+1}, feature F_i) at rope
@@ -30,8 +30,8 @@ import torch
 
 from specsot_mq.draft import DraftHead
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import prefill_prompts
 from specsot_mq.kv_cache import KVCache
+from specsot_mq.layout import new_layout
 from specsot_mq.model import LlamaModel
 from specsot_mq.sampling import Sampler
 from specsot_mq.tree import DraftTree, TreeSearch, grow_search, make_tree, select_nodes, start_search
@@ -110,7 +110,8 @@ class DraftState:
 
 
 class EagleDecoder:
-    """Speculative decoding with an EAGLE head; sequence i uses slot i of both caches."""
+    """Speculative decoding with an EAGLE head; sequence i uses slot i of the draft cache, and of
+    the base cache in the batching layout."""
 
     def __init__(
         self,
@@ -120,8 +121,11 @@ class EagleDecoder:
         sampler: Sampler,
         tree: TreeParams | None = None,
         draft_cache: KVCache | None = None,
+        layout: str = "batching",
     ):
-        self.model, self.head, self.cache, self.sampler = model, head, cache, sampler
+        self.model, self.head, self.sampler = model, head, sampler
+        self.layout = new_layout(layout, model, cache)  # where the base cache holds each sequence
+        self.max_sequences = self.layout.max_sequences
         self.tree = tree or TreeParams()
         # Tree entries and padded extends go past the base length; give the draft cache room for them.
         room = (self.tree.depth + 1) * (self.tree.topk + 1)
@@ -143,7 +147,7 @@ class EagleDecoder:
         draft position i reads (x_{i+1}, F_i), so the shared part of the draft cache is positions
         0..shared-2 and each prompt's own part starts at shared-1, with the prefix's last feature."""
         dev = self.model.device
-        pre = prefill_prompts(self.model, self.cache, prompts, shared, prefix_from, self.layers)
+        pre = self.layout.prefill(prompts, shared, prefix_from, self.layers)
         roots = self.sampler(pre.last_logits).tolist()
         start = time.perf_counter()
         d0 = max(shared - 1, 0)  # first draft position that differs between the prompts
@@ -187,9 +191,7 @@ class EagleDecoder:
         mid = time.perf_counter()
         logits, features = self.verify(seqs, trees)
         results = [self.accept(tree, logits[i, : tree.size]) for i, tree in enumerate(trees)]
-        for seq, tree, res in zip(seqs, trees, results):
-            n = int(tree.positions[0])
-            self.cache.move(seq, [n + i for i in res.nodes], n + 1)
+        self.layout.commit(seqs, [[0] + res.nodes for res in results])  # the root and the accepted path
         end = time.perf_counter()
         self.draft_extend(seqs, trees, results, features)
         self.stats.draft_seconds += mid - start + time.perf_counter() - end
@@ -199,6 +201,7 @@ class EagleDecoder:
 
     def drop(self, seq: int) -> None:
         self.state.pop(seq, None)
+        self.layout.drop(seq)
 
     # -- the three phases of a step ------------------------------------------------------------
 
@@ -207,10 +210,10 @@ class EagleDecoder:
         tp, head = self.tree, self.head
         dev = self.model.device
         states = [self.state[s] for s in seqs]
-        lengths = [self.cache.lengths[s] for s in seqs]
+        lengths = [self.layout.length(s) for s in seqs]
         gen = None if self.sampler.params.greedy else self.sampler.generator
         # Every row's tree must fit in the base cache: near its end, trees get smaller and shallower.
-        room = min(self.cache.capacity - n for n in lengths) - 1
+        room = self.layout.room(seqs) - 1
         # Many sequences at once: each tree gets its share of the verify budget (never less than
         # one full tree), down to none (a plain step, where batching alone keeps the device
         # busy), and the draft goes no deeper than its nodes.
@@ -245,21 +248,10 @@ class EagleDecoder:
         ]
 
     def verify(self, seqs: list[int], trees: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One base forward over every tree, padded to the largest; returns (logits [B, T, V],
-        features [B, T, F*H]). Padding rows see only themselves (and their prefix)."""
-        dev = self.model.device
-        t = max(tree.size for tree in trees)
-        ids = torch.zeros(len(trees), t, dtype=torch.long, device=dev)
-        positions = torch.zeros(len(trees), t, dtype=torch.long, device=dev)
-        mask = torch.eye(t, dtype=torch.bool, device=dev).repeat(len(trees), 1, 1)
-        for i, tree in enumerate(trees):
-            n = tree.size
-            ids[i, :n] = tree.tokens
-            positions[i, :n] = tree.positions
-            positions[i, n:] = tree.positions[0]
-            mask[i, :n, :n] = tree.mask
-        out = self.model(ids, positions, self.cache, slots=seqs, mask=mask, hidden_layers=self.layers)
-        return out.logits, torch.cat(out.hidden, -1)
+        """One base forward over every tree; returns (logits [B, T, V], features [B, T, F*H]),
+        rows right-padded to the largest tree."""
+        tokens, positions, masks = zip(*((t.tokens, t.positions, t.mask) for t in trees))
+        return self.layout.forward(seqs, list(tokens), list(positions), list(masks), self.layers)
 
     def accept(self, tree: DraftTree, logits: torch.Tensor) -> Acceptance:
         """Walk one tree given the base logits [N+1, V] at its nodes."""

@@ -4,19 +4,21 @@ a usable list (see specsot_mq/sot/parser.py; it never raises on model output).""
 from __future__ import annotations
 
 from specsot_mq.messages import Planned, Skeleton
+from specsot_mq.prompts import load_format
 from specsot_mq.sot.engine import SoTConfig
-from specsot_mq.sot.parser import Plan, parse_skeleton
+from specsot_mq.sot.parser import Plan
 from specsot_mq.stages.base import Stage
 
 
 class ParseStage(Stage):
     async def start(self) -> None:
         self.config = SoTConfig(**self.spec.sot)
+        self.format = load_format(self.config.prompt_format)
         self.schedule = self.spec.named("schedule")[0]
 
     def plan(self, skeleton: str) -> Plan:
         """The plan for a skeleton; a replacement parser overrides this."""
-        return parse_skeleton(skeleton, self.config.max_points)
+        return self.format.plan(skeleton, self.config.max_points)
 
     async def handle(self, env) -> None:
         msg = env.msg
@@ -29,6 +31,6 @@ class ParseStage(Stage):
                 points = [[p.index, p.title, p.predicted_tokens or 0] for p in plan.points]
                 reason = plan.reason or "planned"
             else:
-                mode, reason = "direct", f"skeleton not usable: {plan.reason}"
+                mode, reason = "direct", f"skeleton says direct: {plan.reason}"
         await self.send(self.schedule, Planned(msg.rid, msg.question, msg.params, mode, reason, msg.text, points,
                                                msg.stats))  # fmt: skip

@@ -9,7 +9,7 @@ from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Job
 from specsot_mq.messages import Ask, Failed, Skeleton, SkeletonText, ids
 from specsot_mq.prompts import load_format
-from specsot_mq.sot.engine import SoTConfig, skeleton_params
+from specsot_mq.sot.engine import SoTConfig, skeleton_params, skeleton_text
 from specsot_mq.sot.router import route
 from specsot_mq.stages.worker import DeviceStage, batch_key
 
@@ -48,9 +48,10 @@ class SkeletonStage(DeviceStage):
         self.tokens += len(delta.token_ids)
         state["tokens"] += len(delta.token_ids)
         state["steps"] += 1
-        state["text"] += delta.text
-        if delta.text:
-            self.post("gateway", SkeletonText(rid, delta.text, ids(delta.token_ids)))
+        text = skeleton_text(self.format, delta)
+        state["text"] += text
+        if text:
+            self.post("gateway", SkeletonText(rid, text, ids(delta.token_ids)))
         if delta.finish_reason:
             del self.running[rid]
             if delta.finish_reason == "abort":

@@ -66,6 +66,8 @@ def test_stop_string_ends_the_text_before_it(gen):
     stop = free[5:7]
     done = gen.generate(prompt, SamplingParams(max_tokens=12, stop=(stop,), ignore_eos=True))
     assert done.text == free[: free.index(stop)] and done.finish_reason == "stop"
+    last = list(gen.stream(prompt, SamplingParams(max_tokens=12, stop=(stop,), ignore_eos=True)))[-1]
+    assert last.stop == stop  # the delta names the stop string it ended on (not in its text)
 
 
 def test_callback_and_async_stream_see_the_same_deltas(gen):
@@ -138,16 +140,16 @@ def test_bad_sampling_params_are_named(kwargs, message):
 @pytest.mark.parametrize(
     "pieces, stops, released, stopped",
     [
-        (["Hello", " wor", "ld"], (), ["Hello", " wor", "ld"], False),
-        (["Hel", "lo ST", "OP more"], ("STOP",), ["Hel", "lo ", ""], True),
-        (["abc", "S", "TOxyz"], ("STOP",), ["abc", "", "STOxyz"], False),  # a near miss is released
-        (["x</s", "> tail"], ("</s>", "zz"), ["x", ""], True),  # the earliest stop wins
-        (["aXb"], ("X", "b"), ["a"], True),
+        (["Hello", " wor", "ld"], (), ["Hello", " wor", "ld"], None),
+        (["Hel", "lo ST", "OP more"], ("STOP",), ["Hel", "lo ", ""], "STOP"),
+        (["abc", "S", "TOxyz"], ("STOP",), ["abc", "", "STOxyz"], None),  # a near miss is released
+        (["x</s", "> tail"], ("zz", "</s>"), ["x", ""], "</s>"),
+        (["aXb"], ("b", "X"), ["a"], "X"),  # the earliest stop wins
     ],
 )
 def test_stop_state_holds_back_only_what_could_start_a_stop(pieces, stops, released, stopped):
     state = _StopState(stops)
-    out, hit = [], False
+    out, hit = [], None
     for i, piece in enumerate(pieces):
         text, hit = state.feed(piece, final=i == len(pieces) - 1)
         out.append(text)

@@ -2,15 +2,17 @@
 phase's own prompt, points decoded together equal each alone, and routing picks the direct way."""
 
 import pytest
+import torch
 
 from conftest import ours_from_hf, tiny_hf
 from specsot_mq.generate import Generator
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.engine import (
-    Final, PointDone, SkeletonDelta, SoTConfig, SoTEngine, point_params, point_prompts, skeleton_params,
+    AnswerDelta, Final, PointDone, SkeletonDelta, SoTConfig, SoTEngine, point_params, point_prompts, skeleton_params,
 )  # fmt: skip
 from specsot_mq.sot.parser import Plan, Point, parse_skeleton
-from specsot_mq.tokenizer import load_tokenizer
+from specsot_mq.prompts import load_format
+from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
 
 pytestmark = pytest.mark.slow  # the real tokenizer comes with the default model
 PLAN = Plan("plan", [Point(1, "Warm up"), Point(2, "Pick shoes", 80), Point(3, "Start slowly"),
@@ -46,13 +48,28 @@ def test_two_at_a_time_equals_all_at_once(tiny):
     assert expand(tiny, max_parallel=2)[1] == expand(tiny, max_parallel=5)[1]
 
 
+@pytest.fixture(scope="module")
+def tiny_eagle(tiny):
+    """The tiny model with an untrained EAGLE head over 512 draft tokens."""
+    from specsot_mq.draft import DraftConfig, DraftHead
+    from specsot_mq.speculative import TreeParams
+
+    torch.manual_seed(0)
+    head = DraftHead(DraftConfig.for_base(tiny.model.cfg, 512)).attach(tiny.model).eval().requires_grad_(False)
+    return Generator(tiny.model, tiny.tokenizer, max_len=512, num_slots=5, draft=head, tree=TreeParams(6, 3, 2))
+
+
 @pytest.mark.parametrize("max_parallel", [5, 2])
-def test_bim_layout_equals_batching(tiny, max_parallel):
-    """All points in one cache slot with a branch-index-map mask give the batching layout's tokens."""
-    engine = SoTEngine(tiny, SoTConfig(max_parallel=max_parallel, point_tokens=12, layout="bim"))
+@pytest.mark.parametrize("eagle", [False, True])
+def test_bim_layout_equals_batching(tiny, tiny_eagle, max_parallel, eagle):
+    """All points in one cache slot with a branch-index-map mask give the batching layout's tokens,
+    decoded plainly or with EAGLE (each point its own draft tree)."""
+    gen = tiny_eagle if eagle else tiny
+    engine = SoTEngine(gen, SoTConfig(max_parallel=max_parallel, point_tokens=12, layout="bim"))
     events = list(engine.expand("How do I start running?", PLAN, PARAMS))
     bim = {e.index: e.token_ids for e in events if isinstance(e, PointDone)}
     assert bim == expand(tiny, max_parallel=5)[1]
+    assert (events[-1].phases["points"].tau is not None) == eagle  # drafted when it has a head
 
 
 def test_questions_that_do_not_decompose_go_direct(tiny):
@@ -60,6 +77,39 @@ def test_questions_that_do_not_decompose_go_direct(tiny):
     final = engine.generate("What is 17 * 23?", PARAMS)
     assert isinstance(final, Final) and final.mode == "direct" and not final.points
     assert final.answer == tiny.generate("What is 17 * 23?", PARAMS).text
+
+
+def scripted(tok, chain: dict[int, int]):
+    """A tiny model whose greedy next token depends only on the current token: chain[x] after x
+    (layers zeroed, so each position's embedding goes straight to the output layer)."""
+    model = ours_from_hf(tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=1024))
+    with torch.no_grad():
+        for p in [*model.layers.parameters(), model.embed.weight, model.lm_head.weight]:
+            p.zero_()
+        for i, (x, y) in enumerate(chain.items()):
+            model.embed.weight[x, i] = 1.0
+            model.lm_head.weight[y, i] = 10.0
+    return model
+
+
+def test_plan_format_direct_reply_is_answered_directly(default_model_dir):
+    """The [PLAN]/[DIRECT] format: a model that replies "[DIRECT]" stops its skeleton right there
+    (the stream shows "[DIRECT]"), and the question gets the plain answer of its own prompt."""
+    tok = load_tokenizer(default_model_dir)
+    question = "How do I start running?"
+    skeleton = load_format("plan").skeleton_ids(tok, question)
+    direct = chat_prompt_ids(tok, question)
+    tag = tok.encode("DIRECT]", add_special_tokens=False)
+    hi = tok.encode(" Hi", add_special_tokens=False)[0]
+    chain = dict(zip([skeleton[-1], *tag[:-1]], tag)) | {tag[-1]: hi, direct[-1]: hi, hi: tok.eos_token_id}
+    gen = Generator(scripted(tok, chain), tok, max_len=256, num_slots=2)
+    engine = SoTEngine(gen, SoTConfig(sot="always", prompt_format="plan", max_parallel=2))
+    events = list(engine.stream(question, SamplingParams(max_tokens=12)))
+    assert "".join(e.text for e in events if isinstance(e, SkeletonDelta)) == "[DIRECT]"
+    final = events[-1]
+    assert final.mode == "direct" and "the model chose [DIRECT]" in final.reason
+    assert final.answer == "".join(e.text for e in events if isinstance(e, AnswerDelta)) == " Hi"
+    assert final.phases["skeleton"].tokens == len(tag)  # it stopped at the tag, not at max tokens
 
 
 def test_real_model_phases_equal_plain_greedy(default_model_dir):

@@ -9,6 +9,10 @@ import pytest
 
 from specsot_mq.devices import device_profiles, parse_devices
 from specsot_mq.errors import SpecSotError
+from specsot_mq.generate import Delta
+from specsot_mq.prompts import load_format
+from specsot_mq.sampling import SamplingParams
+from specsot_mq.sot.engine import SoTConfig, skeleton_params, skeleton_text
 from specsot_mq.sot.parser import Point, parse_plan_direct, parse_skeleton
 from specsot_mq.sot.router import route
 from specsot_mq.sot.scheduler import (
@@ -103,6 +107,27 @@ def test_parse_plan_direct(name, text, kind, titles):
 def test_max_points_below_two_is_a_user_error():
     with pytest.raises(SpecSotError, match="max_points"):
         parse_skeleton("1. a\n2. b", max_points=1)
+
+
+def test_prompt_formats_are_data_files_with_their_parser_and_stops():
+    sot, plan = load_format("sot"), load_format("plan")
+    assert sot.skeleton_prefix == "1." and sot.plan("1. a\n2. b", 8).kind == "plan"
+    assert plan.skeleton_prefix == "[" and plan.skeleton_stop == ("DIRECT]",)
+    assert plan.plan("[DIRECT]", 8).kind == "direct" and sot.plan("[DIRECT]", 8).kind == "direct"
+    assert [p.predicted_tokens for p in plan.plan("[PLAN]\n1. a (~30 tokens)\n2. b (~50 tokens)", 8).points] == [30, 50]
+    params = SamplingParams(max_tokens=500)
+    assert skeleton_params(SoTConfig(prompt_format="plan"), params).stop == ("\n9.", "DIRECT]")
+    assert skeleton_params(SoTConfig(), params).stop == ("\n9.",)
+    with pytest.raises(SpecSotError, match="unknown prompt format 'nope': use one of plan, sot"):
+        SoTConfig(prompt_format="nope")
+
+
+def test_the_format_s_own_stop_stays_in_the_skeleton_text():
+    """The plan format stops on "DIRECT]" (the model's decision, kept); other stops are dropped."""
+    plan, sot = load_format("plan"), load_format("sot")
+    assert skeleton_text(plan, Delta("", [7], "stop", "DIRECT]")) == "DIRECT]"
+    assert skeleton_text(sot, Delta("x", [7], "stop", "\n9.")) == "x"
+    assert skeleton_text(plan, Delta("ab", [7])) == "ab"
 
 
 ALPHABET = list("1234567890.)(][~*_`#>-: \n\t\r") + list("abcXYZ")

@@ -272,8 +272,8 @@ def test_shared_prefix_prefill_fills_both_caches_as_separate_prefills_do(base):
     assert roots == want
     for s, p in prompts.items():
         n = len(p)
-        assert shared.cache.lengths[s] == n and shared.draft_cache.lengths[s] == n
-        for a, b in ((shared.cache, alone.cache), (shared.draft_cache, alone.draft_cache)):
+        assert shared.layout.cache.lengths[s] == n and shared.draft_cache.lengths[s] == n
+        for a, b in ((shared.layout.cache, alone.layout.cache), (shared.draft_cache, alone.draft_cache)):
             torch.testing.assert_close(a.k[:, s, :, :n], b.k[:, s, :, :n], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(a.v[:, s, :, :n], b.v[:, s, :, :n], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(shared.state[s].logits, alone.state[s].logits, atol=1e-4, rtol=1e-4)
@@ -287,6 +287,22 @@ def test_shared_prefix_and_admission_with_eagle_equal_plain_decoding(base):
     decoder = EagleDecoder(base, random_head(base), gen.cache, Sampler(GREEDY), TREE)
     spec = gen.generate_many(prompts, GREEDY, decoder=decoder, shared=len(prefix), max_parallel=2)
     assert [c.token_ids for c in spec] == plain
+
+
+@pytest.mark.parametrize("kind", ["random", "oracle"])
+def test_bim_layout_equals_plain_decoding(base, kind):
+    """Every sequence in ONE cache slot (the branch-index map), sharing a prefix, two at a time so
+    the later ones join as others finish: each gets plain decoding's tokens, trees and all."""
+    prefix = [BOS, 7, 7, 8]
+    prompts = [prefix + [1], prefix + [2, 3], prefix + [4, 5, 6], prefix + [9]]
+    gen = Generator(base, CharTokenizer(), max_len=256, num_slots=2)
+    plain = [gen.generate(p, GREEDY).token_ids for p in prompts]
+    decoder = EagleDecoder(base, heads(base)[kind], gen.cache, Sampler(GREEDY), TREE, layout="bim")
+    spec = gen.generate_many(prompts, GREEDY, decoder=decoder, shared=len(prefix), max_parallel=2)
+    assert [c.token_ids for c in spec] == plain
+    assert decoder.stats.drafted > 0 and gen.cache.lengths[1] == 0  # all in slot 0
+    if kind == "oracle":
+        assert decoder.stats.accepted_at_depth[2] > 0  # whole paths kept, the slot compacted
 
 
 def test_stop_string_ends_speculative_output_where_plain_decoding_ends(base):

@@ -8,7 +8,11 @@ from functools import cache
 from pathlib import Path
 
 from specsot_mq.errors import SpecSotError
+from specsot_mq.sot.parser import Plan, parse_plan_direct, parse_skeleton
 from specsot_mq.tokenizer import chat_prompt_ids
+
+# How each format's skeleton is read (see sot/parser.py).
+PARSERS = {"numbered": parse_skeleton, "plan_direct": parse_plan_direct}
 
 FOLDER = Path(__file__).parent
 
@@ -22,6 +26,12 @@ class PromptFormat:
     skeleton_prefix: str  # the assistant's answer starts with this (prefilled, not generated)
     point_user: str
     point_prefix: str
+    parser: str = "numbered"  # a key of PARSERS
+    skeleton_stop: tuple[str, ...] = ()  # where the skeleton ends besides the point cap (generated text)
+
+    def plan(self, skeleton: str, max_points: int) -> Plan:
+        """The skeleton's text (prefilled part included) read into a Plan; never raises on text."""
+        return PARSERS[self.parser](skeleton, max_points)
 
     def skeleton_ids(self, tokenizer, question: str) -> list[int]:
         """Chat prompt for the skeleton, ending inside the assistant turn after the prefix."""
@@ -42,10 +52,15 @@ def load_format(name: str = "sot") -> PromptFormat:
         known = ", ".join(sorted(p.stem for p in FOLDER.glob("*.json")))
         raise SpecSotError(f"unknown prompt format '{name}': use one of {known}")
     data = json.loads(path.read_text())
+    parser = data.get("parser", "numbered")
+    if parser not in PARSERS:
+        raise SpecSotError(f"prompt format {path} names parser '{parser}': use one of {', '.join(PARSERS)}")
     return PromptFormat(
         data["name"],
         data["skeleton"]["user"],
         data["skeleton"]["assistant_prefix"],
         data["point"]["user"],
         data["point"]["assistant_prefix"],
+        parser,
+        tuple(data["skeleton"].get("stop", ())),
     )

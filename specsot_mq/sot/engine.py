@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator
+from specsot_mq.layout import LAYOUTS
 from specsot_mq.prompts import load_format
-from specsot_mq.sampling import Sampler, SamplingParams
-from specsot_mq.sot.bim import BimDecoder
-from specsot_mq.sot.parser import Plan, parse_skeleton
+from specsot_mq.sampling import SamplingParams
+from specsot_mq.sot.parser import Plan
 from specsot_mq.sot.router import MODES, route
 from specsot_mq.sot.scheduler import DeviceProfile, schedule
 from specsot_mq.tokenizer import chat_prompt_ids
@@ -111,11 +111,12 @@ class SoTConfig:
     max_parallel: int = 8  # points decoding at once (cache slots)
     skeleton_tokens: int = 128
     point_tokens: int = 160
-    layout: str = "batching"  # branches: "batching" (a cache slot each) or "bim" (one slot, see sot/bim.py)
+    layout: str = "batching"  # branches: "batching" (a cache slot each) or "bim" (one slot, see layout.py)
 
     def __post_init__(self):
-        if self.layout not in ("batching", "bim"):
-            raise SpecSotError(f"--layout must be batching or bim, got '{self.layout}'")
+        load_format(self.prompt_format)  # an unknown name fails here, naming the known ones
+        if self.layout not in LAYOUTS:
+            raise SpecSotError(f"--layout must be one of {', '.join(LAYOUTS)}, got '{self.layout}'")
         if self.sot not in MODES:
             raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got '{self.sot}'")
         for flag, value, low in (("--max-points", self.max_points, 2), ("--max-parallel", self.max_parallel, 1)):
@@ -151,12 +152,13 @@ class SoTEngine:
         sk_params = skeleton_params(self.config, params)
         sk_ids = []
         for _, delta in self._run("skeleton", [self.format.skeleton_ids(self.gen.tokenizer, question)], sk_params, phases):
-            skeleton += delta.text
+            text = skeleton_text(self.format, delta)
+            skeleton += text
             sk_ids += delta.token_ids
-            yield SkeletonDelta(delta.text)
-        plan = parse_skeleton(skeleton, self.config.max_points)
+            yield SkeletonDelta(text)
+        plan = self.format.plan(skeleton, self.config.max_points)
         if plan.kind != "plan":
-            yield from self._direct(question, params, f"skeleton not usable: {plan.reason}", start, phases)
+            yield from self._direct(question, params, f"skeleton says direct: {plan.reason}", start, phases)
             return
         yield from self._points(question, skeleton, sk_ids, plan, params, phases, start)
 
@@ -197,10 +199,7 @@ class SoTEngine:
     def _run(self, phase: str, prompts, params, phases, shared: int = 0) -> Iterator[tuple[int, Delta]]:
         """One phase through the generation loop, counting its tokens, time and tau."""
         stats = phases.setdefault(phase, PhaseStats())
-        if phase == "points" and self.config.layout == "bim":
-            decoder = BimDecoder(self.gen.model, self.gen.cache, Sampler(params, self.gen.model.device))
-        else:
-            decoder = self.gen.new_decoder(params)
+        decoder = self.gen.new_decoder(params, self.config.layout if phase == "points" else "batching")
         began = time.perf_counter()
         for seq, delta in self.gen.stream_many(prompts, params, decoder, shared, self.config.max_parallel):
             stats.tokens += len(delta.token_ids)
@@ -230,8 +229,16 @@ class SoTEngine:
 
 
 def skeleton_params(config: SoTConfig, params: SamplingParams) -> SamplingParams:
-    """The skeleton phase's settings: its own length cap, and a stop past the point cap."""
-    return _bounded(params, config.skeleton_tokens, (f"\n{config.max_points + 1}.",))
+    """The skeleton phase's settings: its own length cap, a stop past the point cap, and the
+    prompt format's own stops ("DIRECT]" in the plan format)."""
+    stops = (f"\n{config.max_points + 1}.", *load_format(config.prompt_format).skeleton_stop)
+    return _bounded(params, config.skeleton_tokens, stops)
+
+
+def skeleton_text(fmt, delta: Delta) -> str:
+    """A skeleton delta's text; a stop string of the format's own (a decision, such as the plan
+    format's "DIRECT]") stays in it."""
+    return delta.text + (delta.stop if delta.stop in fmt.skeleton_stop else "")
 
 
 def point_params(config: SoTConfig, params: SamplingParams) -> SamplingParams:
