@@ -112,7 +112,7 @@ class _StopState:
     text: str = ""
     released: int = 0
 
-    def feed(self, piece: str, final: bool) -> tuple[str, bool]:
+    def feed(self, piece: str, final: bool) -> tuple[str, str | None]:
         """Add decoded text; return (text safe to release now, the stop string hit or None)."""
         self.text += piece
         hits = [(i, s) for s in self.stops if (i := self.text.find(s, self.released)) >= 0]

@@ -79,14 +79,15 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
     fmt = load_format("sot")
     questions = [r["question"] for r in rows if r["kind"] == "answer"]
     done_answers = len(questions)
-    rng = random.Random(cfg.seed)
     with _progress() as bar, path.open("a") as out:
         task = bar.add_task("self-written data", total=cfg.questions, info="")
         bar.update(task, completed=done_answers)
         prefix = _magpie_prefix(tok)
         while done_answers < cfg.questions:
             n = min(cfg.batch, cfg.questions - done_answers)
-            ask = SamplingParams(max_tokens=64, temperature=1.0, top_p=0.95, seed=rng.randrange(1 << 30))
+            # Seeded by position, so a resumed run draws what an uninterrupted one would.
+            seed = random.Random(f"{cfg.seed}/{done_answers}").randrange(1 << 30)
+            ask = SamplingParams(max_tokens=64, temperature=1.0, top_p=0.95, seed=seed)
             qs = [c.text.strip() for c in gen.generate_many([prefix] * n, ask)]
             qs = [q for q in qs if len(q) > 10] or ["Give me some advice for learning to cook."]
             batch_rows = _rows_for(qs, fmt, gen, cfg)

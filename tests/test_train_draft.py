@@ -11,7 +11,7 @@ import torch
 from conftest import ours_from_hf, tiny_hf
 from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.loader import load_model
-from specsot_mq.train_draft import _pad, head_losses, unroll
+from specsot_mq.train_draft import TrainConfig, _pad, generate_data, head_losses, unroll
 
 
 def test_losses_target_the_next_feature_and_the_token_after_it():
@@ -81,3 +81,23 @@ def test_train_draft_command_end_to_end(tmp_path, default_model_dir):
     # at most 512: the most frequent tokens the base generated (a tiny run generates fewer distinct ones)
     assert 0 < head.cfg.draft_vocab_size <= 512 and head.d2t.numel() == head.cfg.draft_vocab_size
     assert head.cfg.training["data"]["sequences"] > 4
+
+
+@pytest.mark.slow
+def test_data_generation_resumes_where_it_stopped(tmp_path, default_model_dir):
+    """Stopped after one batch and run again, the data file is what one uninterrupted run writes
+    (a resumed run must not draw the first batch's questions again)."""
+    from specsot_mq.generate import Generator
+    from specsot_mq.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir)
+    gen = Generator(ours_from_hf(tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=1024)), tok,
+                    max_len=1024, num_slots=2)  # fmt: skip
+    small = dict(batch=2, answer_tokens=6, skeleton_tokens=6, point_tokens=4)
+    whole, parts = tmp_path / "whole.jsonl", tmp_path / "parts.jsonl"
+    generate_data(gen, TrainConfig(questions=4, **small), whole)
+    generate_data(gen, TrainConfig(questions=2, **small), parts)
+    generate_data(gen, TrainConfig(questions=4, **small), parts)
+    assert parts.read_text() == whole.read_text()
+    asked = [json.loads(line)["question"] for line in whole.read_text().splitlines()]
+    assert len(set(asked)) == 4  # four different questions
