@@ -370,7 +370,9 @@ def run(base: LlamaModel, tokenizer, out: Path, work: Path, cfg: TrainConfig) ->
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
     gen = Generator(base, tokenizer, max_len=1024, num_slots=cfg.batch)
-    rows = generate_data(gen, cfg, work / "data.jsonl")
+    written = generate_data(gen, cfg, work / "data.jsonl")
+    # Data written before resumes drew the same questions again (fixed since): drop repeated rows.
+    rows = list({json.dumps(r, sort_keys=True): r for r in written}.values())
     data_s = time.time() - started
     # Hold out whole questions (all their rows), so the evaluation never saw them.
     questions = list(dict.fromkeys(r["question"] for r in rows))
@@ -381,7 +383,8 @@ def run(base: LlamaModel, tokenizer, out: Path, work: Path, cfg: TrainConfig) ->
     random.Random(cfg.seed).shuffle(train)
     head, info = train_head(base, train, evals, cfg, work)
     record = {
-        "data": {"sequences": len(rows), "generated_tokens": sum(len(r["output"]) for r in rows),
+        "data": {"sequences": len(rows), "repeats_dropped": len(written) - len(rows),
+                 "generated_tokens": sum(len(r["output"]) for r in rows),
                  "kinds": dict(Counter(r["kind"] for r in rows)), "heldout_questions": len(held)},
         "config": {k: getattr(cfg, k) for k in TrainConfig.__slots__},
         **info,
