@@ -143,7 +143,7 @@ class EagleDecoder:
     # -- the Decoder protocol ------------------------------------------------------------------
 
     def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, list[int]]:
-        """Base pass over the prompts (shared prefix once, see prefill_prompts), then the draft's:
+        """Base pass over the prompts (shared prefix once, see layout.py), then the draft's:
         draft position i reads (x_{i+1}, F_i), so the shared part of the draft cache is positions
         0..shared-2 and each prompt's own part starts at shared-1, with the prefix's last feature."""
         dev = self.model.device
