@@ -238,7 +238,7 @@ class Generator:
         """Prompts decoded together, at most `max_parallel` (default: every cache slot) at once; a
         waiting prompt takes the slot of the first to finish. Yields (prompt index, Delta); each
         prompt's last delta has finish_reason set. `shared`: the prompts' common prefix length
-        (computed once, see layout.prefill_prompts)."""
+        (computed once, see layout.py)."""
         params = params or SamplingParams()
         waiting = [Job(n, self.prompt_ids(p), params, shared, 0) for n, p in enumerate(prompts)]
         if max_parallel is not None and max_parallel < 1:

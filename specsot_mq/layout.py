@@ -37,53 +37,19 @@ class Prefilled:
     """The base model's pass over a set of prompts."""
 
     slots: list[int]  # the sequences, in row order
-    lengths: list[int]  # each prompt's length
     last_logits: torch.Tensor  # [B, V] logits at each prompt's last token
     features: torch.Tensor | None  # [B, T, F*H] features of the suffix tokens (right-padded), if asked
     prefix_features: torch.Tensor | None  # [shared, F*H] features of the shared prefix, if computed now
 
 
+def check_layout(name: str) -> None:
+    if name not in LAYOUTS:
+        raise SpecSotError(f"--layout must be one of {', '.join(LAYOUTS)}, got '{name}'")
+
+
 def new_layout(name: str, model: LlamaModel, cache: KVCache) -> SlotLayout | BimLayout:
-    if name == "batching":
-        return SlotLayout(model, cache)
-    if name == "bim":
-        return BimLayout(model, cache)
-    raise SpecSotError(f"--layout must be one of {', '.join(LAYOUTS)}, got '{name}'")
-
-
-def prefill_prompts(model: LlamaModel, cache: KVCache, prompts: dict[int, list[int]], shared: int = 0,
-                    prefix_from: int | None = None, hidden_layers=()) -> Prefilled:  # fmt: skip
-    """Put prompts into their cache slots with as little work as possible: the shared prefix once
-    (in the first slot, or already in `prefix_from`), copied to the others in place; then every
-    suffix in ONE forward, right-padded (padding sits after each row's real tokens, so causal rows
-    never see it, and each slot is truncated to its real length afterwards)."""
-    dev = model.device
-    slots = list(prompts)
-    _check_shared(prompts, shared)
-    prefix_features = None
-    if shared:
-        if prefix_from is None:
-            prefix_from = slots[0]
-            cache.truncate(prefix_from, 0)
-            prefix_features = _prefix(model, cache, prefix_from, prompts[prefix_from][:shared], hidden_layers)
-        for s in slots:
-            if s == prefix_from:
-                cache.truncate(s, shared)
-            else:
-                cache.copy_prefix(prefix_from, [s], shared)
-    else:
-        for s in slots:
-            cache.truncate(s, 0)
-    suffixes = [prompts[s][shared:] for s in slots]
-    t = max(map(len, suffixes))
-    ids = torch.tensor([x + [0] * (t - len(x)) for x in suffixes], device=dev)
-    positions = torch.arange(shared, shared + t, device=dev).expand(len(slots), t)
-    last = torch.tensor([len(x) - 1 for x in suffixes], device=dev)
-    out = model(ids, positions, cache, slots=slots, hidden_layers=hidden_layers, logits_at=last)
-    for s, x in zip(slots, suffixes):
-        cache.truncate(s, shared + len(x))
-    features = torch.cat(out.hidden, -1) if hidden_layers else None
-    return Prefilled(slots, [len(prompts[s]) for s in slots], out.logits[:, 0], features, prefix_features)
+    check_layout(name)
+    return SlotLayout(model, cache) if name == "batching" else BimLayout(model, cache)
 
 
 class SlotLayout:
@@ -96,7 +62,37 @@ class SlotLayout:
 
     def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None,
                 hidden_layers=()) -> Prefilled:  # fmt: skip
-        return prefill_prompts(self.model, self.cache, prompts, shared, prefix_from, hidden_layers)
+        """Put prompts into their cache slots with as little work as possible: the shared prefix
+        once (in the first slot, or already in `prefix_from`), copied to the others in place; then
+        every suffix in ONE forward, right-padded (padding sits after each row's real tokens, so
+        causal rows never see it, and each slot is truncated to its real length afterwards)."""
+        dev, cache = self.model.device, self.cache
+        slots = list(prompts)
+        _check_shared(prompts, shared)
+        prefix_features = None
+        if shared:
+            if prefix_from is None:
+                prefix_from = slots[0]
+                cache.truncate(prefix_from, 0)
+                prefix_features = _prefix(self.model, cache, prefix_from, prompts[prefix_from][:shared], hidden_layers)
+            for s in slots:
+                if s == prefix_from:
+                    cache.truncate(s, shared)
+                else:
+                    cache.copy_prefix(prefix_from, [s], shared)
+        else:
+            for s in slots:
+                cache.truncate(s, 0)
+        suffixes = [prompts[s][shared:] for s in slots]
+        t = max(map(len, suffixes))
+        ids = torch.tensor([x + [0] * (t - len(x)) for x in suffixes], device=dev)
+        positions = torch.arange(shared, shared + t, device=dev).expand(len(slots), t)
+        last = torch.tensor([len(x) - 1 for x in suffixes], device=dev)
+        out = self.model(ids, positions, cache, slots=slots, hidden_layers=hidden_layers, logits_at=last)
+        for s, x in zip(slots, suffixes):
+            cache.truncate(s, shared + len(x))
+        features = torch.cat(out.hidden, -1) if hidden_layers else None
+        return Prefilled(slots, out.logits[:, 0], features, prefix_features)
 
     def length(self, seq: int) -> int:
         """The position of the sequence's next token (= its entries in the cache)."""
@@ -118,15 +114,16 @@ class SlotLayout:
             tokens = torch.as_tensor([list(x) for x in ids], device=dev)
             pos = torch.as_tensor([list(p) for p in positions], device=dev)
             mask = None
-        else:  # padding rows repeat the first position and see only themselves (and the cache)
+        else:  # padding goes last: causal rows never see it; under a mask, padding sees only itself
             tokens = torch.zeros(len(seqs), t, dtype=torch.long, device=dev)
             pos = torch.zeros(len(seqs), t, dtype=torch.long, device=dev)
-            mask = torch.eye(t, dtype=torch.bool, device=dev).repeat(len(seqs), 1, 1)
+            mask = None if masks is None else torch.eye(t, dtype=torch.bool, device=dev).repeat(len(seqs), 1, 1)
             for i, (x, p, n) in enumerate(zip(ids, positions, lens)):
                 tokens[i, :n] = torch.as_tensor(x, device=dev)
                 pos[i, :n] = torch.as_tensor(p, device=dev)
                 pos[i, n:] = pos[i, 0]
-                mask[i, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril() if masks is None else masks[i]
+                if mask is not None:
+                    mask[i, :n, :n] = masks[i]
         out = self.model(tokens, pos, self.cache, slots=seqs, mask=mask, hidden_layers=hidden_layers)
         return out.logits, torch.cat(out.hidden, -1) if hidden_layers else None
 
@@ -178,7 +175,7 @@ class BimLayout:
         logits, features = self._append(seqs, suffixes, positions, None, hidden_layers, logits_at=ends)
         self.commit(seqs, [list(range(n)) for n in lens])
         features = None if features is None else _rows(features[0], lens)
-        return Prefilled(seqs, [len(prompts[s]) for s in seqs], logits[0], features, prefix_features)
+        return Prefilled(seqs, logits[0], features, prefix_features)
 
     def length(self, seq: int) -> int:
         return self.pos[seq]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator
-from specsot_mq.layout import LAYOUTS
+from specsot_mq.layout import check_layout
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.parser import Plan
@@ -115,8 +115,7 @@ class SoTConfig:
 
     def __post_init__(self):
         load_format(self.prompt_format)  # an unknown name fails here, naming the known ones
-        if self.layout not in LAYOUTS:
-            raise SpecSotError(f"--layout must be one of {', '.join(LAYOUTS)}, got '{self.layout}'")
+        check_layout(self.layout)
         if self.sot not in MODES:
             raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got '{self.sot}'")
         for flag, value, low in (("--max-points", self.max_points, 2), ("--max-parallel", self.max_parallel, 1)):
