@@ -6,12 +6,14 @@ For each question (first turns of MT-bench by default, or JSONL with `question`;
   eagle   our EAGLE decode of the normal answer
   sot     our Skeleton-of-Thought engine without a draft head (plain decoding in every phase)
   specsot our Skeleton-of-Thought engine with the EAGLE head (the product)
-Each is timed from the question to the complete answer. Prints a table per question, a summary,
+Each is timed from the question to the complete answer. Every engine, transformers included (a
+StoppingCriteria), ends an output at the same loop rule as the CLI: --repeat-stop N (default 16)
+ends it when its last N tokens already ran earlier in it; --repeat-stop 0 turns that off. Prints a table per question, a summary,
 writes a PNG plot (with matplotlib, if installed) and ends with one JSON line holding the medians
 of the speedups over all questions and over those routed to SoT.
 
     python benchmarks/sot.py [--limit 8] [--max-tokens 256] [--dtype bf16|fp32] [--plot out.png]
-        [--layout batching|bim] [--prompt-format sot|plan] [--engines hf,specsot]
+        [--layout batching|bim] [--prompt-format sot|plan] [--engines hf,specsot] [--repeat-stop 16]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import cpu_name, load_prompts, load_transformers, load_with_draft, run_script  # noqa: E402  (a sibling script)
 
+from specsot_mq.cli.app import REPEAT_STOP  # noqa: E402
 from specsot_mq.generate import Generator  # noqa: E402
 from specsot_mq.loader import resolve_dtype  # noqa: E402
 from specsot_mq.sampling import SamplingParams  # noqa: E402
@@ -54,6 +57,8 @@ def main(argv=None) -> dict:
     p.add_argument("--layout", default="batching", help="the points' cache layout: batching or bim")
     p.add_argument("--prompt-format", default="sot", help="sot (numbered plan) or plan ([PLAN]/[DIRECT])")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"which of {','.join(ENGINES)} to run (hf always)")
+    p.add_argument("--repeat-stop", type=int, default=REPEAT_STOP,
+                   help="end an output at its first repeated run of N tokens (a loop), in every engine; 0 = off")
     p.add_argument("--plot", type=Path, default=Path("benchmarks/out/sot.png"))
     p.add_argument("--json-only", action="store_true")
     args = p.parse_args(argv)
@@ -72,7 +77,7 @@ def main(argv=None) -> dict:
                        layout=args.layout)  # fmt: skip
     sot, specsot = SoTEngine(plain_gen, config), SoTEngine(eagle_gen, config)
     hf = load_transformers(folder, dtype)
-    params = SamplingParams(max_tokens=args.max_tokens)
+    params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def run(engine: str, question: str) -> tuple[float, int, str]:
@@ -82,7 +87,8 @@ def main(argv=None) -> dict:
             ids = torch.tensor([chat_prompt_ids(tokenizer, question)])
             with torch.inference_mode():
                 res = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens,
-                                  do_sample=False, pad_token_id=pad_id)  # fmt: skip
+                                  do_sample=False, pad_token_id=pad_id,
+                                  stopping_criteria=[LoopStop(args.repeat_stop, ids.shape[1])] if args.repeat_stop else None)  # fmt: skip
             return time.perf_counter() - start, res.shape[1] - ids.shape[1], "direct"
         if engine == "eagle":
             done = eagle_gen.generate(question, params)
@@ -93,7 +99,7 @@ def main(argv=None) -> dict:
     out.print(
         f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | {len(questions)} questions ({source}) "
         f"| max tokens {args.max_tokens} per phase | draft {draft_path.name} | max parallel {args.max_parallel} "
-        f"| layout {args.layout} | prompt format {args.prompt_format}"
+        f"| layout {args.layout} | prompt format {args.prompt_format} | repeat stop {args.repeat_stop}"
     )
     rows = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -111,7 +117,7 @@ def main(argv=None) -> dict:
             rows.append(row)
 
     table = Table(title="seconds to a complete answer (tokens) and speedup over transformers generate")
-    table.add_column("question")
+    table.add_column("question", max_width=24, no_wrap=True, overflow="ellipsis")
     table.add_column("mode")
     for engine in engines:
         table.add_column(engine, justify="right")
@@ -132,7 +138,7 @@ def main(argv=None) -> dict:
         result[f"{engine}_vs_hf_sot_routed"] = median_speedup(engine, planned)
     result.update(questions=len(rows), sot_routed=len(planned), dtype=args.dtype, max_tokens=args.max_tokens,
                   threads=torch.get_num_threads(), draft=draft_path.name, layout=args.layout,
-                  prompt_format=args.prompt_format,
+                  prompt_format=args.prompt_format, repeat_stop=args.repeat_stop,
                   per_question=[{"question": r["question"], "mode": mode(r),
                                  **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]} for e in engines}} for r in rows])  # fmt: skip
     summary = Table(title="median speedup over transformers generate")
@@ -145,6 +151,20 @@ def main(argv=None) -> dict:
     _plot(rows, engines, args.plot, out)
     print(json.dumps(result), flush=True)
     return result
+
+
+class LoopStop:
+    """transformers' side of SamplingParams.repeat_stop (one sequence): stop once the generated
+    text's last n tokens already ran earlier in it, keeping that token, as our loop does."""
+
+    def __init__(self, n: int, prompt_len: int):
+        self.n, self.prompt_len = n, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        out = input_ids[0, self.prompt_len :].tolist()
+        last = tuple(out[-self.n :])
+        seen = len(out) >= self.n and any(tuple(out[i : i + self.n]) == last for i in range(len(out) - self.n))
+        return torch.tensor([seen], device=input_ids.device)
 
 
 def mode(row) -> str:

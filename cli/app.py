@@ -29,6 +29,8 @@ DraftOpt = Annotated[str, typer.Option(help="EAGLE draft head: auto (the shipped
 NumDraftOpt = Annotated[Optional[int], typer.Option(help="Draft tree nodes verified per step.")]
 DepthOpt = Annotated[Optional[int], typer.Option(help="Deepest level of the draft tree.")]
 TopkOpt = Annotated[Optional[int], typer.Option(help="Children per expanded node in the draft tree.")]
+REPEAT_STOP = 16  # the CLI's default: SmolLM2-135M often loops; a 16-token run seen twice is a loop
+RepeatOpt = Annotated[int, typer.Option(help="End an output (each phase's) when its last N tokens already ran earlier in it: a loop. 0 = off.")]
 FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan) or plan (the model picks [PLAN] or [DIRECT]).")]
 
 
@@ -63,6 +65,7 @@ def ask(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    repeat_stop: RepeatOpt = REPEAT_STOP,
     max_len: Annotated[int, typer.Option(help="KV cache length (prompt + answer).")] = 4096,
     draft: DraftOpt = "auto",
     num_draft_tokens: NumDraftOpt = None,
@@ -85,7 +88,7 @@ def ask(
     question = question.strip()
     if not question:
         raise SpecSotError("the question is empty: pass it as an argument or on stdin with '-'")
-    params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop or ()))
+    params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop or ()), repeat_stop=repeat_stop)
     config = SoTConfig(sot=sot, prompt_format=prompt_format, max_points=max_points, max_parallel=max_parallel, layout=layout)
     tree = tree_params(num_draft_tokens, draft_depth, draft_topk)
     gen = load_generator(model, dtype=dtype, device=device, max_len=max_len, num_slots=max_parallel,

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from specsot_mq.cli.app import DraftOpt, DtypeOpt, FormatOpt, ModelOpt, app, err
+from specsot_mq.cli.app import REPEAT_STOP, DraftOpt, DtypeOpt, FormatOpt, ModelOpt, RepeatOpt, app, err
 from specsot_mq.errors import SpecSotError
 
 DevicesOpt = Annotated[str, typer.Option("--devices", help="Devices as ip#gpu,... (#cpu for a CPU device).")]
@@ -199,6 +199,7 @@ def run_batch(
     sot: Annotated[str, typer.Option(help="auto, always or never.")] = "auto",
     max_tokens: Annotated[int, typer.Option(help="Most new tokens per phase.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 decodes greedily.")] = 0.0,
+    repeat_stop: RepeatOpt = REPEAT_STOP,
     timeout: Annotated[float, typer.Option(help="Seconds a request may stay silent.")] = 600.0,
     model: ModelOpt = None,
     dtype: DtypeOpt = "auto",
@@ -213,7 +214,7 @@ def run_batch(
 
     if concurrency < 1:
         raise SpecSotError(f"--concurrency must be at least 1, got {concurrency}")
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, repeat_stop=repeat_stop)
     src = sys.stdin if input == "-" else open(input, encoding="utf-8")
     lines = [(n, line) for n, line in enumerate(src.read().splitlines(), 1) if line.strip()]
     dst = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")
@@ -252,7 +253,7 @@ def run_batch(
 
 
 CHAT_HELP = """/? help · /bye or /exit quit · /clear forget the conversation · /set mode auto|always|never ·
-/set temperature T · /set max_tokens N · Ctrl+C stops an answer · Ctrl+D quits"""
+/set temperature T · /set max_tokens N · /set repeat_stop N (0 = off) · Ctrl+C stops an answer · Ctrl+D quits"""
 
 
 @app.command()
@@ -268,7 +269,7 @@ def chat(
     from specsot_mq.sampling import SamplingParams
 
     console = Console(highlight=False)
-    settings = {"mode": "auto", "temperature": 0.0, "max_tokens": 256}
+    settings = {"mode": "auto", "temperature": 0.0, "max_tokens": 256, "repeat_stop": REPEAT_STOP}
     history: list[tuple[str, str]] = []
     with _topology(run, devices, topology, model, dtype, draft) as address:
         console.print(f"[dim]connected to {address} · {CHAT_HELP}[/]")
@@ -287,7 +288,8 @@ def chat(
                     break
                 _slash(line, settings, history, console)
                 continue
-            params = SamplingParams(max_tokens=settings["max_tokens"], temperature=settings["temperature"])
+            params = SamplingParams(max_tokens=settings["max_tokens"], temperature=settings["temperature"],
+                                    repeat_stop=settings["repeat_stop"])  # fmt: skip
             rid = uuid.uuid4().hex[:12]
             try:
                 answer = asyncio.run(_chat_turn(address, _with_history(line, history), params, settings["mode"],

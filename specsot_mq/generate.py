@@ -32,7 +32,8 @@ class Delta:
 
     text: str  # new text (may be empty while a character or a possible stop string is incomplete)
     token_ids: list[int]  # tokens accepted in this step
-    finish_reason: str | None = None  # None while running; then "stop" (EOS or stop string) or "length"
+    finish_reason: str | None = None  # None while running; then "stop" (EOS or stop string), "length" or
+    # "repeat" (the output began to loop, see SamplingParams.repeat_stop)
     stop: str | None = None  # the stop string that ended it (not in `text`), as vLLM's stop_reason
 
 
@@ -156,13 +157,26 @@ def _by_group(jobs: list[Job]) -> list[tuple[object, list[Job]]]:
 
 
 class _Output:
-    """One sequence's side of the loop: counts, EOS, detokenisation and stop strings."""
+    """One sequence's side of the loop: counts, EOS, detokenisation, stop strings and loops."""
 
     def __init__(self, tokenizer, params: SamplingParams, eos_ids: frozenset[int]):
         self.params, self.eos_ids = params, eos_ids
         self.detok = Detokenizer(tokenizer)
         self.stop = _StopState(params.stop)
         self.produced = 0
+        self.tokens: list[int] = []  # the output so far, kept only for repeat_stop
+        self.runs: set[tuple[int, ...]] = set()  # every run of repeat_stop tokens in it
+
+    def repeats(self, tok: int) -> bool:
+        """Whether the output's last repeat_stop tokens, ending with tok, already ran earlier."""
+        n = self.params.repeat_stop
+        self.tokens.append(tok)
+        if len(self.tokens) < n:
+            return False
+        run = tuple(self.tokens[-n:])
+        seen = run in self.runs
+        self.runs.add(run)
+        return seen
 
     def take(self, new: list[int]) -> Delta:
         """Accept proposed tokens up to the first stopping point; return the resulting delta.
@@ -175,6 +189,8 @@ class _Output:
             eos = tok in self.eos_ids and not self.params.ignore_eos
             if eos:
                 finish = "stop"
+            elif self.params.repeat_stop and self.repeats(tok):
+                finish = "repeat"
             elif self.produced >= self.params.max_tokens:
                 finish = "length"
             piece = "" if eos else self.detok.add([tok])  # EOS has no text

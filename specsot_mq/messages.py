@@ -112,6 +112,7 @@ class Skeleton:
     reason: str  # the router's verdict
     text: str  # the whole skeleton, starting with the prefilled "1."
     stats: dict  # {"tokens", "steps", "seconds"} of the skeleton phase
+    finish: str = "stop"  # how the skeleton's decoding ended ("length" or "repeat": its last line is unfinished)
 
 
 @dataclass(slots=True)
@@ -170,7 +171,7 @@ class PointEnd:
 
     rid: str
     index: int
-    finish: str  # "stop" | "length" | "abort"
+    finish: str  # "stop" | "length" | "repeat" | "abort"
     tokens: int
     steps: int  # decoder steps that produced them (tokens / steps is the point's tau)
     seconds: float

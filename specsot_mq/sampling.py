@@ -20,6 +20,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings; the output ends before the first one
     ignore_eos: bool = False
+    repeat_stop: int = 0  # end the output when its last N tokens already ran earlier in it (a loop); 0 = off
 
     def __post_init__(self):
         checks = [
@@ -27,6 +28,7 @@ class SamplingParams:
             (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
             (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.repeat_stop >= 0, f"repeat_stop must be >= 0 (0 = off), got {self.repeat_stop}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from specsot_mq.messages import Planned, Skeleton
 from specsot_mq.prompts import load_format
-from specsot_mq.sot.engine import SoTConfig
+from specsot_mq.sot.engine import SoTConfig, finished_lines
 from specsot_mq.sot.parser import Plan
 from specsot_mq.stages.base import Stage
 
@@ -26,7 +26,7 @@ class ParseStage(Stage):
             return
         mode, reason, points = msg.mode, msg.reason, []
         if mode == "sot":
-            plan = self.plan(msg.text)
+            plan = self.plan(finished_lines(msg.text, msg.finish))
             if plan.kind == "plan":
                 points = [[p.index, p.title, p.predicted_tokens or 0] for p in plan.points]
                 reason = plan.reason or "planned"

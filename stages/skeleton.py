@@ -59,5 +59,6 @@ class SkeletonStage(DeviceStage):
             ask = state["ask"]
             stats = {"skeleton": {"tokens": state["tokens"], "steps": state["steps"],
                                   "seconds": time.monotonic() - state["started"]}}  # fmt: skip
-            self.post(self.parse, Skeleton(rid, ask.question, ask.params, "sot", state["reason"], state["text"], stats))
+            self.post(self.parse, Skeleton(rid, ask.question, ask.params, "sot", state["reason"], state["text"], stats,
+                                           delta.finish_reason))  # fmt: skip
 

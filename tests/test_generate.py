@@ -70,6 +70,25 @@ def test_stop_string_ends_the_text_before_it(gen):
     assert last.stop == stop  # the delta names the stop string it ended on (not in its text)
 
 
+def first_loop(tokens: list[int], n: int) -> int | None:
+    """How many tokens the output keeps under repeat_stop=n: up to the end of the first run of n
+    tokens that already ran earlier (None: no run repeats)."""
+    runs = [tuple(tokens[i - n : i]) for i in range(n, len(tokens) + 1)]
+    return next((n + k for k, run in enumerate(runs) if run in runs[:k]), None)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_repeat_stop_ends_the_output_at_the_end_of_its_first_repeated_run(gen, n):
+    prompt = [5, 6, 7, 8]
+    free = gen.generate(prompt, SamplingParams(max_tokens=60, ignore_eos=True)).token_ids
+    keep = first_loop(free, n)
+    assert keep is not None and keep < 60  # a tiny random model falls into a loop soon
+    done = gen.generate(prompt, SamplingParams(max_tokens=60, ignore_eos=True, repeat_stop=n))
+    assert done.token_ids == free[:keep] and done.finish_reason == "repeat"
+    assert done.text == CharTokenizer().decode(free[:keep])
+    assert gen.generate(prompt, SamplingParams(max_tokens=keep - 1, ignore_eos=True, repeat_stop=n)).finish_reason == "length"
+
+
 def test_callback_and_async_stream_see_the_same_deltas(gen):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     seen = []
@@ -127,6 +146,7 @@ def test_sampling_frequencies_follow_the_distribution():
         ({"top_k": -2}, "top_k"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
+        ({"repeat_stop": -1}, "repeat_stop"),
     ],
 )
 def test_bad_sampling_params_are_named(kwargs, message):

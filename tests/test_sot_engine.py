@@ -8,7 +8,8 @@ from conftest import ours_from_hf, tiny_hf
 from specsot_mq.generate import Generator
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.engine import (
-    AnswerDelta, Final, PointDone, SkeletonDelta, SoTConfig, SoTEngine, point_params, point_prompts, skeleton_params,
+    AnswerDelta, Final, PointDone, SkeletonDelta, SoTConfig, SoTEngine, finished_lines, point_params, point_prompts,
+    skeleton_params,
 )  # fmt: skip
 from specsot_mq.sot.parser import Plan, Point, parse_skeleton
 from specsot_mq.prompts import load_format
@@ -130,12 +131,13 @@ def test_real_model_phases_equal_plain_greedy(default_model_dir):
         events = list(engine.stream(question, params))
         final = events[-1]
         sk_prompt = engine.format.skeleton_ids(gen.tokenizer, question)
-        assert final.skeleton_ids == plain.generate(sk_prompt, skeleton_params(engine.config, params)).token_ids
+        skeleton = plain.generate(sk_prompt, skeleton_params(engine.config, params))
+        assert final.skeleton_ids == skeleton.token_ids
         assert "".join(e.text for e in events if isinstance(e, SkeletonDelta)) == final.skeleton
         if final.mode != "sot":
             continue
         planned += 1
-        prefix, suffixes = point_prompts(engine.gen.tokenizer, engine.format, question, parse_skeleton(final.skeleton, 8))
+        prefix, suffixes = point_prompts(engine.gen.tokenizer, engine.format, question, parse_skeleton(finished_lines(final.skeleton, skeleton.finish_reason), 8))
         done = {e.index: e.token_ids for e in events if isinstance(e, PointDone)}
         for index, suffix in suffixes.items():
             want = plain.generate(prefix + suffix, point_params(engine.config, params)).token_ids

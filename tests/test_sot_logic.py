@@ -12,7 +12,7 @@ from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
-from specsot_mq.sot.engine import SoTConfig, skeleton_params, skeleton_text
+from specsot_mq.sot.engine import SoTConfig, finished_lines, point_params, skeleton_params, skeleton_text
 from specsot_mq.sot.parser import Point, parse_plan_direct, parse_skeleton
 from specsot_mq.sot.router import route
 from specsot_mq.sot.scheduler import (
@@ -128,6 +128,29 @@ def test_the_format_s_own_stop_stays_in_the_skeleton_text():
     assert skeleton_text(plan, Delta("", [7], "stop", "DIRECT]")) == "DIRECT]"
     assert skeleton_text(sot, Delta("x", [7], "stop", "\n9.")) == "x"
     assert skeleton_text(plan, Delta("ab", [7])) == "ab"
+
+
+CUT = "1. Hawaii: beaches\n2. Food: poke\n3. Adventure: a mix of"
+
+
+@pytest.mark.parametrize(
+    "finish, titles",
+    [
+        ("length", ["Hawaii: beaches", "Food: poke"]),  # the cap cut point 3 mid-line: it is left out
+        ("repeat", ["Hawaii: beaches", "Food: poke"]),  # a loop was cut off: the same
+        ("stop", ["Hawaii: beaches", "Food: poke", "Adventure: a mix of"]),  # the list ended: all kept
+    ],
+)
+def test_an_unfinished_last_line_of_a_cut_skeleton_is_not_a_point(finish, titles):
+    plan = load_format("sot").plan(finished_lines(CUT, finish), 8)
+    assert [p.title for p in plan.points] == titles
+    assert finished_lines("1. one line", "length") == "1. one line"  # nothing before it to keep
+
+
+def test_phases_keep_the_request_s_repeat_stop():
+    params = SamplingParams(max_tokens=300, repeat_stop=16)
+    assert skeleton_params(SoTConfig(), params).repeat_stop == 16
+    assert point_params(SoTConfig(), params).repeat_stop == 16
 
 
 ALPHABET = list("1234567890.)(][~*_`#>-: \n\t\r") + list("abcXYZ")

@@ -318,6 +318,20 @@ def test_stop_string_ends_speculative_output_where_plain_decoding_ends(base):
     assert spec.token_ids == plain.token_ids and spec.text == plain.text and spec.finish_reason == "stop"
 
 
+def test_repeat_stop_ends_speculative_output_where_plain_decoding_ends(base):
+    """A loop found inside a step's accepted tokens ends the output at the same token as one
+    token per step does."""
+    prompt = [BOS, 5, 6, 7, 8]
+    gen = Generator(base, CharTokenizer(), max_len=64)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, repeat_stop=3)
+    plain = gen.generate(prompt, params)
+    decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(params), TREE)
+    spec = gen.generate(prompt, params, decoder=decoder)
+    assert plain.finish_reason == "repeat" and len(plain.token_ids) < 40
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == "repeat"
+    assert decoder.stats.tau > 1.5  # steps did accept several tokens
+
+
 @pytest.mark.parametrize("kind", ["random", "oracle"])
 def test_jobs_of_several_prefix_groups_joining_a_running_batch_equal_plain_decoding(base, kind):
     """What a serving stage does: points of different requests (different shared prefixes, different

@@ -149,13 +149,14 @@ class SoTEngine:
         skeleton = self.format.skeleton_prefix
         yield SkeletonDelta(skeleton)
         sk_params = skeleton_params(self.config, params)
-        sk_ids = []
+        sk_ids, finish = [], None
         for _, delta in self._run("skeleton", [self.format.skeleton_ids(self.gen.tokenizer, question)], sk_params, phases):
             text = skeleton_text(self.format, delta)
             skeleton += text
             sk_ids += delta.token_ids
+            finish = delta.finish_reason
             yield SkeletonDelta(text)
-        plan = self.format.plan(skeleton, self.config.max_points)
+        plan = self.format.plan(finished_lines(skeleton, finish), self.config.max_points)
         if plan.kind != "plan":
             yield from self._direct(question, params, f"skeleton says direct: {plan.reason}", start, phases)
             return
@@ -240,6 +241,14 @@ def skeleton_text(fmt, delta: Delta) -> str:
     return delta.text + (delta.stop if delta.stop in fmt.skeleton_stop else "")
 
 
+def finished_lines(skeleton: str, finish_reason: str | None) -> str:
+    """The skeleton the parser reads: when it was cut off (its length cap, or a loop that
+    repeat_stop ended), its last line is unfinished and is left out."""
+    if finish_reason in ("length", "repeat") and "\n" in skeleton:
+        return skeleton[: skeleton.rindex("\n")]
+    return skeleton
+
+
 def point_params(config: SoTConfig, params: SamplingParams) -> SamplingParams:
     """A point's settings: its own length cap, and a stop where a numbered line (another point)
     would begin."""
@@ -262,4 +271,4 @@ def point_prompts(tokenizer, fmt, question: str, plan: Plan) -> tuple[list[int],
 def _bounded(params: SamplingParams, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:
     """The request's sampling settings with a phase's own length cap and stop strings."""
     return SamplingParams(min(max_tokens, params.max_tokens), params.temperature, params.top_k, params.top_p,
-                          params.seed, tuple(stop), params.ignore_eos)  # fmt: skip
+                          params.seed, tuple(stop), params.ignore_eos, params.repeat_stop)  # fmt: skip
