@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.generate import Generator
+from specsot_mq.speculative import TreeParams
 from specsot_mq.model import LlamaModel
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
@@ -355,9 +356,13 @@ def _float_view(base: LlamaModel) -> LlamaModel:
 
 @torch.inference_mode()
 def evaluate_tau(base: LlamaModel, tokenizer, head_path: Path, questions: list[str], max_tokens: int = 128) -> dict:
-    """Mean acceptance length of the saved head, greedy, on questions it never saw in training."""
+    """Mean acceptance length of the saved head, greedy, on questions it never saw in training:
+    the default tree for every question, batched (the verify budget is raised so that the trees
+    do not shrink with the batch, as they do when serving)."""
     head = DraftHead.load(head_path, base).prepack()
-    gen = Generator(base, tokenizer, max_len=1024, num_slots=len(questions), draft=head)
+    tree = TreeParams()
+    tree = TreeParams(tree.num_draft_tokens, tree.depth, tree.topk, len(questions) * (tree.num_draft_tokens + 1))
+    gen = Generator(base, tokenizer, max_len=1024, num_slots=len(questions), draft=head, tree=tree)
     decoder = gen.new_decoder(SamplingParams(max_tokens=max_tokens))
     gen.generate_many(questions, SamplingParams(max_tokens=max_tokens), decoder=decoder)
     st = decoder.stats
