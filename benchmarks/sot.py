@@ -33,10 +33,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import cpu_name, load_prompts, load_transformers, load_with_draft, run_script  # noqa: E402  (a sibling script)
 
-from specsot_mq.cli.app import REPEAT_STOP  # noqa: E402
-from specsot_mq.generate import Generator  # noqa: E402
+from specsot_mq.generate import Generator, LoopWatch  # noqa: E402
 from specsot_mq.loader import resolve_dtype  # noqa: E402
-from specsot_mq.sampling import SamplingParams  # noqa: E402
+from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
 from specsot_mq.sot.engine import SoTConfig, SoTEngine  # noqa: E402
 from specsot_mq.sot.router import route  # noqa: E402
 from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
@@ -88,7 +87,7 @@ def main(argv=None) -> dict:
             with torch.inference_mode():
                 res = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens,
                                   do_sample=False, pad_token_id=pad_id,
-                                  stopping_criteria=[LoopStop(args.repeat_stop, ids.shape[1])] if args.repeat_stop else None)  # fmt: skip
+                                  stopping_criteria=[LoopStop(args.repeat_stop)] if args.repeat_stop else None)  # fmt: skip
             return time.perf_counter() - start, res.shape[1] - ids.shape[1], "direct"
         if engine == "eagle":
             done = eagle_gen.generate(question, params)
@@ -154,17 +153,14 @@ def main(argv=None) -> dict:
 
 
 class LoopStop:
-    """transformers' side of SamplingParams.repeat_stop (one sequence): stop once the generated
-    text's last n tokens already ran earlier in it, keeping that token, as our loop does."""
+    """transformers' side of SamplingParams.repeat_stop (one sequence, one generate() call): the
+    same LoopWatch as our loop, fed the token each step appends, keeping the token that ends it."""
 
-    def __init__(self, n: int, prompt_len: int):
-        self.n, self.prompt_len = n, prompt_len
+    def __init__(self, n: int):
+        self.watch = LoopWatch(n)
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        out = input_ids[0, self.prompt_len :].tolist()
-        last = tuple(out[-self.n :])
-        seen = len(out) >= self.n and any(tuple(out[i : i + self.n]) == last for i in range(len(out) - self.n))
-        return torch.tensor([seen], device=input_ids.device)
+        return torch.tensor([self.watch.add(int(input_ids[0, -1]))], device=input_ids.device)
 
 
 def mode(row) -> str:

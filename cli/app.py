@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from specsot_mq.errors import SpecSotError
+from specsot_mq.sampling import REPEAT_STOP
 
 app = typer.Typer(
     help="SpecSoT-MQ: Skeleton-of-Thought + EAGLE speculative decoding.",
@@ -29,7 +30,6 @@ DraftOpt = Annotated[str, typer.Option(help="EAGLE draft head: auto (the shipped
 NumDraftOpt = Annotated[Optional[int], typer.Option(help="Draft tree nodes verified per step.")]
 DepthOpt = Annotated[Optional[int], typer.Option(help="Deepest level of the draft tree.")]
 TopkOpt = Annotated[Optional[int], typer.Option(help="Children per expanded node in the draft tree.")]
-REPEAT_STOP = 16  # the CLI's default: SmolLM2-135M often loops; a 16-token run seen twice is a loop
 RepeatOpt = Annotated[int, typer.Option(help="End an output (each phase's) when its last N tokens already ran earlier in it: a loop. 0 = off.")]
 FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan) or plan (the model picks [PLAN] or [DIRECT]).")]
 

@@ -17,8 +17,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from specsot_mq.cli.app import REPEAT_STOP, DraftOpt, DtypeOpt, FormatOpt, ModelOpt, RepeatOpt, app, err
+from specsot_mq.cli.app import DraftOpt, DtypeOpt, FormatOpt, ModelOpt, RepeatOpt, app, err
 from specsot_mq.errors import SpecSotError
+from specsot_mq.sampling import REPEAT_STOP
 
 DevicesOpt = Annotated[str, typer.Option("--devices", help="Devices as ip#gpu,... (#cpu for a CPU device).")]
 TopologyOpt = Annotated[str, typer.Option("--topology", help="p2p or ring.")]

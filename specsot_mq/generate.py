@@ -156,6 +156,25 @@ def _by_group(jobs: list[Job]) -> list[tuple[object, list[Job]]]:
     return list(groups.items())
 
 
+class LoopWatch:
+    """SamplingParams.repeat_stop's rule. Fed an output token by token, add() says whether the
+    last n tokens, ending with this one, already ran earlier in it: the output has begun to loop."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.tokens: list[int] = []
+        self.runs: set[tuple[int, ...]] = set()  # every run of n tokens so far
+
+    def add(self, tok: int) -> bool:
+        self.tokens.append(tok)
+        if len(self.tokens) < self.n:
+            return False
+        run = tuple(self.tokens[-self.n :])
+        seen = run in self.runs
+        self.runs.add(run)
+        return seen
+
+
 class _Output:
     """One sequence's side of the loop: counts, EOS, detokenisation, stop strings and loops."""
 
@@ -164,19 +183,7 @@ class _Output:
         self.detok = Detokenizer(tokenizer)
         self.stop = _StopState(params.stop)
         self.produced = 0
-        self.tokens: list[int] = []  # the output so far, kept only for repeat_stop
-        self.runs: set[tuple[int, ...]] = set()  # every run of repeat_stop tokens in it
-
-    def repeats(self, tok: int) -> bool:
-        """Whether the output's last repeat_stop tokens, ending with tok, already ran earlier."""
-        n = self.params.repeat_stop
-        self.tokens.append(tok)
-        if len(self.tokens) < n:
-            return False
-        run = tuple(self.tokens[-n:])
-        seen = run in self.runs
-        self.runs.add(run)
-        return seen
+        self.loop = LoopWatch(params.repeat_stop) if params.repeat_stop else None
 
     def take(self, new: list[int]) -> Delta:
         """Accept proposed tokens up to the first stopping point; return the resulting delta.
@@ -189,7 +196,7 @@ class _Output:
             eos = tok in self.eos_ids and not self.params.ignore_eos
             if eos:
                 finish = "stop"
-            elif self.params.repeat_stop and self.repeats(tok):
+            elif self.loop is not None and self.loop.add(tok):
                 finish = "repeat"
             elif self.produced >= self.params.max_tokens:
                 finish = "length"

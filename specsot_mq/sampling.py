@@ -9,6 +9,11 @@ import torch
 from specsot_mq.errors import SpecSotError
 
 
+# The CLI's repeat_stop (ask, run, chat) and the benchmarks': SmolLM2-135M often loops, and a run
+# of 16 tokens seen twice in one output is a loop.
+REPEAT_STOP = 16
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request is decoded. temperature 0 means greedy."""

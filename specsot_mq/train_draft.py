@@ -18,7 +18,7 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,10 +28,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.generate import Generator
-from specsot_mq.speculative import TreeParams
 from specsot_mq.model import LlamaModel
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
+from specsot_mq.speculative import TreeParams
 from specsot_mq.sot.parser import parse_skeleton
 from specsot_mq.tokenizer import chat_prompt_ids
 
@@ -361,7 +361,7 @@ def evaluate_tau(base: LlamaModel, tokenizer, head_path: Path, questions: list[s
     do not shrink with the batch, as they do when serving)."""
     head = DraftHead.load(head_path, base).prepack()
     tree = TreeParams()
-    tree = TreeParams(tree.num_draft_tokens, tree.depth, tree.topk, len(questions) * (tree.num_draft_tokens + 1))
+    tree = replace(tree, max_batch_tokens=len(questions) * (tree.num_draft_tokens + 1))
     gen = Generator(base, tokenizer, max_len=1024, num_slots=len(questions), draft=head, tree=tree)
     decoder = gen.new_decoder(SamplingParams(max_tokens=max_tokens))
     gen.generate_many(questions, SamplingParams(max_tokens=max_tokens), decoder=decoder)
