@@ -110,13 +110,16 @@ class _StopState:
     """Stop-string bookkeeping: text is released unless it could be the start of a stop string."""
 
     stops: tuple[str, ...]
+    after_text: bool = False  # SamplingParams.stop_after_text
     text: str = ""
     released: int = 0
 
     def feed(self, piece: str, final: bool) -> tuple[str, str | None]:
         """Add decoded text; return (text safe to release now, the stop string hit or None)."""
         self.text += piece
-        hits = [(i, s) for s in self.stops if (i := self.text.find(s, self.released)) >= 0]
+        # With after_text, a stop must end past the leading whitespace (so it cannot lie within it).
+        lead = len(self.text) - len(self.text.lstrip()) if self.after_text else 0
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, max(self.released, lead - len(s) + 1))) >= 0]
         if hits:
             end, hit = min(hits)
             self.text = self.text[:end]
@@ -181,7 +184,7 @@ class _Output:
     def __init__(self, tokenizer, params: SamplingParams, eos_ids: frozenset[int]):
         self.params, self.eos_ids = params, eos_ids
         self.detok = Detokenizer(tokenizer)
-        self.stop = _StopState(params.stop)
+        self.stop = _StopState(params.stop, params.stop_after_text)
         self.produced = 0
         self.loop = LoopWatch(params.repeat_stop) if params.repeat_stop else None
 

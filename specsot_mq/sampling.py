@@ -26,6 +26,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the output ends before the first one
     ignore_eos: bool = False
     repeat_stop: int = 0  # end the output when its last N tokens already ran earlier in it (a loop); 0 = off
+    # Stop strings count only past the output's leading whitespace: with stop "\n\n", an output
+    # that opens with a blank line runs on to the end of its first paragraph (a SoT point).
+    stop_after_text: bool = False
 
     def __post_init__(self):
         checks = [

@@ -4,11 +4,14 @@ as it grows, and assembles the answer in plan order once the last point ends."""
 from __future__ import annotations
 
 from specsot_mq.messages import Answer, MergePlan, PointEnd, PointText
+from specsot_mq.prompts import load_format
+from specsot_mq.sot.engine import SoTConfig
 from specsot_mq.stages.base import Stage
 
 
 class MergeStage(Stage):
     async def start(self) -> None:
+        self.format = load_format(SoTConfig(**self.spec.sot).prompt_format)
         # rid -> {"plan": MergePlan | None, "texts": {index: [str]}, "ends": {index: PointEnd}}
         self.requests: dict[str, dict] = {}
         self.aborted: dict[str, bool] = {}  # recent aborts, so late points of one are ignored (bounded)
@@ -20,7 +23,7 @@ class MergeStage(Stage):
         """The answer from the plan and every point's text; a replacement merger overrides this."""
         if plan.mode != "sot":
             return texts.get(0, "")
-        return "\n".join(f"{index}. {title}{texts.get(index, '')}" for index, title in plan.points)
+        return self.format.merge([(index, title, texts.get(index, "")) for index, title in plan.points])
 
     async def handle(self, env) -> None:
         msg = env.msg

@@ -178,6 +178,28 @@ def test_stop_state_holds_back_only_what_could_start_a_stop(pieces, stops, relea
     assert out == released and hit == stopped
 
 
+@pytest.mark.parametrize(
+    "pieces, stops, released, stopped",
+    [
+        (["\n\n", "Text.", "\n\nMore"], ("\n\n",), "\n\nText.", "\n\n"),  # opening blank line kept
+        ([" \n", "\n", "a\n\n"], ("\n\n",), " \n\na", "\n\n"),  # the same, in pieces
+        (["\n2. b"], ("\n2.",), "", "\n2."),  # a stop that reaches into the text still counts
+        (["  \n\n"], ("\n\n",), "  \n\n", None),  # only whitespace: nothing stops it yet
+    ],
+)
+def test_stop_after_text_skips_stops_in_the_leading_whitespace(pieces, stops, released, stopped):
+    state = _StopState(stops, after_text=True)
+    out, hit = "", None
+    for i, piece in enumerate(pieces):
+        text, hit = state.feed(piece, final=i == len(pieces) - 1)
+        out += text
+        if hit:
+            break
+    assert out == released and hit == stopped
+    whole = "".join(pieces)  # without after_text, every case stops at its first match
+    assert _StopState(stops).feed(whole, final=True) == (whole[: whole.find(stops[0])], stops[0])
+
+
 def test_several_sequences_decoded_together_equal_each_alone():
     g = Generator(ours_from_hf(tiny_hf("qwen2")), CharTokenizer(), max_len=64, num_slots=3)
     prompts = [[5, 6, 7, 8, 9], [12, 3], [40, 41, 42]]

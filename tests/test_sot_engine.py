@@ -45,6 +45,28 @@ def test_points_decoded_together_equal_each_prompt_decoded_alone(tiny):
     assert final.answer.startswith("1. Warm up") and "\n5. Rest well" in final.answer
 
 
+def test_points_share_every_token_before_their_own_words(tiny):
+    """The point prompt names its point only at its end: the shared prefix holds the instructions,
+    the question and the whole plan, a suffix the rest, and prefix + suffix is the point's prompt."""
+    tok, fmt, question = tiny.tokenizer, load_format("sot"), "How do I start running?"
+    prefix, suffixes = point_prompts(tok, fmt, question, PLAN)
+    outline = "\n".join(f"{p.index}. {p.title}" for p in PLAN.points)
+    assert question in tok.decode(prefix) and outline in tok.decode(prefix)
+    for p in PLAN.points:
+        assert prefix + suffixes[p.index] == fmt.point_ids(tok, question, outline, p.index, p.title)
+        assert len(suffixes[p.index]) < 40 and tok.decode(suffixes[p.index]).endswith(f"{p.index}. {p.title}:")
+    assert fmt.merge([(1, "Warm up", " Walk first."), (2, "Pick shoes", "")]) == "1. Warm up: Walk first.\n2. Pick shoes:"
+
+
+def test_the_skeleton_prompt_shows_its_examples_as_earlier_turns(tiny):
+    tok, fmt = tiny.tokenizer, load_format("sot")
+    text = tok.decode(fmt.skeleton_ids(tok, "How do I start running?"))
+    assert len(fmt.examples) == 2 and text.count("<|im_start|>assistant") == 3
+    for question, skeleton in fmt.examples:
+        assert question in text and skeleton in text
+    assert text.endswith("Question: How do I start running?<|im_end|>\n<|im_start|>assistant\n1.")
+
+
 def test_two_at_a_time_equals_all_at_once(tiny):
     assert expand(tiny, max_parallel=2)[1] == expand(tiny, max_parallel=5)[1]
 

@@ -117,7 +117,7 @@ def test_prompt_formats_are_data_files_with_their_parser_and_stops():
     assert [p.predicted_tokens for p in plan.plan("[PLAN]\n1. a (~30 tokens)\n2. b (~50 tokens)", 8).points] == [30, 50]
     params = SamplingParams(max_tokens=500)
     assert skeleton_params(SoTConfig(prompt_format="plan"), params).stop == ("\n9.", "DIRECT]")
-    assert skeleton_params(SoTConfig(), params).stop == ("\n9.",)
+    assert skeleton_params(SoTConfig(), params).stop == ("\n9.", "\n\n")  # the list ends at a blank line
     with pytest.raises(SpecSotError, match="unknown prompt format 'nope': use one of plan, sot"):
         SoTConfig(prompt_format="nope")
 
@@ -127,6 +127,7 @@ def test_the_format_s_own_stop_stays_in_the_skeleton_text():
     plan, sot = load_format("plan"), load_format("sot")
     assert skeleton_text(plan, Delta("", [7], "stop", "DIRECT]")) == "DIRECT]"
     assert skeleton_text(sot, Delta("x", [7], "stop", "\n9.")) == "x"
+    assert skeleton_text(sot, Delta("x", [7], "stop", "\n\n")) == "x"  # the format's own, but no decision
     assert skeleton_text(plan, Delta("ab", [7])) == "ab"
 
 

@@ -19,7 +19,9 @@ FOLDER = Path(__file__).parent
 
 @dataclass(frozen=True, slots=True)
 class PromptFormat:
-    """One format's templates; {question}, {skeleton}, {index}, {title} are filled in."""
+    """One format's templates; {question}, {skeleton}, {index}, {title} are filled in (the point's
+    user text may name its point too: what differs between points must come late in the prompt,
+    since the points share the prompt's common beginning)."""
 
     name: str
     skeleton_user: str
@@ -28,21 +30,33 @@ class PromptFormat:
     point_prefix: str
     parser: str = "numbered"  # a key of PARSERS
     skeleton_stop: tuple[str, ...] = ()  # where the skeleton ends besides the point cap (generated text)
+    point_stop: tuple[str, ...] = ()  # where a point ends besides the next point's number
+    examples: tuple[tuple[str, str], ...] = ()  # (question, skeleton) turns shown before the question
 
     def plan(self, skeleton: str, max_points: int) -> Plan:
         """The skeleton's text (prefilled part included) read into a Plan; never raises on text."""
         return PARSERS[self.parser](skeleton, max_points)
 
+    def merge(self, points) -> str:
+        """The answer from (index, title, expansion) triples in plan order: each point's prefilled
+        beginning, then what the model wrote after it."""
+        return "\n".join(self.point_prefix.format(index=i, title=title) + text for i, title, text in points)
+
     def skeleton_ids(self, tokenizer, question: str) -> list[int]:
         """Chat prompt for the skeleton, ending inside the assistant turn after the prefix."""
-        ids = chat_prompt_ids(tokenizer, self.skeleton_user.format(question=question))
+        turns = []
+        for q, skeleton in (*self.examples, (question, None)):
+            turns.append({"role": "user", "content": self.skeleton_user.format(question=q)})
+            if skeleton is not None:
+                turns.append({"role": "assistant", "content": skeleton})
+        ids = chat_prompt_ids(tokenizer, turns)
         return ids + tokenizer.encode(self.skeleton_prefix, add_special_tokens=False)
 
     def point_ids(self, tokenizer, question: str, skeleton: str, index: int, title: str) -> list[int]:
         """Chat prompt that expands one point, prefilled with the point's number and title."""
-        ids = chat_prompt_ids(tokenizer, self.point_user.format(question=question, skeleton=skeleton))
-        prefix = self.point_prefix.format(index=index, title=title)
-        return ids + tokenizer.encode(prefix, add_special_tokens=False)
+        fields = {"question": question, "skeleton": skeleton, "index": index, "title": title}
+        ids = chat_prompt_ids(tokenizer, self.point_user.format(**fields))
+        return ids + tokenizer.encode(self.point_prefix.format(**fields), add_special_tokens=False)
 
 
 @cache
@@ -63,4 +77,6 @@ def load_format(name: str = "sot") -> PromptFormat:
         data["point"]["assistant_prefix"],
         parser,
         tuple(data["skeleton"].get("stop", ())),
+        tuple(data["point"].get("stop", ())),
+        tuple((e["question"], e["skeleton"]) for e in data["skeleton"].get("examples", ())),
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator
@@ -179,9 +179,8 @@ class SoTEngine:
                 yield PointDelta(index, delta.text)
             if delta.finish_reason:
                 yield PointDone(index, texts[index], ids[index])
-        answer = "\n".join(f"{p.index}. {p.title}{texts[p.index]}" for p in plan.points)
         expansions = [(p.index, p.title, texts[p.index]) for p in plan.points]
-        yield Final(answer, "sot", plan.reason or "planned", skeleton, sk_ids, expansions, phases,
+        yield Final(self.format.merge(expansions), "sot", plan.reason or "planned", skeleton, sk_ids, expansions, phases,
                     time.perf_counter() - start)  # fmt: skip
 
     def expand(self, question: str, plan: Plan, params: SamplingParams | None = None) -> Iterator[Event]:
@@ -236,9 +235,10 @@ def skeleton_params(config: SoTConfig, params: SamplingParams) -> SamplingParams
 
 
 def skeleton_text(fmt, delta: Delta) -> str:
-    """A skeleton delta's text; a stop string of the format's own (a decision, such as the plan
-    format's "DIRECT]") stays in it."""
-    return delta.text + (delta.stop if delta.stop in fmt.skeleton_stop else "")
+    """A skeleton delta's text; a stop string of the format's own that is a decision (the plan
+    format's "DIRECT]") stays in it, a blank line that ends the list does not."""
+    keep = delta.stop in fmt.skeleton_stop and delta.stop.strip()
+    return delta.text + (delta.stop if keep else "")
 
 
 def finished_lines(skeleton: str, finish_reason: str | None) -> str:
@@ -252,23 +252,23 @@ def finished_lines(skeleton: str, finish_reason: str | None) -> str:
 def point_params(config: SoTConfig, params: SamplingParams) -> SamplingParams:
     """A point's settings: its own length cap, and a stop where a numbered line (another point)
     would begin."""
-    stops = tuple(f"\n{i}." for i in range(1, config.max_points + 2))
-    return _bounded(params, config.point_tokens, (*params.stop, *stops))
+    stops = (*(f"\n{i}." for i in range(1, config.max_points + 2)), *load_format(config.prompt_format).point_stop)
+    return replace(_bounded(params, config.point_tokens, (*params.stop, *stops)), stop_after_text=True)
 
 
 def point_prompts(tokenizer, fmt, question: str, plan: Plan) -> tuple[list[int], dict[int, list[int]]]:
-    """The shared prefix (instructions, question, the plan as a clean list) and each point's suffix
-    (its number and title); a point's full prompt is prefix + suffix."""
+    """The points' shared prefix (instructions, question, the plan as a clean list: the longest
+    beginning all their prompts have in common) and each point's suffix; a point's full prompt,
+    prefix + suffix, is exactly `fmt.point_ids` of that point."""
     outline = "\n".join(f"{p.index}. {p.title}" for p in plan.points)
-    prefix = chat_prompt_ids(tokenizer, fmt.point_user.format(question=question, skeleton=outline))
-    suffixes = {
-        p.index: tokenizer.encode(fmt.point_prefix.format(index=p.index, title=p.title), add_special_tokens=False)
-        for p in plan.points
-    }
-    return prefix, suffixes
+    prompts = {p.index: fmt.point_ids(tokenizer, question, outline, p.index, p.title) for p in plan.points}
+    first, *rest = prompts.values()
+    shared = min(len(p) for p in prompts.values()) - 1  # every suffix keeps at least one token
+    for other in rest:
+        shared = next((i for i, (a, b) in enumerate(zip(first[:shared], other)) if a != b), shared)
+    return first[:shared], {index: p[shared:] for index, p in prompts.items()}
 
 
 def _bounded(params: SamplingParams, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:
     """The request's sampling settings with a phase's own length cap and stop strings."""
-    return SamplingParams(min(max_tokens, params.max_tokens), params.temperature, params.top_k, params.top_p,
-                          params.seed, tuple(stop), params.ignore_eos, params.repeat_stop)  # fmt: skip
+    return replace(params, max_tokens=min(max_tokens, params.max_tokens), stop=tuple(stop))
