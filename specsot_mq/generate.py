@@ -11,6 +11,7 @@ the same code.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ class Delta:
     text: str  # new text (may be empty while a character or a possible stop string is incomplete)
     token_ids: list[int]  # tokens accepted in this step
     finish_reason: str | None = None  # None while running; then "stop" (EOS or stop string), "length" or
-    # "repeat" (the output began to loop, see SamplingParams.repeat_stop)
+    # "repeat" (the output began to loop, see SamplingParams.repeat_stop and stop_repeated_line)
     stop: str | None = None  # the stop string that ended it (not in `text`), as vLLM's stop_reason
 
 
@@ -178,6 +179,28 @@ class LoopWatch:
         return seen
 
 
+class LineWatch:
+    """SamplingParams.stop_repeated_line's rule. Fed an output's text piece by piece, add() says
+    whether a line just completed repeats an earlier one, ignoring case, a leading list number and
+    punctuation (a plan that has begun to list its points again)."""
+
+    MARK = re.compile(r"^[\W_]*(?:\d+[.)])?")
+
+    def __init__(self):
+        self.partial = ""
+        self.seen: set[str] = set()
+
+    def add(self, piece: str) -> bool:
+        *done, self.partial = (self.partial + piece).split("\n")
+        for line in done:
+            key = " ".join(re.findall(r"\w+", self.MARK.sub("", line).lower()))
+            if key in self.seen:
+                return True
+            if key:
+                self.seen.add(key)
+        return False
+
+
 class _Output:
     """One sequence's side of the loop: counts, EOS, detokenisation, stop strings and loops."""
 
@@ -187,6 +210,7 @@ class _Output:
         self.stop = _StopState(params.stop, params.stop_after_text)
         self.produced = 0
         self.loop = LoopWatch(params.repeat_stop) if params.repeat_stop else None
+        self.lines = LineWatch() if params.stop_repeated_line else None
 
     def take(self, new: list[int]) -> Delta:
         """Accept proposed tokens up to the first stopping point; return the resulting delta.
@@ -204,6 +228,8 @@ class _Output:
             elif self.produced >= self.params.max_tokens:
                 finish = "length"
             piece = "" if eos else self.detok.add([tok])  # EOS has no text
+            if not finish and self.lines is not None and self.lines.add(piece):
+                finish = "repeat"
             if finish:
                 piece += self.detok.flush()
             text, hit = self.stop.feed(piece, final=finish is not None)

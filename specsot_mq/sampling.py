@@ -29,6 +29,9 @@ class SamplingParams:
     # Stop strings count only past the output's leading whitespace: with stop "\n\n", an output
     # that opens with a blank line runs on to the end of its first paragraph (a SoT point).
     stop_after_text: bool = False
+    # End the output (finish "repeat") at the end of a line that repeats an earlier line, ignoring
+    # case, a leading list number and punctuation: a SoT skeleton listing its points again.
+    stop_repeated_line: bool = False
 
     def __post_init__(self):
         checks = [

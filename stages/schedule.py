@@ -58,7 +58,7 @@ class ScheduleStage(Stage):
         branches = {a.device: a.point_indices for a in assignments}
         points = [[p.index, p.title] for p in plan.points]
         await self.send(self.merge, MergePlan(msg.rid, "sot", msg.reason, msg.skeleton, points, branches, msg.stats))
-        wire = params_to_wire(point_params(self.config, params))
+        wire = params_to_wire(point_params(self.config, params, plan))
         for a in assignments:
             await self.send(a.device, BranchTask(msg.rid, wire, ids(prefix), a.point_indices,
                                                  [ids(suffixes[i]) for i in a.point_indices]))  # fmt: skip

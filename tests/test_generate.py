@@ -7,7 +7,7 @@ import torch
 
 from conftest import ours_from_hf, tiny_hf
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import Generator, _StopState
+from specsot_mq.generate import Generator, LineWatch, _Output, _StopState
 from specsot_mq.sampling import Sampler, SamplingParams
 
 
@@ -198,6 +198,38 @@ def test_stop_after_text_skips_stops_in_the_leading_whitespace(pieces, stops, re
     assert out == released and hit == stopped
     whole = "".join(pieces)  # without after_text, every case stops at its first match
     assert _StopState(stops).feed(whole, final=True) == (whole[: whole.find(stops[0])], stops[0])
+
+
+class WordTokenizer:
+    """Token i is WORDS[i] (0 is the EOS): enough of the tokenizer API for one output's bookkeeping."""
+
+    WORDS = ["", "1.", " Sleep", " well", "\n", "2.", " Less", " coffee", "3.", " sleep", " WELL", "!", "4.", " Walk"]
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.WORDS[i] for i in ids)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_stop_repeated_line_ends_the_output_with_the_line_that_repeats_an_earlier_one(on):
+    tok = WordTokenizer()
+    text = "1. Sleep well\n2. Less coffee\n3. sleep WELL!\n4. Walk"
+    ids = [1, 2, 3, 4, 5, 6, 7, 4, 8, 9, 10, 11, 4, 12, 13]
+    assert tok.decode(ids) == text
+    out = _Output(tok, SamplingParams(max_tokens=50, stop_repeated_line=on), frozenset([0]))
+    delta = out.take(ids)  # a speculative step proposing every token at once stops where one-by-one would
+    if on:
+        assert delta.finish_reason == "repeat" and delta.text == "1. Sleep well\n2. Less coffee\n3. sleep WELL!\n"
+    else:
+        assert delta.finish_reason is None and delta.text == text
+
+
+def test_line_watch_reads_lines_over_pieces_and_ignores_numbers_case_and_marks():
+    watch = LineWatch()
+    said = [watch.add(p) for p in [" **Warm", " up**\n", "2) Pick shoes\n\n", "- Start slowly.\n", "4. pick SHOES"]]
+    assert said == [False, False, False, False, False]  # the last line is not finished yet
+    assert watch.add("\n") is True
+    assert LineWatch().add("1. a\n\n\n2. b\n") is False  # blank lines are not repeats of each other
 
 
 def test_several_sequences_decoded_together_equal_each_alone():

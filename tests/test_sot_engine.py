@@ -39,7 +39,7 @@ def test_points_decoded_together_equal_each_prompt_decoded_alone(tiny):
     engine, got, final = expand(tiny, max_parallel=5)
     prefix, suffixes = point_prompts(engine.gen.tokenizer, engine.format, "How do I start running?", PLAN)
     for index, suffix in suffixes.items():
-        alone = tiny.generate(prefix + suffix, point_params(engine.config, PARAMS)).token_ids
+        alone = tiny.generate(prefix + suffix, point_params(engine.config, PARAMS, PLAN)).token_ids
         assert got[index] == alone, index
     assert [i for i, _, _ in final.points] == [1, 2, 3, 4, 5]  # merged in plan order
     assert final.answer.startswith("1. Warm up") and "\n5. Rest well" in final.answer
@@ -159,9 +159,10 @@ def test_real_model_phases_equal_plain_greedy(default_model_dir):
         if final.mode != "sot":
             continue
         planned += 1
-        prefix, suffixes = point_prompts(engine.gen.tokenizer, engine.format, question, parse_skeleton(finished_lines(final.skeleton, skeleton.finish_reason), 8))
+        plan = parse_skeleton(finished_lines(final.skeleton, skeleton.finish_reason), 8)
+        prefix, suffixes = point_prompts(engine.gen.tokenizer, engine.format, question, plan)
         done = {e.index: e.token_ids for e in events if isinstance(e, PointDone)}
         for index, suffix in suffixes.items():
-            want = plain.generate(prefix + suffix, point_params(engine.config, params)).token_ids
+            want = plain.generate(prefix + suffix, point_params(engine.config, params, plan)).token_ids
             assert done[index] == want, (question, index)
     assert planned >= 2

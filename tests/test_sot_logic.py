@@ -13,7 +13,7 @@ from specsot_mq.generate import Delta
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.engine import SoTConfig, finished_lines, point_params, skeleton_params, skeleton_text
-from specsot_mq.sot.parser import Point, parse_plan_direct, parse_skeleton
+from specsot_mq.sot.parser import Plan, Point, parse_plan_direct, parse_skeleton
 from specsot_mq.sot.router import route
 from specsot_mq.sot.scheduler import (
     DeviceProfile,
@@ -151,7 +151,14 @@ def test_an_unfinished_last_line_of_a_cut_skeleton_is_not_a_point(finish, titles
 def test_phases_keep_the_request_s_repeat_stop():
     params = SamplingParams(max_tokens=300, repeat_stop=16)
     assert skeleton_params(SoTConfig(), params).repeat_stop == 16
-    assert point_params(SoTConfig(), params).repeat_stop == 16
+    assert point_params(SoTConfig(), params, Plan("plan", [Point(1, "a"), Point(2, "b")])).repeat_stop == 16
+
+
+def test_a_point_ends_at_its_paragraph_at_a_new_numbered_line_or_where_it_restates_the_plan():
+    plan = Plan("plan", [Point(1, "Brand comparison"), Point(2, "Performance")])
+    got = point_params(SoTConfig(), SamplingParams(max_tokens=300, stop=("END",)), plan)
+    assert got.max_tokens == 160 and got.stop_after_text
+    assert {"END", "\n\n", "\n1.", "\n9.", "1. Brand comparison", "2. Performance"} <= set(got.stop)
 
 
 ALPHABET = list("1234567890.)(][~*_`#>-: \n\t\r") + list("abcXYZ")

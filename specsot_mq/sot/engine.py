@@ -170,7 +170,7 @@ class SoTEngine:
         prompts = [prefix + suffixes[p.index] for p in points]
         texts = {p.index: "" for p in points}
         ids = {p.index: [] for p in points}
-        pt_params = point_params(self.config, params)
+        pt_params = point_params(self.config, params, plan)
         for seq, delta in self._run("points", prompts, pt_params, phases, shared=len(prefix)):
             index = points[seq].index
             texts[index] += delta.text
@@ -228,10 +228,11 @@ class SoTEngine:
 
 
 def skeleton_params(config: SoTConfig, params: SamplingParams) -> SamplingParams:
-    """The skeleton phase's settings: its own length cap, a stop past the point cap, and the
-    prompt format's own stops ("DIRECT]" in the plan format)."""
+    """The skeleton phase's settings: its own length cap, a stop past the point cap, the prompt
+    format's own stops ("DIRECT]" in the plan format), and an end at a point listed again (the
+    parser would drop it, and a small model that repeats one point tends to repeat them all)."""
     stops = (f"\n{config.max_points + 1}.", *load_format(config.prompt_format).skeleton_stop)
-    return _bounded(params, config.skeleton_tokens, stops)
+    return replace(_bounded(params, config.skeleton_tokens, stops), stop_repeated_line=True)
 
 
 def skeleton_text(fmt, delta: Delta) -> str:
@@ -249,10 +250,13 @@ def finished_lines(skeleton: str, finish_reason: str | None) -> str:
     return skeleton
 
 
-def point_params(config: SoTConfig, params: SamplingParams) -> SamplingParams:
-    """A point's settings: its own length cap, and a stop where a numbered line (another point)
-    would begin."""
-    stops = (*(f"\n{i}." for i in range(1, config.max_points + 2)), *load_format(config.prompt_format).point_stop)
+def point_params(config: SoTConfig, params: SamplingParams, plan: Plan) -> SamplingParams:
+    """A point's settings: its own length cap and its ends: the end of its first paragraph (the
+    format's stop), where a numbered line (another point) would begin, or where it starts to
+    write the plan out again inline ("1. Title" of any point). Stops count only past the point's
+    leading whitespace, so a point that opens with a blank line is not empty."""
+    stops = (*(f"\n{i}." for i in range(1, config.max_points + 2)), *load_format(config.prompt_format).point_stop,
+             *(f"{p.index}. {p.title}" for p in plan.points))  # fmt: skip
     return replace(_bounded(params, config.point_tokens, (*params.stop, *stops)), stop_after_text=True)
 
 
