@@ -21,7 +21,7 @@ import torch
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.layout import new_layout
+from specsot_mq.layout import SlotLayout, new_layout
 from specsot_mq.model import LlamaModel
 from specsot_mq.sampling import Sampler, SamplingParams
 from specsot_mq.tokenizer import Detokenizer, chat_prompt_ids
@@ -77,6 +77,16 @@ class Decoder(Protocol):
 
     def drop(self, slot: int) -> None: ...
 
+    def keep(self, slot: int, n: int) -> tuple:
+        """What restore() needs to start later sequences from the first n tokens of `slot` (a
+        just-prefilled shared prefix of n tokens)."""
+        ...
+
+    def restore(self, slot: int, kept: tuple) -> bool:
+        """Put a keep() into `slot`, for prefill(..., shared=n, prefix_from=slot); False (and
+        nothing done) where the layout cannot."""
+        ...
+
 
 class PlainDecoder:
     """One token per sequence per forward; all running sequences share each forward."""
@@ -104,6 +114,15 @@ class PlainDecoder:
     def drop(self, seq: int) -> None:
         self.last.pop(seq, None)
         self.layout.drop(seq)
+
+    def keep(self, slot: int, n: int) -> tuple:
+        return (self.layout.cache.snapshot(slot, n),)
+
+    def restore(self, slot: int, kept: tuple) -> bool:
+        if not isinstance(self.layout, SlotLayout):
+            return False
+        self.layout.cache.restore(slot, kept[0])
+        return True
 
 
 @dataclass
@@ -258,6 +277,7 @@ class Generator:
             # Tree entries go past the sequence while drafting: room for one full tree more.
             room = (self.tree.depth + 1) * (self.tree.topk + 1)
             self.draft_cache = draft.new_cache(num_slots, max_len + room)
+        self.kept: list[tuple[list[int], tuple]] = []  # (prompt beginning, its decoder state), see keep_prefix
         eos = set(model.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -278,6 +298,25 @@ class Generator:
         from specsot_mq.speculative import EagleDecoder
 
         return EagleDecoder(self.model, self.draft, self.cache, sampler, self.tree, self.draft_cache, layout)
+
+    def keep_prefix(self, ids: list[int]) -> None:
+        """Compute a prompt beginning once and keep it (base KV, and the draft head's KV and
+        feature): a later prompt that begins with it (and shares no prefix with the prompts
+        admitted with it) then starts from a copy and computes only the rest. The SoT skeleton prompt's
+        instructions and worked examples are the same for every question. Call it while the
+        generator is idle (it uses slot 0)."""
+        ids = list(ids)
+        decoder = self.new_decoder(SamplingParams(max_tokens=1))
+        with torch.inference_mode():
+            decoder.prefill({0: ids + ids[-1:]}, shared=len(ids))  # one token past it, as a prompt needs
+            state = decoder.keep(0, len(ids))
+            decoder.drop(0)
+        self.kept = [(k, st) for k, st in self.kept if k != ids] + [(ids, state)]
+
+    def _kept_for(self, ids: list[int]) -> tuple[list[int], tuple] | None:
+        """The longest kept prefix that a prompt begins with (and is longer than)."""
+        fits = [(k, st) for k, st in self.kept if len(k) < len(ids) and ids[: len(k)] == k]
+        return max(fits, key=lambda kept: len(kept[0]), default=None)
 
     def stream_many(
         self,
@@ -349,7 +388,13 @@ class Generator:
                         running[slot] = (job, _Output(self.tokenizer, job.params, self.eos_ids))
                     shared = members[0].shared if group is not None else 0
                     prompts = {slot: job.ids for slot, job in zip(slots, members)}
-                    new.update(decoder.prefill(prompts, shared, prefix_from=src if shared else None))
+                    if not shared and self.kept:  # a prompt that begins with a kept prefix starts from it
+                        for slot, job in zip(slots, members):
+                            kept = self._kept_for(job.ids)
+                            if kept is not None and decoder.restore(slot, kept[1]):
+                                new.update(decoder.prefill({slot: prompts.pop(slot)}, len(kept[0]), prefix_from=slot))
+                    if prompts:
+                        new.update(decoder.prefill(prompts, shared, prefix_from=src if shared else None))
                     if group is not None:
                         holder[group] = slots[0]
 

@@ -110,6 +110,19 @@ class KVCache:
             self.v[:, slot, :, dst : dst + n].copy_(self.v[:, slot].index_select(2, src))
         self.lengths[slot] = dst + n
 
+    def snapshot(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the slot's first `length` entries (all layers), for restore()."""
+        if length > self.lengths[slot]:
+            raise ValueError(f"slot {slot} holds {self.lengths[slot]} entries, not {length}")
+        return self.k[:, slot, :, :length].clone(), self.v[:, slot, :, :length].clone()
+
+    def restore(self, slot: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Make a snapshot() the slot's whole content."""
+        n = kv[0].shape[2]
+        self.k[:, slot, :, :n].copy_(kv[0])
+        self.v[:, slot, :, :n].copy_(kv[1])
+        self.lengths[slot] = n
+
     def copy_prefix(self, src_slot: int, dst_slots: Sequence[int], length: int | None = None) -> None:
         """Give every slot in dst_slots the first `length` entries of src_slot (a shared prompt)."""
         length = self.lengths[src_slot] if length is None else length

@@ -31,7 +31,7 @@ import torch
 from specsot_mq.draft import DraftHead
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.layout import new_layout
+from specsot_mq.layout import SlotLayout, new_layout
 from specsot_mq.model import LlamaModel
 from specsot_mq.sampling import Sampler
 from specsot_mq.tree import DraftTree, TreeSearch, grow_search, make_tree, select_nodes, start_search
@@ -202,6 +202,18 @@ class EagleDecoder:
     def drop(self, seq: int) -> None:
         self.state.pop(seq, None)
         self.layout.drop(seq)
+
+    def keep(self, slot: int, n: int) -> tuple:
+        """The base KV of n tokens, the draft's of n - 1 (see prefill) and the feature at n - 1."""
+        return self.layout.cache.snapshot(slot, n), self.draft_cache.snapshot(slot, n - 1), self.prefix_feature[slot]
+
+    def restore(self, slot: int, kept: tuple) -> bool:
+        if not isinstance(self.layout, SlotLayout) or len(kept) != 3:
+            return False
+        self.layout.cache.restore(slot, kept[0])
+        self.draft_cache.restore(slot, kept[1])
+        self.prefix_feature[slot] = kept[2]
+        return True
 
     # -- the three phases of a step ------------------------------------------------------------
 

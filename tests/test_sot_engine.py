@@ -67,6 +67,25 @@ def test_the_skeleton_prompt_shows_its_examples_as_earlier_turns(tiny):
     assert text.endswith("Question: How do I start running?<|im_end|>\n<|im_start|>assistant\n1.")
 
 
+@pytest.mark.parametrize("eagle", [False, True])
+def test_a_kept_prefix_gives_the_same_tokens_and_computes_only_the_rest(tiny, tiny_eagle, eagle, monkeypatch):
+    """Generator.keep_prefix: a prompt that begins with the kept tokens starts from a copy of
+    their KV (and the draft head's) and computes only its own part, with the same output."""
+    base = tiny_eagle if eagle else tiny
+    fresh = Generator(base.model, base.tokenizer, max_len=512, num_slots=2, draft=base.draft, tree=base.tree)
+    fmt, params = load_format("sot"), SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt, other = (fmt.skeleton_ids(base.tokenizer, q) for q in ("How do I start running?", "Why is the sky blue?"))
+    want = [fresh.generate(p, params).token_ids for p in (prompt, other, [5, 6, 7])]
+    head = fmt.skeleton_head(base.tokenizer)
+    assert 100 < len(head) < len(prompt) and prompt[: len(head)] == head == other[: len(head)]
+    fresh.keep_prefix(head)
+    widths, forward = [], type(base.model).forward
+    monkeypatch.setattr(type(base.model), "forward", lambda self, ids, *a, **k: widths.append(ids.shape[1]) or forward(self, ids, *a, **k))
+    assert [fresh.generate(p, params).token_ids for p in (prompt, other, [5, 6, 7])] == want
+    assert widths[0] == len(prompt) - len(head)  # the first forward: only what follows the kept part
+    assert len(fresh.kept) == 1 and (fresh.keep_prefix(head) or len(fresh.kept) == 1)  # kept once
+
+
 def test_two_at_a_time_equals_all_at_once(tiny):
     assert expand(tiny, max_parallel=2)[1] == expand(tiny, max_parallel=5)[1]
 

@@ -52,11 +52,25 @@ class PromptFormat:
         ids = chat_prompt_ids(tokenizer, turns)
         return ids + tokenizer.encode(self.skeleton_prefix, add_special_tokens=False)
 
+    def skeleton_head(self, tokenizer) -> list[int]:
+        """The tokens every skeleton prompt begins with, whatever the question (system prompt,
+        instructions, worked examples): worth computing once (Generator.keep_prefix)."""
+        return common_prefix([self.skeleton_ids(tokenizer, q) for q in ("Why?", "List three colours.")])
+
     def point_ids(self, tokenizer, question: str, skeleton: str, index: int, title: str) -> list[int]:
         """Chat prompt that expands one point, prefilled with the point's number and title."""
         fields = {"question": question, "skeleton": skeleton, "index": index, "title": title}
         ids = chat_prompt_ids(tokenizer, self.point_user.format(**fields))
         return ids + tokenizer.encode(self.point_prefix.format(**fields), add_special_tokens=False)
+
+
+def common_prefix(prompts: list[list[int]]) -> list[int]:
+    """The longest beginning all the token lists have in common."""
+    first = prompts[0]
+    n = min(map(len, prompts))
+    for other in prompts[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(first[:n], other)) if a != b), n)
+    return first[:n]
 
 
 @cache

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator
 from specsot_mq.layout import check_layout
-from specsot_mq.prompts import load_format
+from specsot_mq.prompts import common_prefix, load_format
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.parser import Plan
 from specsot_mq.sot.router import MODES, route
@@ -136,6 +136,7 @@ class SoTEngine:
             )
         self.format = load_format(self.config.prompt_format)
         self.device = device or DeviceProfile("local", 1.0, 1.0, 1.0, self.config.max_parallel)
+        gen.keep_prefix(self.format.skeleton_head(gen.tokenizer))  # the same for every question
 
     def stream(self, question: str, params: SamplingParams | None = None) -> Iterator[Event]:
         """Answer one question, yielding events as the skeleton and the points grow."""
@@ -266,11 +267,9 @@ def point_prompts(tokenizer, fmt, question: str, plan: Plan) -> tuple[list[int],
     prefix + suffix, is exactly `fmt.point_ids` of that point."""
     outline = "\n".join(f"{p.index}. {p.title}" for p in plan.points)
     prompts = {p.index: fmt.point_ids(tokenizer, question, outline, p.index, p.title) for p in plan.points}
-    first, *rest = prompts.values()
-    shared = min(len(p) for p in prompts.values()) - 1  # every suffix keeps at least one token
-    for other in rest:
-        shared = next((i for i, (a, b) in enumerate(zip(first[:shared], other)) if a != b), shared)
-    return first[:shared], {index: p[shared:] for index, p in prompts.items()}
+    # Every suffix keeps at least one token.
+    shared = min(len(common_prefix(list(prompts.values()))), min(map(len, prompts.values())) - 1)
+    return next(iter(prompts.values()))[:shared], {index: p[shared:] for index, p in prompts.items()}
 
 
 def _bounded(params: SamplingParams, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:
