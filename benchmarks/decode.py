@@ -56,9 +56,10 @@ class Sample:
         return (len(self.token_ids) - 1) / self.decode_s
 
 
-def load_prompts(path: Path | None, limit: int) -> tuple[list[str], str]:
+def load_prompts(path: Path | None, limit: int, per_category: int = 0) -> tuple[list[str], str]:
     """The first `limit` prompts and where they came from. MT-bench lines give their first turn;
-    other JSONL lines give their `question`."""
+    other JSONL lines give their `question`. per_category > 0 takes at most that many of each
+    line's `category` (MT-bench's first 10 are all writing: a spread needs this)."""
     if path is None and not DEFAULT_QUESTIONS.is_file():
         return BUILTIN_PROMPTS[:limit], "built-in"
     path = path or DEFAULT_QUESTIONS
@@ -66,17 +67,22 @@ def load_prompts(path: Path | None, limit: int) -> tuple[list[str], str]:
         lines = path.read_text().splitlines()
     except OSError as e:
         raise SpecSotError(f"cannot read questions file {path} ({e.strerror}): fix --questions") from None
-    prompts = []
+    prompts, taken = [], {}
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            prompts.append(row["turns"][0] if "turns" in row else row["question"])
-        except (ValueError, KeyError, IndexError, TypeError):
+            question = row["turns"][0] if "turns" in row else row["question"]
+            category = row.get("category")
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             raise SpecSotError(
                 f"{path}:{number} is not a question: each line must be JSON with 'turns' (MT-bench) or 'question'"
             ) from None
+        if per_category and taken.get(category, 0) >= per_category:
+            continue
+        taken[category] = taken.get(category, 0) + 1
+        prompts.append(question)
         if len(prompts) == limit:
             break
     if not prompts:

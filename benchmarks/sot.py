@@ -12,7 +12,7 @@ ends it when its last N tokens already ran earlier in it; --repeat-stop 0 turns 
 writes a PNG plot (with matplotlib, if installed) and ends with one JSON line holding the medians
 of the speedups over all questions and over those routed to SoT.
 
-    python benchmarks/sot.py [--limit 8] [--max-tokens 256] [--dtype bf16|fp32] [--plot out.png]
+    python benchmarks/sot.py [--limit 8] [--per-category N] [--max-tokens 256] [--dtype bf16|fp32] [--plot out.png]
         [--layout batching|bim] [--prompt-format sot|plan] [--engines hf,specsot] [--repeat-stop 16]
 """
 
@@ -49,6 +49,8 @@ def main(argv=None) -> dict:
     p.add_argument("--draft", default="auto")
     p.add_argument("--questions", type=Path, default=None)
     p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--per-category", type=int, default=0,
+                   help="at most N questions of each category (MT-bench: --limit 16 --per-category 2 spans all 8)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--max-parallel", type=int, default=8)
@@ -66,7 +68,7 @@ def main(argv=None) -> dict:
         p.error(f"--engines: unknown {', '.join(sorted(unknown))}; choose from {','.join(ENGINES)}")
     out = Console(quiet=args.json_only, soft_wrap=True)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    questions, source = load_prompts(args.questions, args.limit)
+    questions, source = load_prompts(args.questions, args.limit, args.per_category)
 
     folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype)
     max_len = 2048
