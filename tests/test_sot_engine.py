@@ -55,7 +55,7 @@ def test_points_share_every_token_before_their_own_words(tiny):
     for p in PLAN.points:
         assert prefix + suffixes[p.index] == fmt.point_ids(tok, question, outline, p.index, p.title)
         assert len(suffixes[p.index]) < 40 and tok.decode(suffixes[p.index]).endswith(f"{p.index}. {p.title}:")
-    assert fmt.merge([(1, "Warm up", " Walk first."), (2, "Pick shoes", "")]) == "1. Warm up: Walk first.\n2. Pick shoes:"
+    assert fmt.merge([(1, "Warm up", " Walk first.\n"), (2, "Pick shoes", "")]) == "1. Warm up: Walk first.\n2. Pick shoes:"
 
 
 def test_the_skeleton_prompt_shows_its_examples_as_earlier_turns(tiny):

@@ -157,7 +157,7 @@ def test_phases_keep_the_request_s_repeat_stop():
 def test_a_point_ends_at_its_paragraph_at_a_new_numbered_line_or_where_it_restates_the_plan():
     plan = Plan("plan", [Point(1, "Brand comparison"), Point(2, "Performance")])
     got = point_params(SoTConfig(), SamplingParams(max_tokens=300, stop=("END",)), plan)
-    assert got.max_tokens == 160 and got.stop_after_text
+    assert got.max_tokens == 160 and got.stop_after_text and got.stop_repeated_line
     assert {"END", "\n\n", "\n1.", "\n9.", "1. Brand comparison", "2. Performance"} <= set(got.stop)
 
 

@@ -39,8 +39,8 @@ class PromptFormat:
 
     def merge(self, points) -> str:
         """The answer from (index, title, expansion) triples in plan order: each point's prefilled
-        beginning, then what the model wrote after it."""
-        return "\n".join(self.point_prefix.format(index=i, title=title) + text for i, title, text in points)
+        beginning, then what the model wrote after it (trailing whitespace dropped)."""
+        return "\n".join((self.point_prefix.format(index=i, title=title) + text).rstrip() for i, title, text in points)
 
     def skeleton_ids(self, tokenizer, question: str) -> list[int]:
         """Chat prompt for the skeleton, ending inside the assistant turn after the prefix."""

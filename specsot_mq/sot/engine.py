@@ -254,11 +254,13 @@ def finished_lines(skeleton: str, finish_reason: str | None) -> str:
 def point_params(config: SoTConfig, params: SamplingParams, plan: Plan) -> SamplingParams:
     """A point's settings: its own length cap and its ends: the end of its first paragraph (the
     format's stop), where a numbered line (another point) would begin, or where it starts to
-    write the plan out again inline ("1. Title" of any point). Stops count only past the point's
-    leading whitespace, so a point that opens with a blank line is not empty."""
+    write the plan out again inline ("1. Title" of any point), or a line that repeats one of its
+    earlier lines (a loop of short lines, which repeat_stop's 16 tokens miss). Stops count only
+    past the point's leading whitespace, so a point that opens with a blank line is not empty."""
     stops = (*(f"\n{i}." for i in range(1, config.max_points + 2)), *load_format(config.prompt_format).point_stop,
              *(f"{p.index}. {p.title}" for p in plan.points))  # fmt: skip
-    return replace(_bounded(params, config.point_tokens, (*params.stop, *stops)), stop_after_text=True)
+    bounded = _bounded(params, config.point_tokens, (*params.stop, *stops))
+    return replace(bounded, stop_after_text=True, stop_repeated_line=True)
 
 
 def point_prompts(tokenizer, fmt, question: str, plan: Plan) -> tuple[list[int], dict[int, list[int]]]:
