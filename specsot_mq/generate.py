@@ -302,10 +302,12 @@ class Generator:
     def keep_prefix(self, ids: list[int]) -> None:
         """Compute a prompt beginning once and keep it (base KV, and the draft head's KV and
         feature): a later prompt that begins with it (and shares no prefix with the prompts
-        admitted with it) then starts from a copy and computes only the rest. The SoT skeleton prompt's
-        instructions and worked examples are the same for every question. Call it while the
-        generator is idle (it uses slot 0)."""
+        admitted with it) then starts from a copy and computes only the rest. The SoT skeleton
+        prompt's instructions and worked examples are the same for every question. Call it while
+        the generator is idle (it uses slot 0)."""
         ids = list(ids)
+        if len(ids) < 2:  # nothing worth keeping
+            return
         decoder = self.new_decoder(SamplingParams(max_tokens=1))
         with torch.inference_mode():
             decoder.prefill({0: ids + ids[-1:]}, shared=len(ids))  # one token past it, as a prompt needs
