@@ -306,14 +306,14 @@ class Generator:
         prompt's instructions and worked examples are the same for every question. Call it while
         the generator is idle (it uses slot 0)."""
         ids = list(ids)
-        if len(ids) < 2:  # nothing worth keeping
+        if len(ids) < 2 or any(k == ids for k, _ in self.kept):  # nothing worth keeping, or kept already
             return
         decoder = self.new_decoder(SamplingParams(max_tokens=1))
         with torch.inference_mode():
             decoder.prefill({0: ids + ids[-1:]}, shared=len(ids))  # one token past it, as a prompt needs
             state = decoder.keep(0, len(ids))
             decoder.drop(0)
-        self.kept = [(k, st) for k, st in self.kept if k != ids] + [(ids, state)]
+        self.kept.append((ids, state))
 
     def _kept_for(self, ids: list[int]) -> tuple[list[int], tuple] | None:
         """The longest kept prefix that a prompt begins with (and is longer than)."""

@@ -83,7 +83,9 @@ def test_a_kept_prefix_gives_the_same_tokens_and_computes_only_the_rest(tiny, ti
     monkeypatch.setattr(type(base.model), "forward", lambda self, ids, *a, **k: widths.append(ids.shape[1]) or forward(self, ids, *a, **k))
     assert [fresh.generate(p, params).token_ids for p in (prompt, other, [5, 6, 7])] == want
     assert widths[0] == len(prompt) - len(head)  # the first forward: only what follows the kept part
-    assert len(fresh.kept) == 1 and (fresh.keep_prefix(head) or len(fresh.kept) == 1)  # kept once
+    calls = len(widths)
+    fresh.keep_prefix(head)  # kept already: no second computation
+    assert len(fresh.kept) == 1 and len(widths) == calls
 
 
 def test_two_at_a_time_equals_all_at_once(tiny):
