@@ -105,6 +105,9 @@ def train_draft(
     questions: Annotated[int, typer.Option(help="Questions the model writes for itself.")] = 640,
     epochs: Annotated[int, typer.Option(help="Training epochs.")] = 5,
     draft_vocab: Annotated[int, typer.Option(help="Draft vocabulary size (most frequent tokens).")] = 8192,
+    feature_layers: Annotated[Optional[str], typer.Option(
+        help="Base hidden states the head reads, e.g. 2,15,27,30 (EAGLE-3 style: low, middle, high, "
+             "then the final one); default: the final one only (EAGLE-1).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = None,
 ):
@@ -120,7 +123,11 @@ def train_draft(
     name = folder.name
     dev = resolve_device(device)
     base = load_model(folder, dtype=resolve_dtype(dtype, dev), device=dev)
-    cfg = recipe.TrainConfig(questions=questions, epochs=epochs, draft_vocab=draft_vocab)
+    try:
+        layers = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None
+    except ValueError:
+        raise SpecSotError(f"--feature-layers {feature_layers!r}: give layer numbers separated by commas, e.g. 2,15,27,30") from None
+    cfg = recipe.TrainConfig(questions=questions, epochs=epochs, draft_vocab=draft_vocab, feature_layers=layers)
     out_path = Path(out) if out else specsot_home() / "drafts" / f"{name}.safetensors"
     work = Path(work_dir) if work_dir else specsot_home() / "train" / name
     record = recipe.run(base, load_tokenizer(folder), out_path, work, cfg)

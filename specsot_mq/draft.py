@@ -7,8 +7,11 @@ draft logits for token i+2. The head reuses the base embedding and the base outp
 (nothing of them is stored); it owns only fc, the layer, and the map from draft to base ids.
 
 `feature_layers` names the base hidden states fed in (counted as transformers counts
-`output_hidden_states`): EAGLE-1 uses the last one (after the final norm); EAGLE-3-style heads
-can name several (low, middle, high), and fc widens to match.
+`output_hidden_states`): EAGLE-1 uses the last one (after the final norm). An EAGLE-3-style head
+names several (low, middle, high, then the last): each is RMS-normalised (the middle layers carry
+activations in the tens of thousands) and `fuse` maps them together to one feature. The head's own
+output is always its guess of the last one, and a deeper draft step reads that guess in place of
+the fused base features (so fc always takes [embedding; one feature]).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -68,7 +72,10 @@ class DraftHead(nn.Module):
         self.cfg = cfg
         lc = cfg.layer_config()
         h = lc.hidden_size
-        self.fc = Linear((1 + len(cfg.feature_layers)) * h, h, bias=True)
+        n = len(cfg.feature_layers)
+        self.hidden_size = h
+        self.fuse = Linear(n * h, h, bias=False) if n > 1 else None
+        self.fc = Linear(2 * h, h, bias=True)
         self.layer = DecoderLayer(lc)
         # Draft id -> base id. Filled from training data (the most frequent tokens first).
         self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=True)
@@ -101,8 +108,9 @@ class DraftHead(nn.Module):
 
     def prepack(self) -> "DraftHead":
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            for m in (self.fc, self.layer.qkv, self.layer.o, self.layer.gate_up, self.layer.down, self.lm_head):
-                m.prepack()
+            for m in (self.fuse, self.fc, self.layer.qkv, self.layer.o, self.layer.gate_up, self.layer.down, self.lm_head):
+                if m is not None:
+                    m.prepack()
         return self
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
@@ -118,9 +126,9 @@ class DraftHead(nn.Module):
         slots: list[int] | None = None,
         mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [B, T] (base ids of token i+1), features [B, T, F*H] (base features at i),
-        positions [B, T]; mask as LlamaModel.forward. Returns (predicted features [B, T, H],
-        draft logits [B, T, draft_vocab])."""
+        """tokens [B, T] (base ids of token i+1), features at i: base features [B, T, F*H] or
+        the head's own predictions [B, T, H]; positions [B, T]; mask as LlamaModel.forward.
+        Returns (predicted last-layer features [B, T, H], draft logits [B, T, draft_vocab])."""
         b, t = tokens.shape
         slots = list(range(b)) if slots is None else list(slots)
         starts = cache.reserve(slots, t)
@@ -128,7 +136,11 @@ class DraftHead(nn.Module):
         bias = attention_bias(mask, starts, t, kv_len, None, self.dtype, self.device)
         cos = self.rope_cos[positions].unsqueeze(2).to(self.dtype)
         sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)
-        x = self.fc(torch.cat([self.embed(tokens).to(self.dtype), features.to(self.dtype)], dim=-1))
+        features = features.to(self.dtype)
+        if self.fuse is not None and features.shape[-1] != self.hidden_size:
+            parts = features.unflatten(-1, (len(self.cfg.feature_layers), -1))
+            features = self.fuse(F.rms_norm(parts, parts.shape[-1:]).flatten(-2))
+        x = self.fc(torch.cat([self.embed(tokens).to(self.dtype), features], dim=-1))
         hidden = self.layer(x, cos, sin, cache, 0, slots, starts, kv_len, bias)
         return hidden, self.lm_head(hidden)
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -27,6 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from specsot_mq.draft import DraftConfig, DraftHead
+from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Generator
 from specsot_mq.model import LlamaModel
 from specsot_mq.prompts import load_format
@@ -53,6 +55,9 @@ class TrainConfig:
     depth_decay: float = 0.7  # loss weight of depth d is depth_decay ** (d - 1)
     ce_weight: float = 1.0  # cross-entropy next to feature regression (0.1 in EAGLE-1 learnt slower here)
     train_context: int = 64  # prompt tokens kept before each generated part when training
+    # Base hidden states the head reads (transformers counting; the last must be the final one,
+    # the regression target). None: the final one only (EAGLE-1).
+    feature_layers: tuple[int, ...] | None = None
     seed: int = 0
 
 
@@ -128,6 +133,21 @@ def _rows_for(qs: list[str], fmt, gen: Generator, cfg: TrainConfig) -> list[dict
 
 
 # -- 2. features -----------------------------------------------------------------------------
+
+
+def cached_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...], context: int, work: Path):
+    """capture_features, kept in `work` next to the data (about 1 KB per token per layer in bf16):
+    a resumed or repeated training run skips the base pass. The file name covers the rows, the
+    layers and the context, so other data or settings compute their own."""
+    digest = hashlib.sha1(json.dumps([rows, layers, context]).encode()).hexdigest()[:12]
+    path = work / f"features-{digest}.pt"
+    if path.exists():
+        console.print(f"base features from {path}")
+        return torch.load(path, weights_only=True)
+    samples = capture_features(base, rows, layers, context)
+    torch.save(samples, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    return samples
 
 
 @torch.inference_mode()
@@ -260,7 +280,8 @@ def head_losses(head: DraftHead, tokens, feats, targets, generated, depths: int)
     for depth, (pred, logits) in enumerate(unroll(head, tokens, feats, depths), start=1):
         t = pred.shape[1]
         valid = generated[:, depth + 1 : depth + 1 + t]
-        reg = (F.smooth_l1_loss(pred, feats[:, depth : depth + t], reduction="none").mean(-1) * valid).sum()
+        target = feats[:, depth : depth + t, -pred.shape[-1] :]  # the last layer's feature
+        reg = (F.smooth_l1_loss(pred, target, reduction="none").mean(-1) * valid).sum()
         reg = reg / valid.sum().clamp(min=1)
         tgt = targets[:, depth + 1 : depth + 1 + t]
         ok = valid & (tgt >= 0)
@@ -273,7 +294,7 @@ def head_losses(head: DraftHead, tokens, feats, targets, generated, depths: int)
 def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> tuple[DraftHead, dict]:
     """Train on `train` samples (resuming from work/checkpoint.pt); score on `evals`."""
     torch.manual_seed(cfg.seed)
-    layers = (base.cfg.num_layers,)
+    layers = feature_layers(base, cfg)
     d2t = draft_vocabulary(train, cfg.draft_vocab, base.cfg.eos_token_ids)
     t2d = torch.full((base.cfg.vocab_size,), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(len(d2t))
@@ -284,11 +305,17 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
     head.d2t.copy_(d2t)
     # Start the layer from the base's last layer: same shapes, a better start than noise.
     head.layer.load_state_dict(base.layers[-1].state_dict())
+    if head.fuse is not None:  # start from the last layer alone, as an EAGLE-1 head reads it
+        h = base.cfg.hidden_size
+        torch.nn.init.zeros_(head.fuse.weight)
+        head.fuse.weight.data[:, -h:] = torch.eye(h)
     head.float().attach(_float_view(base))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     rng = random.Random(cfg.seed)
-    ckpt = work / "checkpoint.pt"
+    # One checkpoint per recipe (all settings but the epochs: more epochs resume a finished run).
+    recipe = {k: getattr(cfg, k) for k in TrainConfig.__slots__ if k != "epochs"}
+    ckpt = work / f"checkpoint-{hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:12]}.pt"
     start_epoch = 0
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=True)
@@ -342,6 +369,17 @@ def evaluate_head(head: DraftHead, samples, t2d, depths: int) -> dict:
     return {f"heldout_acc_depth{d + 1}": round((sums[d, 0] / sums[d, 1].clamp(min=1)).item(), 4) for d in range(depths)}
 
 
+def feature_layers(base: LlamaModel, cfg: TrainConfig) -> tuple[int, ...]:
+    layers = tuple(cfg.feature_layers or (base.cfg.num_layers,))
+    n = base.cfg.num_layers
+    if layers[-1] != n or any(not 0 <= i <= n for i in layers) or len(set(layers)) != len(layers):
+        raise SpecSotError(
+            f"--feature-layers {','.join(map(str, layers))}: name distinct hidden states between 0 and {n}, "
+            f"the last being {n} (the final one, which the head learns to predict), e.g. 2,{n // 2},{n - 3},{n}"
+        )
+    return layers
+
+
 def _float_view(base: LlamaModel) -> LlamaModel:
     """The base's embedding and output layer in fp32 for training (the base may run in bf16)."""
     if base.dtype == torch.float32:
@@ -382,7 +420,7 @@ def run(base: LlamaModel, tokenizer, out: Path, work: Path, cfg: TrainConfig) ->
     # Hold out whole questions (all their rows), so the evaluation never saw them.
     questions = list(dict.fromkeys(r["question"] for r in rows))
     held = set(questions[-max(2, len(questions) // 20) :])
-    samples = capture_features(base, rows, (base.cfg.num_layers,), cfg.train_context)
+    samples = cached_features(base, rows, feature_layers(base, cfg), cfg.train_context, work)
     train = [s for s, r in zip(samples, rows) if r["question"] not in held]
     evals = [s for s, r in zip(samples, rows) if r["question"] in held]
     random.Random(cfg.seed).shuffle(train)

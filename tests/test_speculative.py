@@ -58,26 +58,28 @@ def base():
     return model
 
 
-def random_head(base, seed=0):
+def random_head(base, seed=0, layers=None):
     """An untrained head over a draft vocabulary of 50 of the 97 base tokens (shuffled), so some
-    base tokens can never be drafted."""
+    base tokens can never be drafted; `layers`: the base hidden states it reads (default: the
+    final one; several give an EAGLE-3-style head that fuses them)."""
     torch.manual_seed(seed)
-    head = DraftHead(DraftConfig.for_base(base.cfg, 50))
+    head = DraftHead(DraftConfig.for_base(base.cfg, 50, layers))
     head.d2t.copy_(torch.randperm(base.cfg.vocab_size)[:50])
     return head.attach(base).eval().requires_grad_(False)
 
 
 def heads(base):
-    return {"random": random_head(base), "oracle": OracleHead(base)}
+    return {"random": random_head(base), "fused": random_head(base, layers=FUSED), "oracle": OracleHead(base)}
 
 
+FUSED = (0, 1, 2)  # embeddings, layer 1 and the final hidden state of the 2-layer base
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 # A branching tree, so tree drafting and verification are what these tests check (the default
 # is a chain, the fastest shape for the shipped head on a CPU).
 TREE = TreeParams(num_draft_tokens=12, depth=5, topk=4)
 
 
-@pytest.mark.parametrize("kind", ["random", "oracle"])
+@pytest.mark.parametrize("kind", ["random", "fused", "oracle"])
 def test_greedy_speculative_equals_plain_greedy(base, kind):
     prompt = [BOS, 5, 6, 7, 8]
     gen = Generator(base, CharTokenizer(), max_len=len(prompt) + 40)  # the trees must shrink at the end
@@ -92,7 +94,7 @@ def test_greedy_speculative_equals_plain_greedy(base, kind):
     assert sum(stats.accepted_at_depth) == stats.accepted
 
 
-@pytest.mark.parametrize("kind", ["random", "oracle"])
+@pytest.mark.parametrize("kind", ["random", "fused", "oracle"])
 def test_sequences_decoded_together_equal_each_alone(base, kind):
     prompts = [[BOS, 5, 6, 7, 8, 9], [BOS, 12], [BOS, 40, 41, 42]]
     gen = Generator(base, CharTokenizer(), max_len=64, num_slots=3)
@@ -168,9 +170,10 @@ def test_accepted_path_is_compacted_in_place(base):
     torch.testing.assert_close(cache.v[:, 0, :, :n], fresh.v[:, 0, :, :n], atol=1e-5, rtol=1e-4)
 
 
-def test_draft_cache_after_steps_equals_one_fresh_draft_pass(base):
+@pytest.mark.parametrize("layers", [None, FUSED])
+def test_draft_cache_after_steps_equals_one_fresh_draft_pass(base, layers):
     prompt = [BOS, 30, 31, 32, 33]
-    head = random_head(base, seed=3)
+    head = random_head(base, seed=3, layers=layers)
     decoder = EagleDecoder(base, head, base.new_cache(1, 64), Sampler(GREEDY), TREE)
     with torch.inference_mode():
         ids = prompt + decoder.prefill({0: prompt})[0]
@@ -228,6 +231,27 @@ def test_sampling_through_the_decoder_keeps_the_base_distribution(base):
     assert decoder.stats.accepted > 0
 
 
+def test_a_fused_head_saved_and_loaded_drafts_as_before(base, tmp_path):
+    """An EAGLE-3-style head (three base hidden states fused) keeps its layers and weights
+    through its checkpoint (weights stored in bf16, so compared after the same rounding)."""
+    head = random_head(base, layers=FUSED)
+    for p in head.parameters():
+        p.data = p.data.bfloat16().float()
+    head.save(tmp_path / "head.safetensors")
+    loaded = DraftHead.load(tmp_path / "head.safetensors", base)
+    assert loaded.cfg.feature_layers == FUSED and loaded.fuse is not None
+    tokens, positions = torch.tensor([[5, 6, 7]]), torch.arange(3)[None]
+    feats = torch.randn(1, 3, 3 * base.cfg.hidden_size)
+    with torch.inference_mode():
+        want = head(tokens, feats, positions, head.new_cache(1, 8))
+        got = loaded(tokens, feats, positions, loaded.new_cache(1, 8))
+        # a deeper draft step reads the head's own prediction (one hidden state wide)
+        deeper = loaded(tokens[:, :1], got[0][:, -1:], torch.tensor([[3]]), loaded.new_cache(1, 8))
+    for a, b in zip(want, got):
+        torch.testing.assert_close(a, b)
+    assert deeper[1].shape == (1, 1, 50)
+
+
 def test_last_only_forward_still_returns_every_positions_features(base):
     """Prefill needs all features but only the last logits (a fix in model.py: the final norm's
     output used to be cut to the last position, unlike the other hidden states)."""
@@ -258,10 +282,11 @@ def test_default_tree_fits_a_cheap_cpu_verify():
     assert tree.num_draft_tokens + 1 <= 16 and tree.num_draft_tokens <= tree.max_nodes
 
 
-def test_shared_prefix_prefill_fills_both_caches_as_separate_prefills_do(base):
+@pytest.mark.parametrize("layers", [None, FUSED])
+def test_shared_prefix_prefill_fills_both_caches_as_separate_prefills_do(base, layers):
     """Prompts sharing a prefix: the prefix is computed once and copied, yet both caches (and the
     first draft distributions) equal those of prefilling each prompt on its own."""
-    head = random_head(base)
+    head = random_head(base, layers=layers)
     prefix = [BOS, 3, 1, 4, 1, 5]
     prompts = {0: prefix + [9, 2], 1: prefix + [6], 2: prefix + [5, 3, 5]}
     shared = EagleDecoder(base, head, base.new_cache(3, 32), Sampler(GREEDY), TREE)
@@ -289,7 +314,7 @@ def test_shared_prefix_and_admission_with_eagle_equal_plain_decoding(base):
     assert [c.token_ids for c in spec] == plain
 
 
-@pytest.mark.parametrize("kind", ["random", "oracle"])
+@pytest.mark.parametrize("kind", ["random", "fused", "oracle"])
 def test_bim_layout_equals_plain_decoding(base, kind):
     """Every sequence in ONE cache slot (the branch-index map), sharing a prefix, two at a time so
     the later ones join as others finish: each gets plain decoding's tokens, trees and all."""
@@ -332,7 +357,7 @@ def test_repeat_stop_ends_speculative_output_where_plain_decoding_ends(base):
     assert decoder.stats.tau > 1.5  # steps did accept several tokens
 
 
-@pytest.mark.parametrize("kind", ["random", "oracle"])
+@pytest.mark.parametrize("kind", ["random", "fused", "oracle"])
 def test_jobs_of_several_prefix_groups_joining_a_running_batch_equal_plain_decoding(base, kind):
     """What a serving stage does: points of different requests (different shared prefixes, different
     length caps) are admitted while others run, reusing each other's freed slots; each equals plain
