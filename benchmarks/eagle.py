@@ -7,6 +7,7 @@ with the default tree. Reports decode tokens/s of each, the mean acceptance leng
 drafting and verifying, and a sweep over tree shapes as a table.
 
     python benchmarks/eagle.py [--limit 5] [--new-tokens 256] [--dtype bf16|fp32] [--sweep 8x4x3,12x5x4]
+                               [--compare-draft PATH]   # the sweep runs a second head too, side by side
 
 The last stdout line is one JSON object with at least tau, eagle_vs_hf and eagle_vs_plain.
 """
@@ -26,9 +27,10 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import cpu_name, load_prompts, load_transformers, load_with_draft, run_hf, same_prefix, run_script  # noqa: E402  (a sibling script)
 
+from specsot_mq.draft import DraftHead  # noqa: E402
 from specsot_mq.errors import SpecSotError  # noqa: E402
 from specsot_mq.generate import Generator  # noqa: E402
-from specsot_mq.loader import resolve_dtype  # noqa: E402
+from specsot_mq.loader import resolve_draft, resolve_dtype  # noqa: E402
 from specsot_mq.sampling import SamplingParams  # noqa: E402
 from specsot_mq.speculative import TreeParams  # noqa: E402
 from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
@@ -61,6 +63,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tree", default=None, help="main tree NODESxDEPTHxTOPK (default: TreeParams())")
     p.add_argument("--sweep", default="4x4x1,8x4x3,12x5x4,16x6x4", help="trees for the sweep table ('' = none)")
+    p.add_argument("--compare-draft", default=None, help="a second head (.safetensors): the sweep runs it too")
     p.add_argument("--json-only", action="store_true")
     args = p.parse_args(argv)
     out = Console(quiet=args.json_only, soft_wrap=True)
@@ -78,7 +81,15 @@ def main(argv=None) -> dict:
     def tree_name(t: TreeParams) -> str:
         return f"{t.num_draft_tokens}x{t.depth}x{t.topk}"
 
-    eagle = {tree_name(t): Generator(model, tokenizer, max_len=max_len, draft=head, tree=t) for t in [main_tree, *sweep]}
+    heads = {draft_path.stem: head}
+    if args.compare_draft:
+        other = resolve_draft(args.compare_draft, folder)
+        label = other.stem if other.stem != draft_path.stem else f"{other.parent.name}/{other.stem}"
+        heads[label] = DraftHead.load(other, model).prepack()
+    main_name = tree_name(main_tree)
+    eagle = {(h, tree_name(t)): Generator(model, tokenizer, max_len=max_len, draft=d, tree=t)
+             for h, d in heads.items() for t in [main_tree, *sweep]}  # fmt: skip
+    runs = [(h, tree_name(t)) for h in heads for t in sweep]  # the sweep: every head with every tree
     hf = load_transformers(folder, dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -89,12 +100,13 @@ def main(argv=None) -> dict:
     )
     rows = {"hf": [], "plain": [], "eagle": []}
     stats, same = [], []
-    sweep_rows = {tree_name(t): [] for t in sweep}
+    sweep_rows = {run: [] for run in runs}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True, disable=args.json_only) as bar:  # fmt: skip
-        task = bar.add_task("warm-up", total=1 + len(prompts) * (3 + len(sweep)))
+        task = bar.add_task("warm-up", total=1 + len(prompts) * (3 + len(runs)))
         plain.generate(prompt_ids[0], SamplingParams(max_tokens=8, ignore_eos=True))
-        run_eagle(eagle[tree_name(main_tree)], prompt_ids[0], 8)
+        for h in heads:
+            run_eagle(eagle[h, main_name], prompt_ids[0], 8)
         run_hf(hf, prompt_ids[0], 8, pad_id)
         bar.advance(task)
         for i, ids in enumerate(prompt_ids):
@@ -107,15 +119,15 @@ def main(argv=None) -> dict:
             rows["plain"].append(done.seconds - done.prefill_seconds)
             bar.advance(task)
             bar.update(task, description=f"prompt {i + 1}: eagle")
-            tokens, seconds, st = run_eagle(eagle[tree_name(main_tree)], ids, n)
+            tokens, seconds, st = run_eagle(eagle[draft_path.stem, main_name], ids, n)
             rows["eagle"].append(seconds)
             stats.append(st)
             same.append(same_prefix(tokens, done.token_ids))
             bar.advance(task)
-            for t in sweep:
-                bar.update(task, description=f"prompt {i + 1}: sweep {t.num_draft_tokens}x{t.depth}x{t.topk}")
-                _, seconds, st = run_eagle(eagle[tree_name(t)], ids, n)
-                sweep_rows[tree_name(t)].append((seconds, st))
+            for run in runs:
+                bar.update(task, description=f"prompt {i + 1}: sweep {run[1]}")
+                _, seconds, st = run_eagle(eagle[run], ids, n)
+                sweep_rows[run].append((seconds, st))
                 bar.advance(task)
 
     def rate(decode_s: list[float]) -> float:
@@ -142,17 +154,18 @@ def main(argv=None) -> dict:
     sweep_out = []
     if sweep:
         st_table = Table(title="tree sweep (nodes x depth x topk)")
+        st_table.add_column("head", no_wrap=True)
         for c in ("tree", "tau", "tok/s", "vs plain", "ms draft/step", "ms verify/step"):
             st_table.add_column(c, justify="right")
-        for name, res in sweep_rows.items():
+        for (h, name), res in sweep_rows.items():
             s_steps = sum(st.steps for _, st in res)
             s_tau = 1 + sum(st.accepted for _, st in res) / s_steps
             s_rate = rate([sec for sec, _ in res])
             d_ms = 1000 * sum(st.draft_seconds for _, st in res) / s_steps
             v_ms = 1000 * sum(st.verify_seconds for _, st in res) / s_steps
-            st_table.add_row(name, f"{s_tau:.2f}", f"{s_rate:.1f}",
+            st_table.add_row(h, name, f"{s_tau:.2f}", f"{s_rate:.1f}",
                              f"{s_rate / plain_tok_s:.2f}x", f"{d_ms:.1f}", f"{v_ms:.1f}")  # fmt: skip
-            sweep_out.append({"tree": name, "tau": round(s_tau, 3),
+            sweep_out.append({"draft": h, "tree": name, "tau": round(s_tau, 3),
                               "tok_s": round(s_rate, 2), "vs_plain": round(s_rate / plain_tok_s, 3)})  # fmt: skip
         out.print(st_table)
     result = {
@@ -166,7 +179,7 @@ def main(argv=None) -> dict:
         "draft_ms_per_step": round(1000 * draft_s / steps, 2),
         "verify_ms_per_step": round(1000 * verify_s / steps, 2),
         "identical_prefix": same,
-        "tree": tree_name(main_tree),
+        "tree": main_name,
         "sweep": sweep_out,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),

@@ -45,8 +45,8 @@ class TreeParams:
     Defaults are what measures fastest on this 2-core CPU with the shipped head (`benchmarks/
     eagle.py` sweep): a chain of 4 nodes (topk 1). A verify pass of up to ~16 tokens costs little
     more than one token (the weights are read once either way), but the head's top-1 is right only
-    ~45% of the time, so wider trees (12x5x4: tau 1.65) gain fewer tokens than their draft and
-    verify time costs, while the chain (tau 1.36) pays for itself. A stronger head wants
+    ~51% of the time, so wider trees (12x5x4: tau 1.83) gain fewer tokens than their draft and
+    verify time costs, while the chain (tau 1.57) pays for itself. A stronger head wants
     `--num-draft-tokens 12 --draft-depth 5 --draft-topk 4`.
     """
 
