@@ -106,8 +106,8 @@ def train_draft(
     epochs: Annotated[int, typer.Option(help="Training epochs.")] = 5,
     draft_vocab: Annotated[int, typer.Option(help="Draft vocabulary size (most frequent tokens).")] = 8192,
     feature_layers: Annotated[Optional[str], typer.Option(
-        help="Base hidden states the head reads, e.g. 2,15,27,30 (EAGLE-3 style: low, middle, high, "
-             "then the final one); default: the final one only (EAGLE-1).")] = None,
+        help="Base hidden states the head reads, the final one last, e.g. 2,15,27,30 for a 30-layer base "
+             "(the default: low, middle, high and final, as EAGLE-3 picks them); 30 alone is EAGLE-1.")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = None,
 ):

@@ -3,7 +3,8 @@
 1. data: the base model writes its own user questions (Magpie-style: the chat template up to the
    user turn, sampled), answers them greedily, and also writes Skeleton-of-Thought skeletons and
    point expansions for them, since those are what the head will draft. Saved as JSONL, resumable.
-2. features: one base forward per sequence captures the hidden states the head reads.
+2. features: one base forward per sequence captures the hidden states the head reads (by default
+   low, middle, high and final, fused by the head as EAGLE-3 does); kept on disk next to the data.
 3. training: EAGLE-1 objective (regress the next feature + cross-entropy on the next token over the
    draft vocabulary), unrolled over several draft depths fed with the head's own predicted
    features and attending as a tree node does at inference (EAGLE-3's training-time test), so
@@ -56,7 +57,8 @@ class TrainConfig:
     ce_weight: float = 1.0  # cross-entropy next to feature regression (0.1 in EAGLE-1 learnt slower here)
     train_context: int = 64  # prompt tokens kept before each generated part when training
     # Base hidden states the head reads (transformers counting; the last must be the final one,
-    # the regression target). None: the final one only (EAGLE-1).
+    # the regression target). None: low, middle, high and final (2, L/2, L-3, L), as EAGLE-3
+    # picks them, on bases of 8 layers or more; the final one alone (EAGLE-1) below that.
     feature_layers: tuple[int, ...] | None = None
     seed: int = 0
 
@@ -370,8 +372,8 @@ def evaluate_head(head: DraftHead, samples, t2d, depths: int) -> dict:
 
 
 def feature_layers(base: LlamaModel, cfg: TrainConfig) -> tuple[int, ...]:
-    layers = tuple(cfg.feature_layers or (base.cfg.num_layers,))
     n = base.cfg.num_layers
+    layers = tuple(cfg.feature_layers or ((2, n // 2, n - 3, n) if n >= 8 else (n,)))
     if layers[-1] != n or any(not 0 <= i <= n for i in layers) or len(set(layers)) != len(layers):
         raise SpecSotError(
             f"--feature-layers {','.join(map(str, layers))}: name distinct hidden states between 0 and {n}, "

@@ -74,7 +74,10 @@ def test_feature_layers_must_end_with_the_final_hidden_state(layers):
     base = ours_from_hf(tiny_hf("llama"))
     with pytest.raises(SpecSotError, match="--feature-layers .* the last being 2"):
         feature_layers(base, TrainConfig(feature_layers=layers))
-    assert feature_layers(base, TrainConfig()) == (2,)
+    assert feature_layers(base, TrainConfig()) == (2,)  # too few layers for low/middle/high
+    assert feature_layers(base, TrainConfig(feature_layers=(0, 1, 2))) == (0, 1, 2)
+    deep = ours_from_hf(tiny_hf("llama", num_hidden_layers=30))
+    assert feature_layers(deep, TrainConfig()) == (2, 15, 27, 30)  # what the shipped head reads
     assert feature_layers(base, TrainConfig(feature_layers=(0, 1, 2))) == (0, 1, 2)
 
 
