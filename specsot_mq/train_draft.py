@@ -294,7 +294,7 @@ def head_losses(head: DraftHead, tokens, feats, targets, generated, depths: int)
 
 
 def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> tuple[DraftHead, dict]:
-    """Train on `train` samples (resuming from work/checkpoint.pt); score on `evals`."""
+    """Train on `train` samples (resuming from this recipe's checkpoint in `work`); score on `evals`."""
     torch.manual_seed(cfg.seed)
     layers = feature_layers(base, cfg)
     d2t = draft_vocabulary(train, cfg.draft_vocab, base.cfg.eos_token_ids)
@@ -316,7 +316,7 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     rng = random.Random(cfg.seed)
     # One checkpoint per recipe (all settings but the epochs: more epochs resume a finished run).
-    recipe = {k: getattr(cfg, k) for k in TrainConfig.__slots__ if k != "epochs"}
+    recipe = {k: getattr(cfg, k) for k in TrainConfig.__slots__ if k != "epochs"} | {"feature_layers": layers}
     ckpt = work / f"checkpoint-{hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:12]}.pt"
     start_epoch = 0
     if ckpt.exists():
