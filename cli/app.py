@@ -119,15 +119,16 @@ def train_draft(
     from specsot_mq.pull import resolve_model, specsot_home
     from specsot_mq.tokenizer import load_tokenizer
 
-    folder = resolve_model(model)
-    name = folder.name
-    dev = resolve_device(device)
-    base = load_model(folder, dtype=resolve_dtype(dtype, dev), device=dev)
     try:
         layers = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None
     except ValueError:
         raise SpecSotError(f"--feature-layers {feature_layers!r}: give layer numbers separated by commas, e.g. 2,15,27,30") from None
+    folder = resolve_model(model)
+    name = folder.name
+    dev = resolve_device(device)
+    base = load_model(folder, dtype=resolve_dtype(dtype, dev), device=dev)
     cfg = recipe.TrainConfig(questions=questions, epochs=epochs, draft_vocab=draft_vocab, feature_layers=layers)
+    recipe.feature_layers(base, cfg)  # a wrong list fails now, not after the data is written
     out_path = Path(out) if out else specsot_home() / "drafts" / f"{name}.safetensors"
     work = Path(work_dir) if work_dir else specsot_home() / "train" / name
     record = recipe.run(base, load_tokenizer(folder), out_path, work, cfg)

@@ -19,6 +19,7 @@ def specsot(*args, stdin=None):
         (["ask", "hi", "--temperature", "-1"], "temperature must be >= 0"),
         (["ask", "  "], "the question is empty"),
         (["pull", "no-such-model"], "unknown model 'no-such-model'"),
+        (["train-draft", "--feature-layers", "2,x"], "--feature-layers '2,x': give layer numbers"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(args, message):
@@ -26,6 +27,13 @@ def test_user_errors_are_one_line_without_traceback(args, message):
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_train_draft_checks_its_feature_layers_before_writing_data(default_model_dir, tmp_path):
+    out = specsot("train-draft", "--feature-layers", "3,5", "--work-dir", str(tmp_path / "work"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--feature-layers 3,5" in out.stderr and "the last being 30" in out.stderr
+    assert not (tmp_path / "work").exists()
 
 
 @pytest.mark.slow
