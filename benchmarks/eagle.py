@@ -86,10 +86,11 @@ def main(argv=None) -> dict:
         other = resolve_draft(args.compare_draft, folder)
         label = other.stem if other.stem != draft_path.stem else f"{other.parent.name}/{other.stem}"
         heads[label] = DraftHead.load(other, model).prepack()
-    main_name = tree_name(main_tree)
-    eagle = {(h, tree_name(t)): Generator(model, tokenizer, max_len=max_len, draft=d, tree=t)
-             for h, d in heads.items() for t in [main_tree, *sweep]}  # fmt: skip
+    main_run = (draft_path.stem, tree_name(main_tree))
     runs = [(h, tree_name(t)) for h in heads for t in sweep]  # the sweep: every head with every tree
+    trees = {tree_name(t): t for t in [main_tree, *sweep]}
+    eagle = {run: Generator(model, tokenizer, max_len=max_len, draft=heads[run[0]], tree=trees[run[1]])
+             for run in [main_run, *runs]}  # fmt: skip
     hf = load_transformers(folder, dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -105,8 +106,8 @@ def main(argv=None) -> dict:
                   console=Console(stderr=True), transient=True, disable=args.json_only) as bar:  # fmt: skip
         task = bar.add_task("warm-up", total=1 + len(prompts) * (3 + len(runs)))
         plain.generate(prompt_ids[0], SamplingParams(max_tokens=8, ignore_eos=True))
-        for h in heads:
-            run_eagle(eagle[h, main_name], prompt_ids[0], 8)
+        for g in eagle.values():
+            run_eagle(g, prompt_ids[0], 8)
         run_hf(hf, prompt_ids[0], 8, pad_id)
         bar.advance(task)
         for i, ids in enumerate(prompt_ids):
@@ -119,7 +120,7 @@ def main(argv=None) -> dict:
             rows["plain"].append(done.seconds - done.prefill_seconds)
             bar.advance(task)
             bar.update(task, description=f"prompt {i + 1}: eagle")
-            tokens, seconds, st = run_eagle(eagle[draft_path.stem, main_name], ids, n)
+            tokens, seconds, st = run_eagle(eagle[main_run], ids, n)
             rows["eagle"].append(seconds)
             stats.append(st)
             same.append(same_prefix(tokens, done.token_ids))
@@ -179,7 +180,7 @@ def main(argv=None) -> dict:
         "draft_ms_per_step": round(1000 * draft_s / steps, 2),
         "verify_ms_per_step": round(1000 * verify_s / steps, 2),
         "identical_prefix": same,
-        "tree": main_name,
+        "tree": main_run[1],
         "sweep": sweep_out,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),

@@ -4,6 +4,7 @@ small scale with the real model."""
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -71,14 +72,16 @@ def test_unrolled_training_forward_is_the_draft_chain_at_inference(layers):
 
 @pytest.mark.parametrize("layers", [(1,), (0, 2, 1), (0, 0, 2), (1, 3)])
 def test_feature_layers_must_end_with_the_final_hidden_state(layers):
-    base = ours_from_hf(tiny_hf("llama"))
+    base = SimpleNamespace(cfg=SimpleNamespace(num_layers=2))
     with pytest.raises(SpecSotError, match="--feature-layers .* the last being 2"):
         feature_layers(base, TrainConfig(feature_layers=layers))
-    assert feature_layers(base, TrainConfig()) == (2,)  # too few layers for low/middle/high
-    assert feature_layers(base, TrainConfig(feature_layers=(0, 1, 2))) == (0, 1, 2)
-    deep = ours_from_hf(tiny_hf("llama", num_hidden_layers=30))
-    assert feature_layers(deep, TrainConfig()) == (2, 15, 27, 30)  # what the shipped head reads
-    assert feature_layers(base, TrainConfig(feature_layers=(0, 1, 2))) == (0, 1, 2)
+
+
+def test_default_feature_layers_are_low_middle_high_and_final_where_the_base_has_enough():
+    layers = lambda n, given=None: feature_layers(SimpleNamespace(cfg=SimpleNamespace(num_layers=n)), TrainConfig(feature_layers=given))  # noqa: E731
+    assert layers(30) == (2, 15, 27, 30)  # what the shipped head reads
+    assert layers(2) == (2,)  # too few layers for low/middle/high: EAGLE-1
+    assert layers(2, (0, 1, 2)) == (0, 1, 2)
 
 
 @pytest.mark.slow
