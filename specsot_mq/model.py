@@ -73,16 +73,22 @@ class DecoderLayer(nn.Module):
         b, t, _ = x.shape
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.qkv(self.input_norm(x)).view(b, t, nh + 2 * nkv, d)
-        q, k, v = qkv.split([nh, nkv, nkv], dim=2)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k, v = qkv.split([nh, nkv, nkv], dim=2)
+            q, k = _rope(self.q_norm(q), cos, sin), _rope(self.k_norm(k), cos, sin)
+        else:  # q and k rotated in one go
+            qk, v = qkv.split([nh + nkv, nkv], dim=2)
+            q, k = _rope(qk, cos, sin).split([nh, nkv], dim=2)
         cache.write(layer, slots, starts, k.transpose(1, 2), v.transpose(1, 2))
         keys, values = cache.view(layer, slots, kv_len)
+        if keys.device.type == "cpu":
+            # A slot's keys are a strided view (the cache is longer than kv_len); a CPU bf16 matmul
+            # against that view is slower than copying it first and multiplying the copy.
+            keys = keys.contiguous()
 
         # Grouped-query attention as two matmuls: the q heads sharing one kv head become rows.
         g = cfg.q_per_kv
-        q = q.view(b, t, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, d)
+        q = q.reshape(b, t, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, d)
         scores = torch.matmul(q, keys.transpose(-1, -2))  # scale is folded into the q weights
         if bias is not None:
             scores = (scores.view(b, nkv, g, t, kv_len) + bias).view(b, nkv, g * t, kv_len)
