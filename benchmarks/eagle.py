@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tree", default=None, help="main tree NODESxDEPTHxTOPK (default: TreeParams())")
-    p.add_argument("--sweep", default="4x4x1,8x4x3,12x5x4,16x6x4", help="trees for the sweep table ('' = none)")
+    p.add_argument("--sweep", default="2x2x1,4x2x2,6x2x3,4x4x1,12x5x4", help="trees for the sweep table ('' = none)")
     p.add_argument("--compare-draft", default=None, help="a second head (.safetensors): the sweep runs it too")
     p.add_argument("--json-only", action="store_true")
     args = p.parse_args(argv)

@@ -34,7 +34,7 @@ from specsot_mq.kv_cache import KVCache
 from specsot_mq.layout import SlotLayout, new_layout
 from specsot_mq.model import LlamaModel
 from specsot_mq.sampling import Sampler
-from specsot_mq.tree import DraftTree, TreeSearch, grow_search, make_tree, select_nodes, start_search
+from specsot_mq.tree import DraftTree, TreeSearch, grow_search, make_tree, root_only, select_nodes, start_search
 from specsot_mq.verify import Acceptance, accept_greedy, accept_sampled
 
 
@@ -43,16 +43,17 @@ class TreeParams:
     """The shape of the draft trees.
 
     Defaults are what measures fastest on this 2-core CPU with the shipped head (`benchmarks/
-    eagle.py` sweep): a chain of 4 nodes (topk 1). A verify pass of up to ~16 tokens costs little
-    more than one token (the weights are read once either way), but the head's top-1 is right only
-    ~51% of the time, so wider trees (12x5x4: tau 1.83) gain fewer tokens than their draft and
-    verify time costs, while the chain (tau 1.57) pays for itself. A stronger head wants
-    `--num-draft-tokens 12 --draft-depth 5 --draft-topk 4`.
+    eagle.py --limit 8 --new-tokens 128 --sweep 4x2x2,3x2x2,2x2x1,6x2x3,5x2x3`, and the default
+    sweep for deeper trees): 4 nodes over 2 levels, 2 children each. The head's first guess is
+    right ~40% of the time on MT-bench and a second guess in a row far less often, so a depth-2
+    tree with a second candidate at each level gains more per draft forward than a deeper chain
+    or a wider tree, whose extra draft steps and verify rows cost more than they are accepted.
+    A stronger head wants `--num-draft-tokens 12 --draft-depth 5 --draft-topk 4`.
     """
 
     num_draft_tokens: int = 4  # tree nodes verified besides the root (--num-draft-tokens)
-    depth: int = 4  # deepest level of the tree (--draft-depth)
-    topk: int = 1  # children per expanded node and nodes expanded per level (--draft-topk)
+    depth: int = 2  # deepest level of the tree (--draft-depth)
+    topk: int = 2  # children per expanded node and nodes expanded per level (--draft-topk)
     # Tokens of one batched verify, all sequences together (the root is one per sequence; at
     # least one full tree, so a sequence decoding alone always gets its whole tree): with
     # many sequences (SoT branches, several requests) a CPU is compute-bound, so each tree shrinks
@@ -102,7 +103,8 @@ class SpecStats:
 
 @dataclass(slots=True)
 class DraftState:
-    """Where the draft stands for one running sequence between steps."""
+    """Where the draft stands for one running sequence between steps. While the sequence has
+    tokens the draft has not read yet (EagleDecoder.unread), logits and feature are stale."""
 
     root: int  # x_n: decided, not yet in either cache
     logits: torch.Tensor  # [Vd] draft logits at position n-1: the root's children
@@ -131,6 +133,10 @@ class EagleDecoder:
         room = (self.tree.depth + 1) * (self.tree.topk + 1)
         self.draft_cache = draft_cache or head.new_cache(cache.num_slots, cache.capacity + room)
         self.state: dict[int, DraftState] = {}  # running slot -> its draft state
+        # running slot -> (tokens, their base features) decided by steps that drafted nothing: the
+        # draft reads them only before it next drafts (see step), so a batch too large to draft
+        # for costs no draft-head forwards at all
+        self.unread: dict[int, list[tuple[list[int], torch.Tensor]]] = {}
         # slot -> F at its shared prefix's last position (kept after a drop: a later prompt with
         # the same prefix may copy it from that slot)
         self.prefix_feature: dict[int, torch.Tensor] = {}
@@ -181,26 +187,35 @@ class EagleDecoder:
         for row, (slot, root, x) in enumerate(zip(pre.slots, roots, tokens)):
             self.draft_cache.truncate(slot, d0 + len(x))
             self.state[slot] = DraftState(root, logits[row, len(x) - 1], hidden[row, len(x) - 1])
+            self.unread.pop(slot, None)
         self.stats.draft_seconds += time.perf_counter() - start
         return {slot: [root] for slot, root in zip(pre.slots, roots)}
 
     def step(self) -> dict[int, list[int]]:
         seqs = list(self.state)
         start = time.perf_counter()
-        trees = self.draft(seqs)
+        budget = self.budget(seqs)
+        if budget:
+            self.draft_extend(seqs)
+        trees = self.draft(seqs, budget)
         mid = time.perf_counter()
         logits, features = self.verify(seqs, trees)
         results = [self.accept(tree, logits[i, : tree.size]) for i, tree in enumerate(trees)]
         self.layout.commit(seqs, [[0] + res.nodes for res in results])  # the root and the accepted path
         end = time.perf_counter()
-        self.draft_extend(seqs, trees, results, features)
-        self.stats.draft_seconds += mid - start + time.perf_counter() - end
+        # What the step decided goes to the draft before its next tree (draft_extend), not now:
+        # while the batch is too large to draft for, the head is never run.
+        for i, (seq, res) in enumerate(zip(seqs, results)):
+            self.unread.setdefault(seq, []).append((res.tokens, features[i, [0] + res.nodes]))
+            self.state[seq].root = res.tokens[-1]
+        self.stats.draft_seconds += mid - start
         self.stats.verify_seconds += end - mid
         self._count(trees, results)
         return {seq: res.tokens for seq, res in zip(seqs, results)}
 
     def drop(self, seq: int) -> None:
         self.state.pop(seq, None)
+        self.unread.pop(seq, None)
         self.layout.drop(seq)
 
     def keep(self, slot: int, n: int) -> tuple:
@@ -217,20 +232,25 @@ class EagleDecoder:
 
     # -- the three phases of a step ------------------------------------------------------------
 
-    def draft(self, seqs: list[int]) -> list[DraftTree]:
-        """Grow one EAGLE-2 tree per sequence; the draft cache is left as it was."""
+    def budget(self, seqs: list[int]) -> int:
+        """Nodes each sequence's tree gets this step. Many sequences at once: each tree gets its
+        share of the verify budget (never less than one full tree), down to none (a plain step,
+        where batching alone keeps the device busy). Every row's tree must fit in the base cache:
+        near its end, trees get smaller."""
+        tp = self.tree
+        verify_budget = max(tp.max_batch_tokens, tp.num_draft_tokens + 1)
+        return max(0, min(tp.num_draft_tokens, verify_budget // len(seqs) - 1, self.layout.room(seqs) - 1))
+
+    def draft(self, seqs: list[int], budget: int) -> list[DraftTree]:
+        """Grow one EAGLE-2 tree of `budget` nodes per sequence (the draft must have read every
+        decided token: draft_extend); the draft cache is left as it was."""
         tp, head = self.tree, self.head
         dev = self.model.device
         states = [self.state[s] for s in seqs]
         lengths = [self.layout.length(s) for s in seqs]
+        if not budget:
+            return [root_only(st.root, n, dev) for st, n in zip(states, lengths)]
         gen = None if self.sampler.params.greedy else self.sampler.generator
-        # Every row's tree must fit in the base cache: near its end, trees get smaller and shallower.
-        room = self.layout.room(seqs) - 1
-        # Many sequences at once: each tree gets its share of the verify budget (never less than
-        # one full tree), down to none (a plain step, where batching alone keeps the device
-        # busy), and the draft goes no deeper than its nodes.
-        verify_budget = max(tp.max_batch_tokens, tp.num_draft_tokens + 1)
-        budget = max(0, min(tp.num_draft_tokens, verify_budget // len(seqs) - 1, room))
         logq, q = self._draft_dist(torch.stack([s.logits for s in states]))
         search = start_search(logq, tp.topk, gen)
         qs = [None if q is None else q[:, None]]  # draft distributions of the expanded nodes...
@@ -271,27 +291,33 @@ class EagleDecoder:
             return accept_greedy(tree, logits)
         return accept_sampled(tree, logits, self.sampler.probs, self.head.d2t, self.sampler.generator)
 
-    def draft_extend(
-        self, seqs: list[int], trees: list[DraftTree], results: list[Acceptance], features: torch.Tensor
-    ) -> None:
-        """Feed the accepted tokens (and the bonus) to the draft at the positions after its real
-        length, with the root's and accepted nodes' base features; the last output seeds the next tree."""
+    def draft_extend(self, seqs: list[int]) -> None:
+        """Feed the draft what the last steps decided (unread), each row in one forward: the
+        accepted tokens and bonus tokens at the positions after its real length, with the base
+        features of the root and accepted nodes they follow; the last output seeds the next tree."""
+        rows = [s for s in seqs if self.unread.get(s)]
+        if not rows:
+            return
         dev = self.model.device
-        t = max(len(r.tokens) for r in results)
-        tokens = torch.zeros(len(seqs), t, dtype=torch.long, device=dev)
-        feats = features.new_zeros(len(seqs), t, features.shape[-1])
-        positions = torch.zeros(len(seqs), t, dtype=torch.long, device=dev)
-        for i, (tree, res) in enumerate(zip(trees, results)):
-            k, n = len(res.tokens), int(tree.positions[0])
-            tokens[i, :k] = torch.tensor(res.tokens, device=dev)
-            feats[i, :k] = features[i, [0] + res.nodes]
+        chunks = [self.unread.pop(s) for s in rows]
+        toks = [[t for tokens, _ in chunk for t in tokens] for chunk in chunks]
+        t = max(map(len, toks))
+        tokens = torch.zeros(len(rows), t, dtype=torch.long, device=dev)
+        feats = chunks[0][0][1].new_zeros(len(rows), t, chunks[0][0][1].shape[-1])
+        positions = torch.zeros(len(rows), t, dtype=torch.long, device=dev)
+        starts = [self.draft_cache.lengths[s] for s in rows]
+        for i, (x, chunk, n) in enumerate(zip(toks, chunks, starts)):
+            k = len(x)
+            tokens[i, :k] = torch.tensor(x, device=dev)
+            feats[i, :k] = torch.cat([f for _, f in chunk])
             # Padding goes last, where causal rows never see it (and repeats the last position).
             positions[i] = torch.arange(n, n + t, device=dev).clamp(max=n + k - 1)
-        hidden, logits = self.head(tokens, feats, positions, self.draft_cache, slots=seqs)
-        for i, (seq, tree, res) in enumerate(zip(seqs, trees, results)):
-            k = len(res.tokens)
-            self.draft_cache.truncate(seq, int(tree.positions[0]) + k)
-            self.state[seq] = DraftState(res.tokens[-1], logits[i, k - 1], hidden[i, k - 1])
+        hidden, logits = self.head(tokens, feats, positions, self.draft_cache, slots=rows)
+        for i, (seq, x, n) in enumerate(zip(rows, toks, starts)):
+            k = len(x)
+            self.draft_cache.truncate(seq, n + k)
+            state = self.state[seq]
+            state.logits, state.feature = logits[i, k - 1], hidden[i, k - 1]
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -159,3 +159,15 @@ def make_tree(search: TreeSearch, row: int, kept: list[int], root_token: int, ro
     tokens = torch.cat([torch.tensor([root_token], device=dev), d2t[search.ids[row, kept_t]].to(dev)])
     depths = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), search.depths[row, kept_t]])
     return DraftTree(tokens, parents, depths, mask, root_position + depths, q)
+
+
+def root_only(root_token: int, root_position: int, device: torch.device | str = "cpu") -> DraftTree:
+    """A tree with nothing drafted: verifying it is a plain decoding step."""
+    return DraftTree(
+        tokens=torch.tensor([root_token], device=device),
+        parents=[-1],
+        depths=torch.zeros(1, dtype=torch.long, device=device),
+        mask=torch.ones(1, 1, dtype=torch.bool, device=device),
+        positions=torch.tensor([root_position], device=device),
+        q=None,
+    )

@@ -108,14 +108,15 @@ def test_sequences_decoded_together_equal_each_alone(base, kind):
 
 def test_trees_shrink_with_the_batch_down_to_plain_steps(base):
     """A verify budget of 6 tokens: one sequence drafts its whole tree of 5 nodes, two draft 2
-    each, four draft none (plain steps, the draft cache still kept in step); every output equals
-    plain decoding, and a sequence that later runs alone drafts again. A budget smaller than one
-    tree still lets one sequence draft the whole tree."""
+    each, four draft none (plain steps that never run the head); every output equals plain
+    decoding, and a sequence that later runs alone first reads what the plain steps decided, in
+    one head forward, then drafts and gets accepted again. A budget smaller than one tree still
+    lets one sequence draft the whole tree."""
     gen = Generator(base, CharTokenizer(), max_len=64)
     decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY), TreeParams(12, 5, 4, max_batch_tokens=6))
     with torch.inference_mode():
         decoder.prefill({0: [BOS, 5, 6, 7]})
-        assert decoder.draft([0])[0].size - 1 == 12
+        assert decoder.draft([0], decoder.budget([0]))[0].size - 1 == 12
     tree = TreeParams(num_draft_tokens=5, depth=5, topk=4, max_batch_tokens=6)
     for n, nodes in ((1, 5), (2, 2), (4, 0)):
         prompts = [[BOS, 5 + i, 6, 7] for i in range(n)]
@@ -123,13 +124,14 @@ def test_trees_shrink_with_the_batch_down_to_plain_steps(base):
         decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY), tree)
         with torch.inference_mode():
             decoder.prefill({i: p for i, p in enumerate(prompts)})
-            assert [t.size - 1 for t in decoder.draft(list(range(n)))] == [nodes] * n
+            assert [t.size - 1 for t in decoder.draft(list(range(n)), decoder.budget(list(range(n))))] == [nodes] * n
         decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY), tree)
         got = gen.generate_many(prompts, GREEDY, decoder=decoder)
         assert [c.token_ids for c in got] == [c.token_ids for c in gen.generate_many(prompts, GREEDY)]
     # Four sequences, one far longer: once it runs alone, its trees grow back and get accepted.
     gen = Generator(base, CharTokenizer(), max_len=80, num_slots=4)
-    decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY), tree)
+    head = CountingHead(base)
+    decoder = EagleDecoder(base, head, gen.cache, Sampler(GREEDY), tree)
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 4, 4, 4)]
     prompts = [[BOS, 5 + i, 6, 7] for i in range(4)]
     jobs = [Job(i, p, params[i]) for i, p in enumerate(prompts)]
@@ -138,6 +140,22 @@ def test_trees_shrink_with_the_batch_down_to_plain_steps(base):
         out.setdefault(key, []).extend(delta.token_ids)
     assert out[0] == gen.generate(prompts[0], params[0]).token_ids
     assert decoder.stats.accepted > 0
+    # The prefill's head pass, then no head forward while four ran; the next one reads every
+    # token they decided for the sequence left (one per plain step, at least the 3 of 4 tokens
+    # after the prefill's), then it drafts.
+    assert head.calls[0][0] == 4 and head.calls[1][0] == 1 and head.calls[1][1] >= 3
+
+
+class CountingHead(OracleHead):
+    """An OracleHead that records the [B, T] shape of every forward."""
+
+    def __init__(self, base):
+        super().__init__(base)
+        self.calls = []
+
+    def __call__(self, tokens, *args, **kwargs):
+        self.calls.append(tuple(tokens.shape))
+        return super().__call__(tokens, *args, **kwargs)
 
 
 def test_sequences_finishing_early_leave_the_batch(base):
@@ -180,7 +198,8 @@ def test_draft_cache_after_steps_equals_one_fresh_draft_pass(base, layers):
         for _ in range(4):
             ids += decoder.step()[0]
         n = len(ids) - 1  # the last token is the root: in neither cache
-        assert decoder.draft_cache.lengths[0] == n
+        decoder.draft_extend([0])  # the draft reads the last step's tokens before its next tree
+        assert decoder.draft_cache.lengths[0] == n and not decoder.unread
         layers = head.cfg.feature_layers
         out = base(torch.tensor([ids[:n]]), torch.arange(n)[None], base.new_cache(1, 64), hidden_layers=layers)
         fresh = head.new_cache(1, 64)
