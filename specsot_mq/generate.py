@@ -315,10 +315,15 @@ class Generator:
             decoder.drop(0)
         self.kept.append((ids, state))
 
-    def _kept_for(self, ids: list[int]) -> tuple[list[int], tuple] | None:
-        """The longest kept prefix that a prompt begins with (and is longer than)."""
-        fits = [(k, st) for k, st in self.kept if len(k) < len(ids) and ids[: len(k)] == k]
-        return max(fits, key=lambda kept: len(kept[0]), default=None)
+    def _by_kept(self, prompts: dict[int, list[int]]) -> dict[int, list[int]]:
+        """The slots of `prompts` that begin with a kept prefix (and are longer), grouped by the
+        longest such prefix: {index in self.kept: slots}."""
+        groups: dict[int, list[int]] = {}
+        for slot, ids in prompts.items():
+            fits = [i for i, (k, _) in enumerate(self.kept) if len(k) < len(ids) and ids[: len(k)] == k]
+            if fits:
+                groups.setdefault(max(fits, key=lambda i: len(self.kept[i][0])), []).append(slot)
+        return groups
 
     def stream_many(
         self,
@@ -390,11 +395,14 @@ class Generator:
                         running[slot] = (job, _Output(self.tokenizer, job.params, self.eos_ids))
                     shared = members[0].shared if group is not None else 0
                     prompts = {slot: job.ids for slot, job in zip(slots, members)}
-                    if not shared and self.kept:  # a prompt that begins with a kept prefix starts from it
-                        for slot, job in zip(slots, members):
-                            kept = self._kept_for(job.ids)
-                            if kept is not None and decoder.restore(slot, kept[1]):
-                                new.update(decoder.prefill({slot: prompts.pop(slot)}, len(kept[0]), prefix_from=slot))
+                    if not shared and self.kept:  # prompts that begin with a kept prefix start from it
+                        for i, starting in self._by_kept(prompts).items():
+                            # One slot gets the kept state; one prefill copies it to the others
+                            # and runs every prompt's own part in one forward.
+                            kept_ids, state = self.kept[i]
+                            if decoder.restore(starting[0], state):
+                                batch = {slot: prompts.pop(slot) for slot in starting}
+                                new.update(decoder.prefill(batch, len(kept_ids), prefix_from=starting[0]))
                     if prompts:
                         new.update(decoder.prefill(prompts, shared, prefix_from=src if shared else None))
                     if group is not None:

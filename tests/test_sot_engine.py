@@ -70,7 +70,8 @@ def test_the_skeleton_prompt_shows_its_examples_as_earlier_turns(tiny):
 @pytest.mark.parametrize("eagle", [False, True])
 def test_a_kept_prefix_gives_the_same_tokens_and_computes_only_the_rest(tiny, tiny_eagle, eagle, monkeypatch):
     """Generator.keep_prefix: a prompt that begins with the kept tokens starts from a copy of
-    their KV (and the draft head's) and computes only its own part, with the same output."""
+    their KV (and the draft head's) and computes only its own part, with the same output; two
+    such prompts admitted together compute their own parts in one forward."""
     base = tiny_eagle if eagle else tiny
     fresh = Generator(base.model, base.tokenizer, max_len=512, num_slots=2, draft=base.draft, tree=base.tree)
     fmt, params = load_format("sot"), SamplingParams(max_tokens=12, ignore_eos=True)
@@ -80,12 +81,15 @@ def test_a_kept_prefix_gives_the_same_tokens_and_computes_only_the_rest(tiny, ti
     assert 100 < len(head) < len(prompt) and prompt[: len(head)] == head == other[: len(head)]
     fresh.keep_prefix(head)
     widths, forward = [], type(base.model).forward
-    monkeypatch.setattr(type(base.model), "forward", lambda self, ids, *a, **k: widths.append(ids.shape[1]) or forward(self, ids, *a, **k))
+    monkeypatch.setattr(type(base.model), "forward", lambda self, ids, *a, **k: widths.append(tuple(ids.shape)) or forward(self, ids, *a, **k))
     assert [fresh.generate(p, params).token_ids for p in (prompt, other, [5, 6, 7])] == want
-    assert widths[0] == len(prompt) - len(head)  # the first forward: only what follows the kept part
+    assert widths[0] == (1, len(prompt) - len(head))  # the first forward: only what follows the kept part
     calls = len(widths)
     fresh.keep_prefix(head)  # kept already: no second computation
     assert len(fresh.kept) == 1 and len(widths) == calls
+    together = fresh.generate_many([prompt, other], params)
+    assert [c.token_ids for c in together] == want[:2]
+    assert widths[calls] == (2, max(len(prompt), len(other)) - len(head))  # both own parts, one forward
 
 
 def test_two_at_a_time_equals_all_at_once(tiny):
