@@ -108,6 +108,9 @@ def train_draft(
     feature_layers: Annotated[Optional[str], typer.Option(
         help="Base hidden states the head reads, the final one last, e.g. 2,15,27,30 for a 30-layer base "
              "(the default: low, middle, high and final, as EAGLE-3 picks them); 30 alone is EAGLE-1.")] = None,
+    feature_noise: Annotated[float, typer.Option(
+        help="Uniform noise on the features the head reads while training, relative to each layer's "
+             "RMS (EAGLE-1 uses 0.1 against overfitting); 0 = none.")] = 0.0,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = None,
 ):
@@ -123,11 +126,14 @@ def train_draft(
         layers = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None
     except ValueError:
         raise SpecSotError(f"--feature-layers {feature_layers!r}: give layer numbers separated by commas, e.g. 2,15,27,30") from None
+    if not 0 <= feature_noise < 1:
+        raise SpecSotError(f"--feature-noise {feature_noise}: give a fraction of the features' size from 0 (none) to below 1, e.g. 0.1")
     folder = resolve_model(model)
     name = folder.name
     dev = resolve_device(device)
     base = load_model(folder, dtype=resolve_dtype(dtype, dev), device=dev)
-    cfg = recipe.TrainConfig(questions=questions, epochs=epochs, draft_vocab=draft_vocab, feature_layers=layers)
+    cfg = recipe.TrainConfig(questions=questions, epochs=epochs, draft_vocab=draft_vocab, feature_layers=layers,
+                             feature_noise=feature_noise)
     recipe.feature_layers(base, cfg)  # a wrong list fails now, not after the data is written
     out_path = Path(out) if out else specsot_home() / "drafts" / f"{name}.safetensors"
     work = Path(work_dir) if work_dir else specsot_home() / "train" / name

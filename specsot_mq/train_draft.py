@@ -60,6 +60,10 @@ class TrainConfig:
     # the regression target). None: low, middle, high and final (2, L/2, L-3, L), as EAGLE-3
     # picks them, on bases of 8 layers or more; the final one alone (EAGLE-1) below that.
     feature_layers: tuple[int, ...] | None = None
+    # Uniform noise added to the features the head reads (not to its regression target) while
+    # training, U(-a, a) times each layer's RMS at that position: EAGLE-1's augmentation against
+    # the head learning exact training features (and a head's own, inexact, deeper predictions).
+    feature_noise: float = 0.0
     seed: int = 0
 
 
@@ -275,11 +279,11 @@ def unroll(head: DraftHead, tokens, feats, depths: int) -> list[tuple[torch.Tens
     return out
 
 
-def head_losses(head: DraftHead, tokens, feats, targets, generated, depths: int):
+def head_losses(head: DraftHead, tokens, feats, targets, generated, depths: int, noise: float = 0.0):
     """Per depth of `unroll`: (feature regression, cross-entropy, correct top-1 count, target
-    count), over the targets the base generated."""
+    count), over the targets the base generated. noise: TrainConfig.feature_noise."""
     results = []
-    for depth, (pred, logits) in enumerate(unroll(head, tokens, feats, depths), start=1):
+    for depth, (pred, logits) in enumerate(unroll(head, tokens, noisy(feats, head, noise), depths), start=1):
         t = pred.shape[1]
         valid = generated[:, depth + 1 : depth + 1 + t]
         target = feats[:, depth : depth + t, -pred.shape[-1] :]  # the last layer's feature
@@ -291,6 +295,15 @@ def head_losses(head: DraftHead, tokens, feats, targets, generated, depths: int)
         correct = (logits[ok].argmax(-1) == tgt[ok]).sum()
         results.append((reg, ce, correct, ok.sum()))
     return results
+
+
+def noisy(feats: torch.Tensor, head: DraftHead, noise: float) -> torch.Tensor:
+    """feats [B, T, F*H] plus U(-noise, noise) times each layer's RMS at each position."""
+    if not noise:
+        return feats
+    parts = feats.unflatten(-1, (len(head.cfg.feature_layers), -1))
+    rms = parts.pow(2).mean(-1, keepdim=True).sqrt()
+    return (parts + (torch.rand_like(parts) * 2 - 1) * noise * rms).flatten(-2)
 
 
 def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> tuple[DraftHead, dict]:
@@ -341,7 +354,7 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
             sums = torch.zeros(4)
             for idx in _batches(train, cfg.tokens_per_batch, rng):
                 tokens, feats, targets, mask = _pad(train, idx, t2d)
-                res = head_losses(head, tokens, feats, targets, mask, cfg.depths)
+                res = head_losses(head, tokens, feats, targets, mask, cfg.depths, cfg.feature_noise)
                 if not res:
                     continue
                 loss = sum(cfg.depth_decay**d * (reg + cfg.ce_weight * ce) for d, (reg, ce, _, _) in enumerate(res))

@@ -20,6 +20,7 @@ def specsot(*args, stdin=None):
         (["ask", "  "], "the question is empty"),
         (["pull", "no-such-model"], "unknown model 'no-such-model'"),
         (["train-draft", "--feature-layers", "2,x"], "--feature-layers '2,x': give layer numbers"),
+        (["train-draft", "--feature-noise", "2"], "--feature-noise 2.0: give a fraction"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(args, message):

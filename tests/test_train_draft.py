@@ -13,7 +13,7 @@ from conftest import ours_from_hf, tiny_hf
 from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.loader import load_model
 from specsot_mq.errors import SpecSotError
-from specsot_mq.train_draft import TrainConfig, _pad, feature_layers, generate_data, head_losses, unroll
+from specsot_mq.train_draft import TrainConfig, _pad, feature_layers, generate_data, head_losses, noisy, unroll
 
 
 def test_losses_target_the_next_feature_and_the_token_after_it():
@@ -29,6 +29,8 @@ def test_losses_target_the_next_feature_and_the_token_after_it():
     assert generated[0].tolist() == [False] * 3 + [True] * 5
 
     class Perfect(torch.nn.Module):
+        cfg = SimpleNamespace(feature_layers=(1, 2))
+
         def __call__(self, tok, feat, pos, cache, mask):
             cache.reserve([0], tok.shape[1])
             t = tok.shape[1]
@@ -41,6 +43,20 @@ def test_losses_target_the_next_feature_and_the_token_after_it():
     # 5 anchors (8 - 2 - 1); depth 1 targets x[2..6], of which x[3..6] were generated
     assert first[0].item() == 0 and first[2] == first[3] == 4
     assert second[0].item() == 0 and second[2] == second[3] == 5  # x[3..7]
+    # Training noise goes into what the head reads, never into its regression target.
+    noised = head_losses(Perfect(), tokens, f, targets, generated, depths=2, noise=0.3)
+    assert [r[0].item() for r in noised] == [0, 0]
+
+
+def test_feature_noise_is_uniform_within_its_fraction_of_each_layers_rms():
+    head = SimpleNamespace(cfg=SimpleNamespace(feature_layers=(1, 2)))
+    torch.manual_seed(0)
+    feats = torch.cat([torch.randn(2, 9, 4) * 100, torch.randn(2, 9, 4) * 0.01], -1)  # two layers' scales
+    assert noisy(feats, head, 0.0) is feats
+    diff = (noisy(feats, head, 0.1) - feats).unflatten(-1, (2, 4))
+    rms = feats.unflatten(-1, (2, 4)).pow(2).mean(-1, keepdim=True).sqrt()
+    ratio = diff / rms
+    assert ratio.abs().max() <= 0.1 and ratio.abs().max() > 0.09 and ratio.mean().abs() < 0.02
 
 
 @pytest.mark.parametrize("layers", [None, (0, 1, 2)])
