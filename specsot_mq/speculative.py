@@ -115,6 +115,8 @@ class EagleDecoder:
     """Speculative decoding with an EAGLE head; sequence i uses slot i of the draft cache, and of
     the base cache in the batching layout."""
 
+    unread_limit = 64  # steps a decision may wait for the draft (bounds the features kept for it)
+
     def __init__(
         self,
         model: LlamaModel,
@@ -195,7 +197,7 @@ class EagleDecoder:
         seqs = list(self.state)
         start = time.perf_counter()
         budget = self.budget(seqs)
-        if budget:
+        if budget or any(len(u) >= self.unread_limit for u in self.unread.values()):
             self.draft_extend(seqs)
         trees = self.draft(seqs, budget)
         mid = time.perf_counter()

@@ -146,6 +146,19 @@ def test_trees_shrink_with_the_batch_down_to_plain_steps(base):
     assert head.calls[0][0] == 4 and head.calls[1][0] == 1 and head.calls[1][1] >= 3
 
 
+def test_steps_that_draft_nothing_let_the_draft_read_at_most_unread_limit_steps_late(base):
+    gen = Generator(base, CharTokenizer(), max_len=64, num_slots=4)
+    head = CountingHead(base)
+    decoder = EagleDecoder(base, head, gen.cache, Sampler(GREEDY), TreeParams(5, 5, 4, max_batch_tokens=6))
+    decoder.unread_limit = 3
+    prompts = [[BOS, 5 + i, 6, 7] for i in range(4)]  # four at once: no tree fits the budget
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    got = gen.generate_many(prompts, params, decoder=decoder)
+    assert [c.token_ids for c in got] == [c.token_ids for c in gen.generate_many(prompts, params)]
+    # The prefill's pass, then every third step one forward reads the three steps' tokens.
+    assert head.calls == [(4, 4)] + [(4, 3)] * 3
+
+
 class CountingHead(OracleHead):
     """An OracleHead that records the [B, T] shape of every forward."""
 
