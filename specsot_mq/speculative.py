@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from specsot_mq.draft import DraftHead
 from specsot_mq.errors import SpecSotError
@@ -302,21 +303,18 @@ class EagleDecoder:
             return
         dev = self.model.device
         chunks = [self.unread.pop(s) for s in rows]
-        toks = [[t for tokens, _ in chunk for t in tokens] for chunk in chunks]
-        t = max(map(len, toks))
-        tokens = torch.zeros(len(rows), t, dtype=torch.long, device=dev)
-        feats = chunks[0][0][1].new_zeros(len(rows), t, chunks[0][0][1].shape[-1])
-        positions = torch.zeros(len(rows), t, dtype=torch.long, device=dev)
+        ids = [torch.tensor([x for tokens, _ in chunk for x in tokens], device=dev) for chunk in chunks]
+        lens = [len(x) for x in ids]
         starts = [self.draft_cache.lengths[s] for s in rows]
-        for i, (x, chunk, n) in enumerate(zip(toks, chunks, starts)):
-            k = len(x)
-            tokens[i, :k] = torch.tensor(x, device=dev)
-            feats[i, :k] = torch.cat([f for _, f in chunk])
-            # Padding goes last, where causal rows never see it (and repeats the last position).
-            positions[i] = torch.arange(n, n + t, device=dev).clamp(max=n + k - 1)
+        t = max(lens)
+        # Rows right-padded: padding goes last, where causal rows never see it (and repeats the
+        # last position).
+        tokens = pad_sequence(ids, batch_first=True)
+        feats = pad_sequence([torch.cat([f for _, f in chunk]) for chunk in chunks], batch_first=True)
+        positions = torch.stack([torch.arange(n, n + t, device=dev).clamp(max=n + k - 1)
+                                 for n, k in zip(starts, lens)])  # fmt: skip
         hidden, logits = self.head(tokens, feats, positions, self.draft_cache, slots=rows)
-        for i, (seq, x, n) in enumerate(zip(rows, toks, starts)):
-            k = len(x)
+        for i, (seq, k, n) in enumerate(zip(rows, lens, starts)):
             self.draft_cache.truncate(seq, n + k)
             state = self.state[seq]
             state.logits, state.feature = logits[i, k - 1], hidden[i, k - 1]
