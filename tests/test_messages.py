@@ -1,6 +1,8 @@
 """The wire codec: every message kind round-trips, tensors of every shape and dtype travel as their
 own frames (bf16, empty, non-contiguous, scalar), and malformed frames are a WireError, never a crash."""
 
+import itertools
+
 import msgpack
 import pytest
 import torch
@@ -20,6 +22,7 @@ TENSORS = {
     "bool": torch.tensor([True, False, True]),
     "fp16 3d": torch.randn(2, 3, 4).half(),
 }
+ENDPOINTS = (f"inproc://codec-test-{n}" for n in itertools.count())  # closing unbinds asynchronously: never reuse one
 
 
 def round_trip(msg, over_zmq=False):
@@ -27,8 +30,9 @@ def round_trip(msg, over_zmq=False):
     if over_zmq:  # through real sockets, with zero-copy sends and receives
         ctx = zmq.Context.instance()
         a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-        a.bind("inproc://codec-test")
-        b.connect("inproc://codec-test")
+        endpoint = next(ENDPOINTS)
+        a.bind(endpoint)
+        b.connect(endpoint)
         a.send_multipart(frames, copy=False)
         frames = b.recv_multipart(copy=False)
         a.close(), b.close()
