@@ -77,6 +77,10 @@ class Decoder(Protocol):
 
     def drop(self, slot: int) -> None: ...
 
+    def room(self, seqs: list[int]) -> int:
+        """Cache entries each of `seqs` can still append (a step needs at least one)."""
+        ...
+
     def keep(self, slot: int, n: int) -> tuple:
         """What restore() needs to start later sequences from the first n tokens of `slot` (a
         just-prefilled shared prefix of n tokens)."""
@@ -114,6 +118,9 @@ class PlainDecoder:
     def drop(self, seq: int) -> None:
         self.last.pop(seq, None)
         self.layout.drop(seq)
+
+    def room(self, seqs: list[int]) -> int:
+        return self.layout.room(seqs)
 
     def keep(self, slot: int, n: int) -> tuple:
         return (self.layout.cache.snapshot(slot, n),)
@@ -259,6 +266,12 @@ class _Output:
                 break
         return Delta("".join(texts), accepted, finish, hit)
 
+    def end(self, reason: str) -> Delta:
+        """End without another token: the text held back (an incomplete character, a possible
+        stop string's beginning) is released."""
+        text, hit = self.stop.feed(self.detok.flush(), final=True)
+        return Delta(text, [], "stop" if hit else reason, hit)
+
 
 class Generator:
     """A model, its tokenizer and one KV cache allocated up front; generates one request at a time."""
@@ -360,7 +373,8 @@ class Generator:
         jobs (room: free sequences); it ends when nothing runs and admit gives nothing. Jobs may
         come from different callers (a serving stage admits points of several requests into one
         running batch). Yields (job key, Delta); a job's last delta has finish_reason set
-        ("abort" when `cancelled(key)` turned true while it ran)."""
+        ("abort" when `cancelled(key)` turned true while it ran; "length" also when its cache slot
+        is full)."""
         width = min(max_parallel or decoder.max_sequences, decoder.max_sequences)
         free = list(range(width - 1, -1, -1))  # a stack: slot 0 first
         running: dict[int, tuple[Job, _Output]] = {}
@@ -377,6 +391,13 @@ class Generator:
                 for slot in [s for s, (job, _) in running.items() if cancelled(job.key)]:
                     yield running[slot][0].key, Delta("", [], "abort")
                     self._end(decoder, running, free, slot)
+            # A sequence whose cache has no room for its next token ends as at its max tokens.
+            full = [s for s in running if decoder.room([s]) < 1]
+            if running and not full and decoder.room(list(running)) < 1:
+                full = list(running)  # one cache slot shared by all of them (bim) is full
+            for slot in full:
+                yield running[slot][0].key, running[slot][1].end("length")
+                self._end(decoder, running, free, slot)
             jobs = admit(len(free)) if free else []
             if not running and not jobs:
                 return

@@ -221,6 +221,9 @@ class EagleDecoder:
         self.unread.pop(seq, None)
         self.layout.drop(seq)
 
+    def room(self, seqs: list[int]) -> int:
+        return self.layout.room(seqs)
+
     def keep(self, slot: int, n: int) -> tuple:
         """The base KV of n tokens, the draft's of n - 1 (see prefill) and the feature at n - 1."""
         return self.layout.cache.snapshot(slot, n), self.draft_cache.snapshot(slot, n - 1), self.prefix_feature[slot]

@@ -11,7 +11,7 @@ from test_generate import CharTokenizer
 from test_tree import chi_square_p
 from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import Generator, Job
+from specsot_mq.generate import Generator, Job, PlainDecoder
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.sampling import Sampler, SamplingParams
 from specsot_mq.speculative import EagleDecoder, TreeParams
@@ -427,3 +427,33 @@ def test_jobs_of_several_prefix_groups_joining_a_running_batch_equal_plain_decod
         if key != "x":
             assert got[key] == gen.generate(job.ids, job.params).token_ids, key
     assert finish["x"] == "abort" and 0 < len(got["x"]) < 30
+
+
+@pytest.mark.parametrize("kind", ["plain", "random", "oracle"])
+def test_a_full_cache_slot_ends_its_output_with_length_after_the_tokens_that_fit(base, kind):
+    """Outputs longer than their cache slot has room for end with finish "length" once the slot
+    is full (prompt + output - 1 entries: the last token is never fed), with the tokens decoding
+    with room to spare gives; each slot by its own room."""
+    prompts = [[BOS, 5, 6, 7, 8], [BOS, 12]]
+    want = [Generator(base, CharTokenizer(), max_len=128).generate(p, GREEDY).token_ids for p in prompts]
+    gen = Generator(base, CharTokenizer(), max_len=24, num_slots=2)
+    decoder = (PlainDecoder(base, gen.cache, Sampler(GREEDY)) if kind == "plain"
+               else EagleDecoder(base, heads(base)[kind], gen.cache, Sampler(GREEDY), TREE))  # fmt: skip
+    done = gen.generate_many(prompts, GREEDY, decoder=decoder)
+    for c, p, w in zip(done, prompts, want):
+        assert c.finish_reason == "length" and c.token_ids == w[: 24 - len(p) + 1]
+
+
+@pytest.mark.parametrize("kind", ["plain", "oracle"])
+def test_a_full_bim_slot_ends_every_branch_in_it_with_length(base, kind):
+    prefix = [BOS, 7, 7, 8]
+    prompts = [prefix + [1], prefix + [2, 3]]
+    want = [Generator(base, CharTokenizer(), max_len=128).generate(p, GREEDY).token_ids for p in prompts]
+    gen = Generator(base, CharTokenizer(), max_len=40, num_slots=2)
+    decoder = (PlainDecoder(base, gen.cache, Sampler(GREEDY), layout="bim") if kind == "plain"
+               else EagleDecoder(base, heads(base)[kind], gen.cache, Sampler(GREEDY), TREE, layout="bim"))  # fmt: skip
+    done = gen.generate_many(prompts, GREEDY, decoder=decoder, shared=len(prefix))
+    for c, w in zip(done, want):
+        assert c.finish_reason == "length" and 1 < len(c.token_ids) < len(w) and c.token_ids == w[: len(c.token_ids)]
+    # the slot holds the prefix, both suffixes and every fed token, and nothing more fits two branches
+    assert gen.cache.lengths[0] == len(prefix) + 1 + 2 + sum(len(c.token_ids) - 1 for c in done) >= 40 - 1
