@@ -30,12 +30,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import Generator
+from specsot_mq.generate import Generator, Job
 from specsot_mq.model import LlamaModel
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.speculative import TreeParams
-from specsot_mq.sot.parser import parse_skeleton
+from specsot_mq.sot.engine import SoTConfig, point_params, point_prompts, skeleton_params
 from specsot_mq.tokenizer import chat_prompt_ids
 
 console = Console(stderr=True)
@@ -48,6 +48,7 @@ class TrainConfig:
     answer_tokens: int = 192
     skeleton_tokens: int = 96
     point_tokens: int = 64
+    points: int = 2  # point expansions written per skeleton
     draft_vocab: int = 8192
     epochs: int = 5
     lr: float = 1e-3
@@ -85,13 +86,39 @@ def _magpie_prefix(tokenizer) -> list[int]:
 
 
 def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
-    """Rows {kind, prompt, output} (token ids). Appends to `path`; resumes where it stopped."""
+    """Rows {kind, question, prompt, output} (token ids). Appends to `path`; resumes where it
+    stopped. SoT rows carry the prompt format's stamp: rows written with another format (the
+    prompts changed since) are written again from their questions, keeping the answers."""
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     tok = gen.tokenizer
     fmt = load_format("sot")
+    stamp = format_stamp(fmt)
+    current = [r for r in rows if r["kind"] == "answer" or r.get("format") == stamp]
+    if len(current) < len(rows):
+        console.print(f"{len(rows) - len(current)} SoT rows were written with another prompt format: writing them again")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in current))
+        tmp.rename(path)
+        rows = current
+    gen.keep_prefix(fmt.skeleton_head(tok))  # the instructions and worked examples, once
     questions = [r["question"] for r in rows if r["kind"] == "answer"]
     done_answers = len(questions)
     with _progress() as bar, path.open("a") as out:
+
+        def save(new: list[dict]) -> None:
+            for r in new:
+                out.write(json.dumps(r) + "\n")
+            out.flush()
+            rows.extend(new)
+
+        planned = {r["question"] for r in rows if r["kind"] == "skeleton"}
+        missing = [q for q in dict.fromkeys(questions) if q not in planned]
+        if missing:
+            task = bar.add_task("SoT rows for answered questions", total=len(missing), info="")
+            for i in range(0, len(missing), 4 * cfg.batch):
+                chunk = missing[i : i + 4 * cfg.batch]
+                save(_sot_rows(chunk, fmt, stamp, gen, cfg))
+                bar.advance(task, len(chunk))
         task = bar.add_task("self-written data", total=cfg.questions, info="")
         bar.update(task, completed=done_answers)
         prefix = _magpie_prefix(tok)
@@ -102,40 +129,59 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
             ask = SamplingParams(max_tokens=64, temperature=1.0, top_p=0.95, seed=seed)
             qs = [c.text.strip() for c in gen.generate_many([prefix] * n, ask)]
             qs = [q for q in qs if len(q) > 10] or ["Give me some advice for learning to cook."]
-            batch_rows = _rows_for(qs, fmt, gen, cfg)
-            for r in batch_rows:
-                out.write(json.dumps(r) + "\n")
-            out.flush()
-            rows.extend(batch_rows)
+            answers = _decode(gen, [Job(i, chat_prompt_ids(tok, q), SamplingParams(max_tokens=cfg.answer_tokens))
+                                    for i, q in enumerate(qs)])  # fmt: skip
+            save([{"kind": "answer", "question": q, "prompt": chat_prompt_ids(tok, q), "output": answers[i]}
+                  for i, q in enumerate(qs)])  # fmt: skip
+            save(_sot_rows(qs, fmt, stamp, gen, cfg))
             done_answers += len(qs)
             tokens = sum(len(r["output"]) for r in rows)
             bar.update(task, completed=min(done_answers, cfg.questions), info=f"{tokens} tokens")
     return rows
 
 
-def _rows_for(qs: list[str], fmt, gen: Generator, cfg: TrainConfig) -> list[dict]:
-    """Greedy answers, skeletons and up to two point expansions per skeleton, for a batch of
-    questions: the three kinds of text the head will draft."""
+def format_stamp(fmt) -> str:
+    """A short fingerprint of a prompt format's templates."""
+    return hashlib.sha1(repr(fmt).encode()).hexdigest()[:12]
+
+
+def _sot_rows(qs: list[str], fmt, stamp: str, gen: Generator, cfg: TrainConfig) -> list[dict]:
+    """Skeletons of the questions and up to `cfg.points` of each one's point expansions, decoded as
+    the SoT engine decodes them (its prompts, stops and length caps, each question's points sharing
+    their prefix): the text the head will draft in those phases."""
     tok = gen.tokenizer
-    rows = []
-
-    def run(kind, prompts, max_tokens, questions):
-        for i in range(0, len(prompts), cfg.batch):
-            chunk = prompts[i : i + cfg.batch]
-            for p, d, q in zip(chunk, gen.generate_many(chunk, SamplingParams(max_tokens=max_tokens)), questions[i:]):
-                rows.append({"kind": kind, "question": q, "prompt": p, "output": d.token_ids})
-
-    run("answer", [chat_prompt_ids(tok, q) for q in qs], cfg.answer_tokens, qs)
-    run("skeleton", [fmt.skeleton_ids(tok, q) for q in qs], cfg.skeleton_tokens, qs)
-    point_prompts, point_qs = [], []
-    for row in rows[-len(qs) :]:
-        skeleton = fmt.skeleton_prefix + tok.decode(row["output"], skip_special_tokens=True)
-        for point in parse_skeleton(skeleton).points[:2]:
-            index, title = point.index, point.title
-            point_prompts.append(fmt.point_ids(tok, row["question"], skeleton, index, title))
-            point_qs.append(row["question"])
-    run("point", point_prompts, cfg.point_tokens, point_qs)
+    sot = SoTConfig()
+    sk_params = skeleton_params(sot, SamplingParams(max_tokens=cfg.skeleton_tokens))
+    sk_prompts = [fmt.skeleton_ids(tok, q) for q in qs]
+    skeletons = _decode(gen, [Job(i, p, sk_params) for i, p in enumerate(sk_prompts)])
+    rows, jobs = [], []
+    for i, q in enumerate(qs):
+        rows.append({"kind": "skeleton", "format": stamp, "question": q, "prompt": sk_prompts[i], "output": skeletons[i]})
+        plan = fmt.plan(fmt.skeleton_prefix + tok.decode(skeletons[i], skip_special_tokens=True), sot.max_points)
+        if plan.kind != "plan":
+            continue
+        prefix, suffixes = point_prompts(tok, fmt, q, plan)
+        params = point_params(sot, SamplingParams(max_tokens=cfg.point_tokens), plan)
+        jobs += [Job((i, p.index), prefix + suffixes[p.index], params, len(prefix), group=i) for p in plan.points[: cfg.points]]
+    outputs = _decode(gen, jobs)
+    rows += [{"kind": "point", "format": stamp, "question": qs[job.key[0]], "prompt": job.ids, "output": outputs[job.key]}
+             for job in jobs]  # fmt: skip
     return rows
+
+
+def _decode(gen: Generator, jobs: list[Job]) -> dict:
+    """Greedy outputs of the jobs by key, decoded as many at a time as the generator has slots."""
+    out = {job.key: [] for job in jobs}
+    waiting = list(jobs)
+
+    def admit(room: int) -> list[Job]:
+        taken = waiting[:room]
+        del waiting[:room]
+        return taken
+
+    for key, delta in gen.run(admit, gen.new_decoder(SamplingParams())):
+        out[key] += delta.token_ids
+    return out
 
 
 # -- 2. features -----------------------------------------------------------------------------

@@ -136,3 +136,33 @@ def test_data_generation_resumes_where_it_stopped(tmp_path, default_model_dir):
     assert parts.read_text() == whole.read_text()
     asked = [json.loads(line)["question"] for line in whole.read_text().splitlines()]
     assert len(set(asked)) == 4  # four different questions
+
+
+@pytest.mark.slow
+def test_sot_rows_of_another_prompt_format_are_written_again_and_the_answers_kept(tmp_path, default_model_dir):
+    """Data written before the SoT prompts changed: its skeleton and point rows (unstamped, or
+    stamped with another format) are replaced by rows decoded with today's prompts, as a fresh
+    run writes them; the answers stay as they were."""
+    from specsot_mq.generate import Generator
+    from specsot_mq.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir)
+    gen = Generator(ours_from_hf(tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=1024)), tok,
+                    max_len=1024, num_slots=2)  # fmt: skip
+    cfg = TrainConfig(questions=2, batch=2, answer_tokens=6, skeleton_tokens=6, point_tokens=4)
+    path = tmp_path / "data.jsonl"
+    generate_data(gen, cfg, path)
+    fresh = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r["kind"] for r in fresh} >= {"answer", "skeleton"}
+    old = []
+    for r in fresh:
+        if r["kind"] == "answer":
+            old.append({**r, "output": r["output"][:3]})  # kept as written, whatever it holds
+        else:
+            old.append({k: v for k, v in r.items() if k != "format"} | {"output": [5, 6]})
+    old.append({**old[-1], "format": "0ld"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    rows = generate_data(gen, cfg, path)
+    expected = [r for r in old if r["kind"] == "answer"] + [r for r in fresh if r["kind"] != "answer"]
+    assert rows == expected
+    assert [json.loads(line) for line in path.read_text().splitlines()] == expected
