@@ -29,6 +29,8 @@ class Linear(nn.Linear):
 
     def prepack(self) -> None:
         w = self.weight.detach()
+        if w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return  # no oneDNN bf16 kernels on this CPU (AVX2 only): F.linear it is
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
