@@ -111,6 +111,11 @@ def train_draft(
     feature_noise: Annotated[float, typer.Option(
         help="Uniform noise on the features the head reads while training, relative to each layer's "
              "RMS (EAGLE-1 uses 0.1 against overfitting); 0 = none.")] = 0.0,
+    init: Annotated[Optional[str], typer.Option(
+        help="Fine-tune this saved head (keeping its draft vocabulary and feature layers) instead of "
+             "starting from the base's last layer.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the self-written questions: another seed, other questions.")] = 0,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay after 50 warm-up steps).")] = 1e-3,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = None,
 ):
@@ -126,6 +131,8 @@ def train_draft(
         layers = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None
     except ValueError:
         raise SpecSotError(f"--feature-layers {feature_layers!r}: give layer numbers separated by commas, e.g. 2,15,27,30") from None
+    if not 0 < lr < 1:
+        raise SpecSotError(f"--lr {lr}: give a learning rate above 0 and below 1, e.g. 1e-3 (3e-4 to fine-tune)")
     if not 0 <= feature_noise < 1:
         raise SpecSotError(f"--feature-noise {feature_noise}: give a fraction of the features' size from 0 (none) to below 1, e.g. 0.1")
     folder = resolve_model(model)
@@ -133,7 +140,7 @@ def train_draft(
     dev = resolve_device(device)
     base = load_model(folder, dtype=resolve_dtype(dtype, dev), device=dev)
     cfg = recipe.TrainConfig(questions=questions, epochs=epochs, draft_vocab=draft_vocab, feature_layers=layers,
-                             feature_noise=feature_noise)
+                             feature_noise=feature_noise, seed=seed, lr=lr, init=init)
     recipe.feature_layers(base, cfg)  # a wrong list fails now, not after the data is written
     out_path = Path(out) if out else specsot_home() / "drafts" / f"{name}.safetensors"
     work = Path(work_dir) if work_dir else specsot_home() / "train" / name

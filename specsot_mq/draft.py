@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specsot_mq.config import ModelConfig
@@ -49,6 +49,15 @@ class DraftConfig:
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)})
+
+    @classmethod
+    def read(cls, path: str | Path) -> "DraftConfig":
+        """The config of a saved head, without its weights."""
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return cls.from_json((f.metadata() or {}).get("config", "{}"))
+        except (OSError, ValueError, json.JSONDecodeError) as e:
+            raise SpecSotError(f"draft head {path} cannot be read ({e}): pass --draft none or retrain it") from None
 
     @classmethod
     def from_json(cls, text: str) -> "DraftConfig":
@@ -155,13 +164,8 @@ class DraftHead(nn.Module):
     @classmethod
     def load(cls, path: str | Path, base: LlamaModel) -> "DraftHead":
         """A saved head, attached to `base`, in the base's dtype and device."""
-        path = Path(path)
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                cfg = DraftConfig.from_json((f.metadata() or {}).get("config", "{}"))
-                state = {k: f.get_tensor(k) for k in f.keys()}
-        except (OSError, ValueError, json.JSONDecodeError) as e:
-            raise SpecSotError(f"draft head {path} cannot be read ({e}): pass --draft none or retrain it") from None
+        cfg = DraftConfig.read(path)
+        state = load_file(str(path))
         with torch.device("meta"):
             head = cls(cfg)
         head.load_state_dict(state, strict=False, assign=True)

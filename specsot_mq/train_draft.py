@@ -65,7 +65,10 @@ class TrainConfig:
     # training, U(-a, a) times each layer's RMS at that position: EAGLE-1's augmentation against
     # the head learning exact training features (and a head's own, inexact, deeper predictions).
     feature_noise: float = 0.0
-    seed: int = 0
+    seed: int = 0  # the self-written questions and the training order; another seed, other questions
+    # A saved head to start from (fine-tuning: its draft vocabulary and feature layers are kept)
+    # instead of the base's last layer.
+    init: str | None = None
 
 
 def _progress() -> Progress:
@@ -356,20 +359,25 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
     """Train on `train` samples (resuming from this recipe's checkpoint in `work`); score on `evals`."""
     torch.manual_seed(cfg.seed)
     layers = feature_layers(base, cfg)
-    d2t = draft_vocabulary(train, cfg.draft_vocab, base.cfg.eos_token_ids)
+    if cfg.init:
+        saved = DraftHead.load(cfg.init, base)
+        head = DraftHead(replace(saved.cfg, training=None))
+        head.load_state_dict(saved.state_dict(), strict=False)
+        d2t = head.d2t
+    else:
+        d2t = draft_vocabulary(train, cfg.draft_vocab, base.cfg.eos_token_ids)
+        head = DraftHead(DraftConfig.for_base(base.cfg, len(d2t), layers))
+        head.d2t.copy_(d2t)
+        # Start the layer from the base's last layer: same shapes, a better start than noise.
+        head.layer.load_state_dict(base.layers[-1].state_dict())
+        if head.fuse is not None:  # start from the last layer alone, as an EAGLE-1 head reads it
+            h = base.cfg.hidden_size
+            torch.nn.init.zeros_(head.fuse.weight)
+            head.fuse.weight.data[:, -h:] = torch.eye(h)
     t2d = torch.full((base.cfg.vocab_size,), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(len(d2t))
     generated = sum(len(s[0]) - s[2] for s in train)
     covered = sum((t2d[s[0][s[2] :]] >= 0).sum().item() for s in train)
-    dcfg = DraftConfig.for_base(base.cfg, len(d2t), layers)
-    head = DraftHead(dcfg)
-    head.d2t.copy_(d2t)
-    # Start the layer from the base's last layer: same shapes, a better start than noise.
-    head.layer.load_state_dict(base.layers[-1].state_dict())
-    if head.fuse is not None:  # start from the last layer alone, as an EAGLE-1 head reads it
-        h = base.cfg.hidden_size
-        torch.nn.init.zeros_(head.fuse.weight)
-        head.fuse.weight.data[:, -h:] = torch.eye(h)
     head.float().attach(_float_view(base))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -385,7 +393,7 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
         start_epoch = state["epoch"]
         console.print(f"resuming from {ckpt} after epoch {start_epoch}")
     steps_per_epoch = len(_batches(train, cfg.tokens_per_batch, random.Random(0)))
-    total = steps_per_epoch * cfg.epochs
+    total = max(1, steps_per_epoch * cfg.epochs)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
     )
@@ -432,6 +440,14 @@ def evaluate_head(head: DraftHead, samples, t2d, depths: int) -> dict:
 
 def feature_layers(base: LlamaModel, cfg: TrainConfig) -> tuple[int, ...]:
     n = base.cfg.num_layers
+    if cfg.init:  # a head to fine-tune reads what it was trained on
+        kept = DraftConfig.read(cfg.init).feature_layers
+        if cfg.feature_layers and tuple(cfg.feature_layers) != kept:
+            raise SpecSotError(
+                f"--feature-layers {','.join(map(str, cfg.feature_layers))}: the head to start from ({cfg.init}) "
+                f"reads {','.join(map(str, kept))}; leave the option out or start from no head"
+            )
+        return kept
     layers = tuple(cfg.feature_layers or ((2, n // 2, n - 3, n) if n >= 8 else (n,)))
     if layers[-1] != n or any(not 0 <= i <= n for i in layers) or len(set(layers)) != len(layers):
         raise SpecSotError(

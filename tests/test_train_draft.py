@@ -166,3 +166,32 @@ def test_sot_rows_of_another_prompt_format_are_written_again_and_the_answers_kep
     expected = [r for r in old if r["kind"] == "answer"] + [r for r in fresh if r["kind"] != "answer"]
     assert rows == expected
     assert [json.loads(line) for line in path.read_text().splitlines()] == expected
+
+
+def test_fine_tuning_starts_from_the_saved_head_and_keeps_its_vocabulary_and_layers(tmp_path):
+    """`--init`: zero epochs give back the saved head's weights exactly; an epoch moves them; the
+    draft vocabulary and feature layers stay the saved head's, and asking for other layers fails."""
+    from specsot_mq.train_draft import train_head
+
+    base = ours_from_hf(tiny_hf("llama"))
+    torch.manual_seed(0)
+    h = base.cfg.hidden_size
+    samples = [(torch.randint(0, base.cfg.vocab_size, (24,)), torch.randn(24, 3 * h), 4) for _ in range(6)]
+    cfg = TrainConfig(epochs=1, draft_vocab=40, feature_layers=(0, 1, 2), tokens_per_batch=64)
+    head, _ = train_head(base, samples, samples[:2], cfg, tmp_path)
+    saved = tmp_path / "head.safetensors"
+    head.save(saved)
+    # a differently drawn vocabulary would come out of other samples: the saved one must be kept
+    others = [(torch.randint(0, 20, (24,)), torch.randn(24, 3 * h), 4) for _ in range(6)]
+    tuned = TrainConfig(epochs=0, init=str(saved), tokens_per_batch=64)
+    assert feature_layers(base, tuned) == (0, 1, 2)
+    same, _ = train_head(base, others, others[:2], tuned, tmp_path)
+    stored = DraftHead.load(saved, ours_from_hf(tiny_hf("llama")).float())
+    assert torch.equal(same.d2t, stored.d2t)
+    for name, value in stored.state_dict().items():
+        assert torch.equal(same.state_dict()[name].to(value.dtype), value), name
+    moved, _ = train_head(base, others, others[:2], TrainConfig(epochs=1, init=str(saved), tokens_per_batch=64), tmp_path)
+    assert torch.equal(moved.d2t, stored.d2t)
+    assert not torch.equal(moved.fc.weight.bfloat16(), stored.fc.weight.bfloat16())
+    with pytest.raises(SpecSotError, match="reads 0,1,2"):
+        feature_layers(base, TrainConfig(init=str(saved), feature_layers=(1, 2)))
