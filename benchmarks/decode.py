@@ -5,7 +5,7 @@ dtype and thread count, with EOS ignored so every run makes exactly --new-tokens
 decode speed the same way, (new_tokens - 1) / (time after the first token), so prefill never mixes in.
 The physical limit is memory bandwidth (measured here, now) over the weight bytes read per token.
 
-    python benchmarks/decode.py [--limit 3] [--new-tokens 128] [--dtype bf16|fp32] [--threads N] [--runs 3]
+    python benchmarks/decode.py [--limit 3] [--new-tokens 128] [--dtype auto|bf16|fp32] [--threads N] [--runs 3]
 
 The last stdout line is one JSON object: ours_tok_s, hf_tok_s, ratio, limit_tok_s and the conditions.
 """
@@ -202,7 +202,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--questions", type=Path, default=None, help="MT-bench JSONL ('turns') or JSONL with 'question'")
     p.add_argument("--limit", type=int, default=3, help="number of prompts")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="auto: bf16 where the CPU has native bf16 (AVX-512 BF16/AMX), else fp32")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--runs", type=int, default=3, help="repeat the whole set; medians are reported")
     p.add_argument("--json-only", action="store_true", help="print only the final JSON line")
@@ -218,6 +219,7 @@ def main(argv=None) -> dict:
     out = Console(quiet=args.json_only, soft_wrap=True)  # long lines stay whole in logs and pipes
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what auto chose, for the tables
     prompts, source = load_prompts(args.questions, args.limit)
     n = args.new_tokens
 

@@ -1,7 +1,7 @@
 """What the reduced draft vocabulary buys: one draft-head step with the full output layer against
 reduced ones, side by side in one run, at the row counts a draft tree uses.
 
-    python benchmarks/draft_head.py [--dtype bf16|fp32] [--vocab 49152,16384,8192,4096] [--rows 1,4,16]
+    python benchmarks/draft_head.py [--dtype auto|bf16|fp32] [--vocab 49152,16384,8192,4096] [--rows 1,4,16]
 
 The head is random (its speed does not depend on its weights); the base model supplies the shapes
 and the output-layer rows. The last stdout line is one JSON object.
@@ -43,11 +43,14 @@ def step_ms(head: DraftHead, rows: int, repeats: int = 30) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="auto: bf16 where the CPU has native bf16 (AVX-512 BF16/AMX), else fp32")
     p.add_argument("--vocab", default="49152,16384,8192,4096")
     p.add_argument("--rows", default="1,4,16")
     args = p.parse_args()
-    base = load_model(resolve_model(args.model), dtype=resolve_dtype(args.dtype, torch.device("cpu")))
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what auto chose, for the tables
+    base = load_model(resolve_model(args.model), dtype=dtype)
     vocabs = [min(int(v), base.cfg.vocab_size) for v in args.vocab.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
     results = {}

@@ -6,7 +6,7 @@ with the default tree. Reports decode tokens/s of each, the mean acceptance leng
 (= 1 + accepted / verify steps, vLLM's definition), acceptance per tree depth, the time split between
 drafting and verifying, and a sweep over tree shapes as a table.
 
-    python benchmarks/eagle.py [--limit 5] [--new-tokens 256] [--dtype bf16|fp32] [--sweep 8x4x3,12x5x4]
+    python benchmarks/eagle.py [--limit 5] [--new-tokens 256] [--dtype auto|bf16|fp32] [--sweep 8x4x3,12x5x4]
                                [--compare-draft PATH]   # the sweep runs a second head too, side by side
 
 The last stdout line is one JSON object with at least tau, eagle_vs_hf and eagle_vs_plain.
@@ -59,7 +59,8 @@ def main(argv=None) -> dict:
     p.add_argument("--questions", type=Path, default=None)
     p.add_argument("--limit", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="auto: bf16 where the CPU has native bf16 (AVX-512 BF16/AMX), else fp32")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tree", default=None, help="main tree NODESxDEPTHxTOPK (default: TreeParams())")
     p.add_argument("--sweep", default="2x2x1,4x2x2,6x2x3,4x4x1,12x5x4", help="trees for the sweep table ('' = none)")
@@ -69,6 +70,7 @@ def main(argv=None) -> dict:
     out = Console(quiet=args.json_only, soft_wrap=True)
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what auto chose, for the tables
     prompts, source = load_prompts(args.questions, args.limit)
     main_tree = parse_tree(args.tree) if args.tree else TreeParams()
     sweep = [parse_tree(t) for t in args.sweep.split(",") if t.strip()]

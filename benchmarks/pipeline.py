@@ -40,7 +40,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--draft", default="auto")
-    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--questions", type=Path, default=None)
     p.add_argument("--limit", type=int, default=16, help="questions per measurement (few leave a long tail with several clients)")
     p.add_argument("--max-tokens", type=int, default=64, help="cap on every phase (skeleton, each point, direct)")

@@ -12,7 +12,7 @@ ends it when its last N tokens already ran earlier in it; --repeat-stop 0 turns 
 writes a PNG plot (with matplotlib, if installed) and ends with one JSON line holding the medians
 of the speedups over all questions and over those routed to SoT.
 
-    python benchmarks/sot.py [--limit 8] [--per-category N] [--max-tokens 256] [--dtype bf16|fp32] [--plot out.png]
+    python benchmarks/sot.py [--limit 8] [--per-category N] [--max-tokens 256] [--dtype auto|bf16|fp32] [--plot out.png]
         [--layout batching|bim] [--prompt-format sot|plan] [--engines hf,specsot] [--repeat-stop 16]
 """
 
@@ -52,7 +52,8 @@ def main(argv=None) -> dict:
     p.add_argument("--per-category", type=int, default=0,
                    help="at most N questions of each category (MT-bench: --limit 16 --per-category 2 spans all 8)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="auto: bf16 where the CPU has native bf16 (AVX-512 BF16/AMX), else fp32")
     p.add_argument("--max-parallel", type=int, default=8)
     p.add_argument("--sot", default="auto", help="routing for the SoT engines: auto, always, never")
     p.add_argument("--layout", default="batching", help="the points' cache layout: batching or bim")
@@ -68,6 +69,7 @@ def main(argv=None) -> dict:
         p.error(f"--engines: unknown {', '.join(sorted(unknown))}; choose from {','.join(ENGINES)}")
     out = Console(quiet=args.json_only, soft_wrap=True)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what auto chose, for the tables
     questions, source = load_prompts(args.questions, args.limit, args.per_category)
 
     folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype)
@@ -80,6 +82,8 @@ def main(argv=None) -> dict:
     hf = load_transformers(folder, dtype)
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    phases: dict[str, list] = {}  # SpecSoT's phase stats over the questions: name -> [PhaseStats]
 
     def run(engine: str, question: str) -> tuple[float, int, str]:
         """(seconds to the complete answer, tokens generated, mode)."""
@@ -95,6 +99,9 @@ def main(argv=None) -> dict:
             done = eagle_gen.generate(question, params)
             return time.perf_counter() - start, len(done.token_ids), "direct"
         final = (sot if engine == "sot" else specsot).generate(question, params)
+        if engine == "specsot" and question != WARM_UP:
+            for name, stats in final.phases.items():
+                phases.setdefault(name, []).append(stats)
         return time.perf_counter() - start, final.tokens, final.mode
 
     out.print(
@@ -107,7 +114,7 @@ def main(argv=None) -> dict:
                   console=Console(stderr=True), transient=True, disable=args.json_only) as bar:  # fmt: skip
         task = bar.add_task("warm-up", total=1 + len(questions) * len(engines))
         for engine in engines:
-            run(engine, "Say hello.")
+            run(engine, WARM_UP)
         bar.advance(task)
         for i, q in enumerate(questions):
             row = {"question": q[:60], "routed_sot": route(q, args.sot).use_sot}
@@ -149,9 +156,32 @@ def main(argv=None) -> dict:
     for engine in [e for e in ("eagle", "sot", "specsot") if e in engines]:
         summary.add_row(engine, str(result[f"{engine}_vs_hf"]), str(result[f"{engine}_vs_hf_sot_routed"]))
     out.print(summary)
+    if phases:
+        result["specsot_phases"] = phase_table(phases, out)
     _plot(rows, engines, args.plot, out)
     print(json.dumps(result), flush=True)
     return result
+
+
+WARM_UP = "Say hello."
+
+
+def phase_table(phases: dict[str, list], out: Console) -> dict:
+    """SpecSoT's time per phase over all questions: seconds, tokens, tokens/s and tau (mean tokens
+    per verify step over all of the phase's steps); printed as a table, returned for the JSON line."""
+    table = Table(title="where SpecSoT's time goes (all questions)")
+    for col in ("phase", "questions", "seconds", "tokens", "tok/s", "tau"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    summary = {}
+    for name, stats in phases.items():
+        seconds, tokens = sum(p.seconds for p in stats), sum(p.tokens for p in stats)
+        steps = sum(p.steps for p in stats if p.tau)
+        tau = round(sum(p.tau * p.steps for p in stats if p.tau) / steps, 3) if steps else None
+        summary[name] = {"questions": len(stats), "seconds": round(seconds, 2), "tokens": tokens, "tau": tau}
+        table.add_row(name, str(len(stats)), f"{seconds:.1f}", str(tokens), f"{tokens / seconds:.1f}" if seconds else "-",
+                      "-" if tau is None else f"{tau:.2f}")  # fmt: skip
+    out.print(table)
+    return summary
 
 
 class LoopStop:

@@ -67,6 +67,7 @@ class PhaseStats:
     tokens: int = 0
     seconds: float = 0.0
     tau: float | None = None  # mean tokens per verify step, when decoded with EAGLE
+    steps: int = 0  # sequence-steps verified (each running point counts once per step)
 
 
 @dataclass(slots=True)
@@ -207,6 +208,7 @@ class SoTEngine:
         stats.seconds += time.perf_counter() - began
         spec = getattr(decoder, "stats", None)
         stats.tau = spec.tau if spec is not None and spec.steps else None
+        stats.steps = spec.steps if spec is not None else 0
 
     def generate(self, question: str, params: SamplingParams | None = None,
                  on_event: Callable[[Event], None] | None = None) -> Final:  # fmt: skip
