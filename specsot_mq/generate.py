@@ -302,6 +302,14 @@ class Generator:
             return list(prompt)
         return chat_prompt_ids(self.tokenizer, prompt)
 
+    def check_prompt(self, ids: list[int]) -> None:
+        """Raise a SpecSotError naming the fix when a prompt cannot fit in a cache slot."""
+        if len(ids) > self.cache.capacity:
+            raise SpecSotError(
+                f"the prompt is {len(ids)} tokens and the KV cache holds {self.cache.capacity} per sequence: "
+                "shorten the prompt or raise the cache length (--max-len)"
+            )
+
     def new_decoder(self, params: SamplingParams, layout: str = "batching") -> Decoder:
         """The decoder for one call: EAGLE when the generator has a draft head, else plain; layout
         "batching" (a cache slot per sequence) or "bim" (all in one slot, see layout.py)."""
@@ -401,6 +409,8 @@ class Generator:
             jobs = admit(len(free)) if free else []
             if not running and not jobs:
                 return
+            for job in jobs:  # before any state changes (a serving caller checks them as it admits)
+                self.check_prompt(job.ids)
             # Grad mode is per thread and astream() may run each step in a different worker
             # thread, so inference mode is entered around each model call, not around the loop.
             with torch.inference_mode():

@@ -78,7 +78,7 @@ class DeviceWorker:
                 pending[:] = [job for job in pending if job.key[0] not in self.cancelled]
                 taken = pending[:room]
                 del pending[:room]
-                return taken
+                return [job for job in taken if self._fits(job)]
 
             if not pending:
                 continue
@@ -96,6 +96,17 @@ class DeviceWorker:
                 log.exception("decoding failed")
                 for job_key in active | {job.key for job in pending}:
                     self.loop.call_soon_threadsafe(self.on_error, job_key, f"{type(exc).__name__}: {exc}")
+
+    def _fits(self, job: Job) -> bool:
+        """A prompt too long for the cache fails its request alone (the running batch goes on);
+        the request's other jobs stop too."""
+        try:
+            self.gen.check_prompt(job.ids)
+            return True
+        except SpecSotError as exc:
+            self.cancel(job.key[0])
+            self.loop.call_soon_threadsafe(self.on_error, job.key, str(exc))
+            return False
 
     @staticmethod
     def _tracking(admit, active: set):

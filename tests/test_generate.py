@@ -113,8 +113,47 @@ def test_seeded_sampling_is_reproducible_and_differs_from_greedy(gen):
 
 def test_prompt_longer_than_the_cache_is_a_clear_error():
     g = Generator(ours_from_hf(tiny_hf("llama")), CharTokenizer(), max_len=8)
-    with pytest.raises(SpecSotError, match="do not fit"):
+    with pytest.raises(SpecSotError, match=r"the prompt is 9 tokens and the KV cache holds 8 .*--max-len"):
         g.generate(list(range(1, 10)))
+
+
+def test_a_serving_worker_fails_only_the_request_whose_prompt_is_too_long():
+    """Three requests in one running batch: the one whose prompt cannot fit fails with the message
+    (its other job stops too); the others finish as if it had never come."""
+    from specsot_mq.generate import Job
+    from specsot_mq.stages.worker import DeviceWorker
+
+    g = Generator(ours_from_hf(tiny_hf("llama")), CharTokenizer(), max_len=32, num_slots=4)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    alone = {tuple(p): g.generate(p, params).token_ids for p in ([1, 2, 3], [4, 5, 6, 7])}
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        tokens, finish, errors, done = {}, {}, {}, asyncio.Event()
+
+        def emit(key, delta):
+            tokens.setdefault(key, []).extend(delta.token_ids)
+            if delta.finish_reason:
+                finish[key] = delta.finish_reason
+            if {("a", 0), ("c", 0)} <= finish.keys() and errors:
+                done.set()
+
+        def on_error(key, error):
+            errors[key] = error
+
+        worker = DeviceWorker(g, emit, loop, on_error)
+        worker.submit([Job(("a", 0), [1, 2, 3], params)], "greedy")
+        worker.submit([Job(("b", 0), list(range(1, 40)), params), Job(("b", 1), [1, 2], params)], "greedy")
+        worker.submit([Job(("c", 0), [4, 5, 6, 7], params)], "greedy")
+        await asyncio.wait_for(done.wait(), 60)
+        worker.close()
+        return tokens, finish, errors
+
+    tokens, finish, errors = asyncio.run(scenario())
+    assert list(errors) == [("b", 0)] and "the prompt is 39 tokens" in errors[("b", 0)] and "--max-len" in errors[("b", 0)]
+    assert tokens[("a", 0)] == alone[(1, 2, 3)] and tokens[("c", 0)] == alone[(4, 5, 6, 7)]
+    assert finish[("a", 0)] == finish[("c", 0)] == "length"
+    assert finish.get(("b", 1), "abort") == "abort"  # the failed request's other job never ran to its end
 
 
 # ---- the sampler ------------------------------------------------------------------------
