@@ -35,7 +35,7 @@ from specsot_mq.model import LlamaModel
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.speculative import TreeParams
-from specsot_mq.sot.engine import SoTConfig, point_params, point_prompts, skeleton_params
+from specsot_mq.sot.engine import SoTConfig, finished_lines, point_params, point_prompts, skeleton_params
 from specsot_mq.tokenizer import chat_prompt_ids
 
 console = Console(stderr=True)
@@ -156,11 +156,13 @@ def _sot_rows(qs: list[str], fmt, stamp: str, gen: Generator, cfg: TrainConfig) 
     sot = SoTConfig()
     sk_params = skeleton_params(sot, SamplingParams(max_tokens=cfg.skeleton_tokens))
     sk_prompts = [fmt.skeleton_ids(tok, q) for q in qs]
-    skeletons = _decode(gen, [Job(i, p, sk_params) for i, p in enumerate(sk_prompts)])
+    finish: dict = {}
+    skeletons = _decode(gen, [Job(i, p, sk_params) for i, p in enumerate(sk_prompts)], finish)
     rows, jobs = [], []
     for i, q in enumerate(qs):
         rows.append({"kind": "skeleton", "format": stamp, "question": q, "prompt": sk_prompts[i], "output": skeletons[i]})
-        plan = fmt.plan(fmt.skeleton_prefix + tok.decode(skeletons[i], skip_special_tokens=True), sot.max_points)
+        skeleton = fmt.skeleton_prefix + tok.decode(skeletons[i], skip_special_tokens=True)
+        plan = fmt.plan(finished_lines(skeleton, finish[i]), sot.max_points)  # as the engine parses it
         if plan.kind != "plan":
             continue
         prefix, suffixes = point_prompts(tok, fmt, q, plan)
@@ -172,8 +174,9 @@ def _sot_rows(qs: list[str], fmt, stamp: str, gen: Generator, cfg: TrainConfig) 
     return rows
 
 
-def _decode(gen: Generator, jobs: list[Job]) -> dict:
-    """Greedy outputs of the jobs by key, decoded as many at a time as the generator has slots."""
+def _decode(gen: Generator, jobs: list[Job], finish: dict | None = None) -> dict:
+    """Greedy outputs of the jobs by key, decoded as many at a time as the generator has slots;
+    `finish` gets each job's finish reason."""
     out = {job.key: [] for job in jobs}
     waiting = list(jobs)
 
@@ -184,6 +187,8 @@ def _decode(gen: Generator, jobs: list[Job]) -> dict:
 
     for key, delta in gen.run(admit, gen.new_decoder(SamplingParams())):
         out[key] += delta.token_ids
+        if finish is not None and delta.finish_reason:
+            finish[key] = delta.finish_reason
     return out
 
 
