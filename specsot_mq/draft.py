@@ -142,7 +142,7 @@ class DraftHead(nn.Module):
         slots = list(range(b)) if slots is None else list(slots)
         starts = cache.reserve(slots, t)
         kv_len = max(starts) + t
-        bias = attention_bias(mask, starts, t, kv_len, None, self.dtype, self.device)
+        bias = attention_bias(mask, starts, t, kv_len, None, self.layer.cfg.q_per_kv, self.dtype, self.device)
         cos = self.rope_cos[positions].unsqueeze(2).to(self.dtype)
         sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)
         features = features.to(self.dtype)

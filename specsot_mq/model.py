@@ -5,7 +5,8 @@ appended at each slot's length) and an optional boolean attention mask, and retu
 asked, hidden states of chosen layers. Per-step inputs are arguments, never state on the module.
 
 Speed on CPU comes from: q/k/v and gate/up fused into one matmul each, the attention scale folded
-into the q projection, attention as two matmuls (torch's SDPA is slow batched in bf16 on CPU),
+into the q projection, torch's fused attention reading the cache in place (in bf16 1.2-2.5x faster
+than attention as two matmuls at the shapes decoding uses; `benchmarks/attention.py`),
 and, after `prepack()`, weights reordered once for oneDNN.
 """
 
@@ -82,20 +83,14 @@ class DecoderLayer(nn.Module):
             qk, v = qkv.split([nh + nkv, nkv], dim=2)
             q, k = _rope(qk, cos, sin).split([nh, nkv], dim=2)
         cache.write(layer, slots, starts, k.transpose(1, 2), v.transpose(1, 2))
-        keys, values = cache.view(layer, slots, kv_len)
-        if keys.device.type == "cpu":
-            # A slot's keys are a strided view (the cache is longer than kv_len); a CPU bf16 matmul
-            # against that view is slower than copying it first and multiplying the copy.
-            keys = keys.contiguous()
-
-        # Grouped-query attention as two matmuls: the q heads sharing one kv head become rows.
+        keys, values = cache.view(layer, slots, kv_len)  # [B, kv_heads, K, D], strided views
+        # Fused attention reading the cache views in place, with the q heads that share a kv head
+        # laid out as rows of one head (no repeated keys; faster than torch's own grouped-query
+        # path on CPU, see benchmarks/attention.py). The scale is folded into the q weights.
         g = cfg.q_per_kv
         q = q.reshape(b, t, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, d)
-        scores = torch.matmul(q, keys.transpose(-1, -2))  # scale is folded into the q weights
-        if bias is not None:
-            scores = (scores.view(b, nkv, g, t, kv_len) + bias).view(b, nkv, g * t, kv_len)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        attn = torch.matmul(probs, values).view(b, nkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, nh * d)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)
+        attn = attn.view(b, nkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, nh * d)
         x = x + self.o(attn)
 
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
@@ -181,7 +176,8 @@ class LlamaModel(nn.Module):
         slots = list(range(b)) if slots is None else list(slots)
         starts = cache.reserve(slots, t)
         kv_len = max(starts) + t
-        bias = attention_bias(mask, starts, t, kv_len, self.cfg.sliding_window, self.dtype, self.device)
+        cfg = self.cfg
+        bias = attention_bias(mask, starts, t, kv_len, cfg.sliding_window, cfg.q_per_kv, self.dtype, self.device)
         cos = self.rope_cos[positions].unsqueeze(2).to(self.dtype)
         sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)
 
@@ -204,8 +200,9 @@ class LlamaModel(nn.Module):
         return ForwardOutput(self.lm_head(x), [saved[i] for i in hidden_layers])
 
 
-def attention_bias(mask, starts, t, kv_len, window, dtype, device) -> torch.Tensor | None:
-    """Additive attention bias [B, 1, 1, T, K] (0 or -inf), built once per forward for all layers.
+def attention_bias(mask, starts, t, kv_len, window, groups, dtype, device) -> torch.Tensor | None:
+    """Additive attention bias [B, 1, groups * T, K] (0 or -inf), built once per forward for all
+    layers: the rows of one kv head's query group (`groups` q heads x T tokens) repeat the T rows.
 
     mask: None (causal, within the sliding window if any), [B, T, T] over the new tokens (each row
     also sees its whole cached prefix), or [B, T, K] over every cache entry. See LlamaModel.forward.
@@ -229,4 +226,4 @@ def attention_bias(mask, starts, t, kv_len, window, dtype, device) -> torch.Tens
     else:
         raise ValueError(f"mask must be [B, T, T] = {[b, t, t]} or [B, T, K] = {[b, t, kv_len]}, got {list(mask.shape)}")
     bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-    return bias[:, None, None]
+    return bias.repeat(1, groups, 1)[:, None]
