@@ -13,7 +13,7 @@ writes a PNG plot (with matplotlib, if installed) and ends with one JSON line ho
 of the speedups over all questions and over those routed to SoT.
 
     python benchmarks/sot.py [--limit 8] [--per-category N] [--max-tokens 256] [--dtype auto|bf16|fp32] [--plot out.png]
-        [--layout batching|bim] [--prompt-format sot|plan] [--engines hf,specsot] [--repeat-stop 16]
+        [--layout batching|bim] [--prompt-format sot|plan] [--engines hf,specsot] [--repeat-stop 16] [--verify-budget 8]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from specsot_mq.generate import Generator, LoopWatch  # noqa: E402
 from specsot_mq.loader import resolve_dtype  # noqa: E402
 from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
 from specsot_mq.sot.engine import SoTConfig, SoTEngine  # noqa: E402
+from specsot_mq.speculative import TreeParams  # noqa: E402
 from specsot_mq.sot.router import route  # noqa: E402
 from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
 
@@ -62,6 +63,8 @@ def main(argv=None) -> dict:
     p.add_argument("--repeat-stop", type=int, default=REPEAT_STOP,
                    help="end an output at its first repeated run of N tokens (a loop), in every engine; 0 = off")
     p.add_argument("--plot", type=Path, default=Path("benchmarks/out/sot.png"))
+    p.add_argument("--verify-budget", type=int, default=TreeParams().max_batch_tokens,
+                   help="tokens of one batched verify, all sequences together (TreeParams.max_batch_tokens)")
     p.add_argument("--json-only", action="store_true")
     args = p.parse_args(argv)
     engines = ["hf", *(e for e in ENGINES[1:] if e in args.engines.split(","))]
@@ -75,7 +78,8 @@ def main(argv=None) -> dict:
     folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype)
     max_len = 2048
     plain_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel)
-    eagle_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel, draft=head)
+    eagle_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel, draft=head,
+                          tree=TreeParams(max_batch_tokens=args.verify_budget))  # fmt: skip
     config = SoTConfig(sot=args.sot, prompt_format=args.prompt_format, max_parallel=args.max_parallel,
                        layout=args.layout)  # fmt: skip
     sot, specsot = SoTEngine(plain_gen, config), SoTEngine(eagle_gen, config)
@@ -107,7 +111,8 @@ def main(argv=None) -> dict:
     out.print(
         f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | {len(questions)} questions ({source}) "
         f"| max tokens {args.max_tokens} per phase | draft {draft_path.name} | max parallel {args.max_parallel} "
-        f"| layout {args.layout} | prompt format {args.prompt_format} | repeat stop {args.repeat_stop}"
+        f"| layout {args.layout} | prompt format {args.prompt_format} | repeat stop {args.repeat_stop} "
+        f"| verify budget {args.verify_budget}"
     )
     rows = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -146,7 +151,7 @@ def main(argv=None) -> dict:
         result[f"{engine}_vs_hf_sot_routed"] = median_speedup(engine, planned)
     result.update(questions=len(rows), sot_routed=len(planned), dtype=args.dtype, max_tokens=args.max_tokens,
                   threads=torch.get_num_threads(), draft=draft_path.name, layout=args.layout,
-                  prompt_format=args.prompt_format, repeat_stop=args.repeat_stop,
+                  prompt_format=args.prompt_format, repeat_stop=args.repeat_stop, verify_budget=args.verify_budget,
                   per_question=[{"question": r["question"], "mode": mode(r),
                                  **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]} for e in engines}} for r in rows])  # fmt: skip
     summary = Table(title="median speedup over transformers generate")
