@@ -47,8 +47,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The fused kernel accumulates in fp32 for bf16 input, as the reference implementation does.
-        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        # The reference implementation's formula, roundings included (fp32 inside, the weight applied
+        # after rounding to the input dtype), so bf16 runs round as transformers does. torch's fused
+        # F.rms_norm rounds once; after it the shipped head accepted less in bf16 (README, speed).
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 @dataclass(slots=True)
