@@ -189,6 +189,18 @@ def run_hf(model, ids: list[int], new_tokens: int, pad_id: int) -> Sample:
     return Sample(out[0, len(ids) :].tolist(), clock.first_at - start, end - clock.first_at)
 
 
+def add_dtype_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="auto: bf16 where the CPU has native bf16 (AVX-512 BF16/AMX), else fp32")
+
+
+def chosen_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The dtype --dtype names on this CPU; args.dtype becomes what auto chose, for the tables."""
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
+    return dtype
+
+
 def same_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -202,8 +214,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--questions", type=Path, default=None, help="MT-bench JSONL ('turns') or JSONL with 'question'")
     p.add_argument("--limit", type=int, default=3, help="number of prompts")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="auto: bf16 where the CPU has native bf16 (AVX-512 BF16/AMX), else fp32")
+    add_dtype_option(p)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--runs", type=int, default=3, help="repeat the whole set; medians are reported")
     p.add_argument("--json-only", action="store_true", help="print only the final JSON line")
@@ -218,8 +229,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Console(quiet=args.json_only, soft_wrap=True)  # long lines stay whole in logs and pipes
     torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what auto chose, for the tables
+    dtype = chosen_dtype(args)
     prompts, source = load_prompts(args.questions, args.limit)
     n = args.new_tokens
 

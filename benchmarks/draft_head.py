@@ -12,15 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from specsot_mq.draft import DraftConfig, DraftHead
-from specsot_mq.loader import load_model, resolve_dtype
-from specsot_mq.pull import resolve_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import add_dtype_option, chosen_dtype  # noqa: E402  (a sibling script)
+
+from specsot_mq.draft import DraftConfig, DraftHead  # noqa: E402
+from specsot_mq.loader import load_model  # noqa: E402
+from specsot_mq.pull import resolve_model  # noqa: E402
 
 
 def step_ms(head: DraftHead, rows: int, repeats: int = 30) -> float:
@@ -43,13 +48,11 @@ def step_ms(head: DraftHead, rows: int, repeats: int = 30) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="auto: bf16 where the CPU has native bf16 (AVX-512 BF16/AMX), else fp32")
+    add_dtype_option(p)
     p.add_argument("--vocab", default="49152,16384,8192,4096")
     p.add_argument("--rows", default="1,4,16")
     args = p.parse_args()
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what auto chose, for the tables
+    dtype = chosen_dtype(args)
     base = load_model(resolve_model(args.model), dtype=dtype)
     vocabs = [min(int(v), base.cfg.vocab_size) for v in args.vocab.split(",")]
     rows = [int(r) for r in args.rows.split(",")]

@@ -25,12 +25,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import cpu_name, load_prompts, load_transformers, load_with_draft, run_hf, same_prefix, run_script  # noqa: E402  (a sibling script)
+from decode import (add_dtype_option, chosen_dtype, cpu_name, load_prompts, load_transformers,  # noqa: E402  (a sibling script)
+                    load_with_draft, run_hf, run_script, same_prefix)
 
 from specsot_mq.draft import DraftHead  # noqa: E402
 from specsot_mq.errors import SpecSotError  # noqa: E402
 from specsot_mq.generate import Generator  # noqa: E402
-from specsot_mq.loader import resolve_draft, resolve_dtype  # noqa: E402
+from specsot_mq.loader import resolve_draft  # noqa: E402
 from specsot_mq.sampling import SamplingParams  # noqa: E402
 from specsot_mq.speculative import TreeParams  # noqa: E402
 from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
@@ -59,8 +60,7 @@ def main(argv=None) -> dict:
     p.add_argument("--questions", type=Path, default=None)
     p.add_argument("--limit", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="auto: bf16 where the CPU has native bf16 (AVX-512 BF16/AMX), else fp32")
+    add_dtype_option(p)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tree", default=None, help="main tree NODESxDEPTHxTOPK (default: TreeParams())")
     p.add_argument("--sweep", default="2x2x1,4x2x2,6x2x3,4x4x1,12x5x4", help="trees for the sweep table ('' = none)")
@@ -69,8 +69,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     out = Console(quiet=args.json_only, soft_wrap=True)
     torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what auto chose, for the tables
+    dtype = chosen_dtype(args)
     prompts, source = load_prompts(args.questions, args.limit)
     main_tree = parse_tree(args.tree) if args.tree else TreeParams()
     sweep = [parse_tree(t) for t in args.sweep.split(",") if t.strip()]

@@ -31,10 +31,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import cpu_name, load_prompts, load_transformers, load_with_draft, run_script  # noqa: E402  (a sibling script)
+from decode import (add_dtype_option, chosen_dtype, cpu_name, load_prompts, load_transformers,  # noqa: E402  (a sibling script)
+                    load_with_draft, run_script)
 
 from specsot_mq.generate import Generator, LoopWatch  # noqa: E402
-from specsot_mq.loader import resolve_dtype  # noqa: E402
 from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
 from specsot_mq.sot.engine import SoTConfig, SoTEngine  # noqa: E402
 from specsot_mq.speculative import TreeParams  # noqa: E402
@@ -53,8 +53,7 @@ def main(argv=None) -> dict:
     p.add_argument("--per-category", type=int, default=0,
                    help="at most N questions of each category (MT-bench: --limit 16 --per-category 2 spans all 8)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="auto: bf16 where the CPU has native bf16 (AVX-512 BF16/AMX), else fp32")
+    add_dtype_option(p)
     p.add_argument("--max-parallel", type=int, default=8)
     p.add_argument("--sot", default="auto", help="routing for the SoT engines: auto, always, never")
     p.add_argument("--layout", default="batching", help="the points' cache layout: batching or bim")
@@ -71,8 +70,7 @@ def main(argv=None) -> dict:
     if unknown := set(args.engines.split(",")) - set(ENGINES):
         p.error(f"--engines: unknown {', '.join(sorted(unknown))}; choose from {','.join(ENGINES)}")
     out = Console(quiet=args.json_only, soft_wrap=True)
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what auto chose, for the tables
+    dtype = chosen_dtype(args)
     questions, source = load_prompts(args.questions, args.limit, args.per_category)
 
     folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype)

@@ -86,18 +86,25 @@ class DecoderLayer(nn.Module):
             qk, v = qkv.split([nh + nkv, nkv], dim=2)
             q, k = _rope(qk, cos, sin).split([nh, nkv], dim=2)
         cache.write(layer, slots, starts, k.transpose(1, 2), v.transpose(1, 2))
-        keys, values = cache.view(layer, slots, kv_len)  # [B, kv_heads, K, D], strided views
-        # Fused attention reading the cache views in place, with the q heads that share a kv head
-        # laid out as rows of one head (no repeated keys; faster than torch's own grouped-query
-        # path on CPU, see benchmarks/attention.py). The scale is folded into the q weights.
-        g = cfg.q_per_kv
-        q = q.reshape(b, t, nkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, nkv, g * t, d)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)
-        attn = attn.view(b, nkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, nh * d)
-        x = x + self.o(attn)
+        keys, values = cache.view(layer, slots, kv_len)
+        x = x + self.o(attention(q, keys, values, bias))
 
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention of q [B, T, H, D] (the scale folded in) over keys and values
+    [B, KV, K, D] (strided views of the cache are read in place), under attention_bias()'s bias;
+    returns [B, T, H * D]. torch's fused kernel runs with the q heads that share a kv head laid out
+    as rows of one head: no repeated keys, and faster on CPU than torch's own grouped-query path
+    (benchmarks/attention.py)."""
+    b, t, h, d = q.shape
+    kv = keys.shape[1]
+    g = h // kv
+    q = q.reshape(b, t, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)
+    return out.view(b, kv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
