@@ -5,7 +5,7 @@ appended at each slot's length) and an optional boolean attention mask, and retu
 asked, hidden states of chosen layers. Per-step inputs are arguments, never state on the module.
 
 Speed on CPU comes from: q/k/v and gate/up fused into one matmul each, the attention scale folded
-into the q projection, torch's fused attention reading the cache in place (in bf16 1.25-2.8x faster
+into the q projection, torch's fused attention reading the cache in place (in bf16 1.1-2.8x faster
 than attention as two matmuls at the shapes decoding uses; `benchmarks/attention.py`),
 and, after `prepack()`, weights reordered once for oneDNN.
 """
