@@ -137,3 +137,30 @@ def test_bf16_and_fp32_run_and_agree_roughly(dtype):
         out = ours(ids, torch.arange(4)[None], ours.new_cache(1, 8)).logits.float()
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     assert (out - hf(ids).logits).abs().max() < 0.1
+
+
+def test_bf16_norm_and_rope_round_exactly_as_transformers():
+    """Bit for bit in bf16: RMSNorm (fp32 inside, rounded, then the weight) and rope (the
+    sign-folded sin table against transformers' rotate_half)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from specsot_mq.model import LlamaModel, RMSNorm, _rope
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 33, 64, generator=g) * 3).bfloat16()
+    ref, ours = LlamaRMSNorm(64, eps=1e-5).bfloat16(), RMSNorm(64, 1e-5).bfloat16()
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(64, generator=g))
+        ours.weight.copy_(ref.weight)
+        assert torch.equal(ours(x), ref(x))
+
+    hf = tiny_hf("llama")
+    cfg = ours_from_hf(hf).cfg
+    cos, sin = LlamaModel.rope_tables(cfg)
+    positions = torch.randint(0, cfg.max_position, (2, 5), generator=g)
+    q = torch.randn(2, 5, 3, cfg.head_dim, generator=g).bfloat16()  # [B, T, heads, D]
+    freqs = positions[..., None].float() * cfg.inv_freq()  # the reference tables, built here
+    emb = torch.cat((freqs, freqs), dim=-1)
+    ref_q, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), emb.cos().bfloat16(), emb.sin().bfloat16())
+    c, s = cos[positions].bfloat16().unsqueeze(2), sin[positions].bfloat16().unsqueeze(2)
+    assert torch.equal(_rope(q, c, s), ref_q.transpose(1, 2))
