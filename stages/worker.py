@@ -78,7 +78,8 @@ class DeviceWorker:
                 pending[:] = [job for job in pending if job.key[0] not in self.cancelled]
                 taken = pending[:room]
                 del pending[:room]
-                return [job for job in taken if self._fits(job)]
+                # A job whose request failed just now (an earlier job of it did not fit) is dropped too.
+                return [job for job in taken if job.key[0] not in self.cancelled and self._fits(job)]
 
             if not pending:
                 continue
