@@ -1,0 +1,153 @@
+"""Where one forward of the base model spends its time, at the shapes decoding uses.
+
+For each shape (B rows x T new tokens over a K-token cache; a causal mask over the new tokens
+when T > 1, as a draft chain has, and rows at different lengths when B > 1) it times the whole
+forward, then the same forward again with its linear layers (by kind) and its attention timed
+call by call, and its KV-cache writes; the rest is everything else (norms, rope, Python). Next to it, the
+floor: the weight bytes one forward reads over the memory bandwidth measured in the same run.
+
+    python benchmarks/step.py [--dtype auto|bf16|fp32] [--threads N] [--runs 20] [--model PATH]
+
+The last stdout line is one JSON object: per shape, ms of the forward and of each part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import add_dtype_option, chosen_dtype, cpu_name, measure_bandwidth, weight_bytes  # noqa: E402
+
+from specsot_mq import model as model_module  # noqa: E402
+from specsot_mq.kv_cache import KVCache  # noqa: E402
+from specsot_mq.loader import load_model  # noqa: E402
+from specsot_mq.pull import resolve_model  # noqa: E402
+
+# (B, T): plain decode, EAGLE verifies of the default 4-node tree and larger ones, SoT points batched
+# plain and with small trees
+SHAPES = [(1, 1), (1, 5), (1, 9), (1, 17), (4, 1), (5, 1), (5, 3), (8, 1), (8, 2)]
+CONTEXT = 300  # cached tokens before the step (rows at different lengths: 300, 293, 286, ...)
+KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
+OTHER = ("attention", "cache writes")
+
+
+@contextmanager
+def timed_parts(model, totals: dict):
+    """Adds the seconds of each linear (by kind), attention call and cache write to totals while inside."""
+    kind_of = {id(m): name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, model_module.Linear)}
+    linear_forward, attention, write = model_module.Linear.forward, model_module.attention, KVCache.write
+
+    def linear(self, x):
+        start = time.perf_counter()
+        out = linear_forward(self, x)
+        totals[kind_of[id(self)]] += time.perf_counter() - start
+        return out
+
+    def attend(*args):
+        start = time.perf_counter()
+        out = attention(*args)
+        totals["attention"] += time.perf_counter() - start
+        return out
+
+    def store(*args):
+        start = time.perf_counter()
+        write(*args)
+        totals["cache writes"] += time.perf_counter() - start
+
+    model_module.Linear.forward, model_module.attention, KVCache.write = linear, attend, store
+    try:
+        yield
+    finally:
+        model_module.Linear.forward, model_module.attention, KVCache.write = linear_forward, attention, write
+
+
+def step_inputs(b: int, t: int, vocab: int, gen: torch.Generator):
+    """(ids, positions, mask, cache lengths) of one step: row r continues a cache of 300 - 7r."""
+    lengths = [CONTEXT - 7 * r for r in range(b)]
+    ids = torch.randint(0, vocab, (b, t), generator=gen)
+    positions = torch.stack([torch.arange(n, n + t) for n in lengths])
+    mask = torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(b, t, t) if t > 1 else None
+    return ids, positions, mask, lengths
+
+
+def time_shape(model, cache, b: int, t: int, runs: int, gen: torch.Generator) -> dict:
+    ids, positions, mask, lengths = step_inputs(b, t, model.cfg.vocab_size, gen)
+
+    def forward():
+        for slot, n in enumerate(lengths):
+            cache.truncate(slot, n)
+        model(ids, positions, cache, slots=range(b), mask=mask)
+
+    for _ in range(3):
+        forward()
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        forward()
+        samples.append(time.perf_counter() - start)
+    parts = defaultdict(float)
+    with timed_parts(model, parts):
+        for _ in range(runs):
+            forward()
+    ms = {k: parts[k] / runs * 1e3 for k in (*KINDS, *OTHER)}
+    total = statistics.median(samples) * 1e3
+    linears = sum(ms[k] for k in KINDS)
+    rest = total - linears - sum(ms[k] for k in OTHER)
+    return {"b": b, "t": t, "forward_ms": round(total, 2), "linears_ms": round(linears, 2),
+            **{f"{k.replace(' ', '_')}_ms": round(ms[k], 2) for k in OTHER}, "rest_ms": round(rest, 2),
+            "linear_ms_by_kind": {k: round(ms[k], 2) for k in KINDS}}  # fmt: skip
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_dtype_option(p)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--model", default=None, help="model folder (default: the pulled default model)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = chosen_dtype(args)
+    model = load_model(resolve_model(args.model), dtype=dtype)
+    cache = model.new_cache(max(b for b, _ in SHAPES), CONTEXT + 32)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    with torch.inference_mode():
+        prompt = torch.randint(0, model.cfg.vocab_size, (1, CONTEXT), generator=gen)
+        model(prompt, torch.arange(CONTEXT)[None], cache, last_only=True)
+        cache.copy_prefix(0, range(1, cache.num_slots))
+        bandwidth = measure_bandwidth()
+        with Progress(console=Console(stderr=True), transient=True) as bar:
+            for b, t in bar.track(SHAPES, description="shapes"):
+                rows.append(time_shape(model, cache, b, t, args.runs, gen))
+    _, nbytes = weight_bytes(model, dtype)
+    floor_ms = nbytes / bandwidth * 1e3
+
+    table = Table(title=f"one forward, {args.dtype}, {args.threads} threads, median of {args.runs} | {cpu_name()} | "
+                        f"weights {nbytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s read: floor {floor_ms:.1f} ms")  # fmt: skip
+    for col in ("B x T", "forward ms", "linears ms", "attention ms", "cache writes ms", "rest ms", "linears", "x floor"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        ms = [r[k] for k in ("forward_ms", "linears_ms", "attention_ms", "cache_writes_ms", "rest_ms")]
+        table.add_row(f"{r['b']} x {r['t']}", *(f"{v:.2f}" for v in ms), f"{100 * r['linears_ms'] / r['forward_ms']:.0f}%",
+                      f"{r['forward_ms'] / floor_ms:.2f}")  # fmt: skip
+    Console(stderr=True).print(table)
+    result = {"dtype": args.dtype, "threads": args.threads, "cpu": cpu_name(), "weight_mb": round(nbytes / 1e6, 1),
+              "bandwidth_gb_s": round(bandwidth / 1e9, 2), "floor_ms": round(floor_ms, 2), "shapes": rows}  # fmt: skip
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
