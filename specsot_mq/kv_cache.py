@@ -38,6 +38,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.lengths = [0] * num_slots
+        self._where: tuple = ((), None, None)  # (slots, starts, T) of the last scattered write, its indices
 
     @classmethod
     def for_model(cls, config, num_slots: int, capacity: int, dtype, device) -> "KVCache":
@@ -82,8 +83,13 @@ class KVCache:
             self.k[layer, s0 : s0 + len(slots), :, st : st + t] = k
             self.v[layer, s0 : s0 + len(slots), :, st : st + t] = v
             return
-        slot_idx = torch.tensor(slots, device=k.device)[:, None]
-        pos_idx = torch.tensor(starts, device=k.device)[:, None] + torch.arange(t, device=k.device)
+        # Built once per forward: every layer writes to the same places.
+        key = (tuple(slots), tuple(starts), t)
+        if self._where[0] != key:
+            slot_idx = torch.tensor(slots, device=k.device)[:, None]
+            pos_idx = torch.tensor(starts, device=k.device)[:, None] + torch.arange(t, device=k.device)
+            self._where = (key, slot_idx, pos_idx)
+        _, slot_idx, pos_idx = self._where
         # Index a [slots, capacity, heads, dim] view so each (slot, position) pair picks one row.
         self.k[layer].transpose(1, 2)[slot_idx, pos_idx] = k.transpose(1, 2)
         self.v[layer].transpose(1, 2)[slot_idx, pos_idx] = v.transpose(1, 2)
