@@ -2,9 +2,10 @@
 
 For each shape (B rows x T new tokens over a K-token cache; a causal mask over the new tokens
 when T > 1, as a draft chain has, and rows at different lengths when B > 1) it times the whole
-forward, then the same forward again with its linear layers (by kind) and its attention timed
-call by call, and its KV-cache writes; the rest is everything else (norms, rope, Python). Next to it, the
-floor: the weight bytes one forward reads over the memory bandwidth measured in the same run.
+forward, then the same forward again with its linear layers (by kind), its attention and its
+KV-cache writes timed call by call (medians over the runs, as for the whole forward); the rest is
+everything else (norms, rope, Python). Next to it, the floor: the weight bytes one forward reads
+over the memory bandwidth measured in the same run.
 
     python benchmarks/step.py [--dtype auto|bf16|fp32] [--threads N] [--runs 20] [--model PATH]
 
@@ -97,11 +98,13 @@ def time_shape(model, cache, b: int, t: int, runs: int, gen: torch.Generator) ->
         start = time.perf_counter()
         forward()
         samples.append(time.perf_counter() - start)
-    parts = defaultdict(float)
-    with timed_parts(model, parts):
+    runs_parts = []  # each part's seconds in each run; medians below, like the forward's
+    with timed_parts(model, parts := defaultdict(float)):
         for _ in range(runs):
+            parts.clear()
             forward()
-    ms = {k: parts[k] / runs * 1e3 for k in (*KINDS, *OTHER)}
+            runs_parts.append(dict(parts))
+    ms = {k: statistics.median(r.get(k, 0.0) for r in runs_parts) * 1e3 for k in (*KINDS, *OTHER)}
     total = statistics.median(samples) * 1e3
     linears = sum(ms[k] for k in KINDS)
     rest = total - linears - sum(ms[k] for k in OTHER)
