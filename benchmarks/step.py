@@ -98,8 +98,8 @@ def time_shape(model, cache, b: int, t: int, runs: int, gen: torch.Generator) ->
         start = time.perf_counter()
         forward()
         samples.append(time.perf_counter() - start)
-    runs_parts = []  # each part's seconds in each run; medians below, like the forward's
-    with timed_parts(model, parts := defaultdict(float)):
+    parts, runs_parts = defaultdict(float), []  # each part's seconds in each run; medians below, like the forward's
+    with timed_parts(model, parts):
         for _ in range(runs):
             parts.clear()
             forward()

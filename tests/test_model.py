@@ -139,20 +139,21 @@ def test_bf16_and_fp32_run_and_agree_roughly(dtype):
     assert (out - hf(ids).logits).abs().max() < 0.1
 
 
-def test_bf16_norm_and_rope_round_exactly_as_transformers():
-    """Bit for bit in bf16: RMSNorm (fp32 inside, rounded, then the weight) and rope (the
-    sign-folded sin table against transformers' rotate_half)."""
+def test_norm_and_rope_round_exactly_as_transformers():
+    """Bit for bit: RMSNorm in bf16 and fp32 (fp32 inside, rounded, then the weight) and rope in
+    bf16 (the sign-folded sin table against transformers' rotate_half)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
     from specsot_mq.model import LlamaModel, RMSNorm, _rope
 
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(4, 33, 64, generator=g) * 3).bfloat16()
-    ref, ours = LlamaRMSNorm(64, eps=1e-5).bfloat16(), RMSNorm(64, 1e-5).bfloat16()
-    with torch.no_grad():
-        ref.weight.copy_(torch.randn(64, generator=g))
-        ours.weight.copy_(ref.weight)
-        assert torch.equal(ours(x), ref(x))
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(4, 33, 64, generator=g) * 3).to(dtype)
+        ref, ours = LlamaRMSNorm(64, eps=1e-5).to(dtype), RMSNorm(64, 1e-5).to(dtype)
+        with torch.no_grad():
+            ref.weight.copy_(torch.randn(64, generator=g))
+            ours.weight.copy_(ref.weight)
+            assert torch.equal(ours(x), ref(x)), dtype
 
     hf = tiny_hf("llama")
     cfg = ours_from_hf(hf).cfg
