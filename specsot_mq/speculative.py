@@ -33,9 +33,10 @@ from specsot_mq.draft import DraftHead
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.layout import SlotLayout, new_layout
+from specsot_mq.lookup import NgramIndex
 from specsot_mq.model import LlamaModel
 from specsot_mq.sampling import Sampler
-from specsot_mq.tree import DraftTree, TreeSearch, grow_search, make_tree, root_only, select_nodes, start_search
+from specsot_mq.tree import DraftTree, TreeSearch, graft, grow_search, make_tree, root_only, select_nodes, start_search
 from specsot_mq.verify import Acceptance, accept_greedy, accept_sampled
 
 
@@ -62,12 +63,20 @@ class TreeParams:
     # (`benchmarks/pipeline.py --clients 4` on 2 cores: 24 tokens gave 21.7 answers/min, 12 gave
     # 27.8, 8 gave 30.3; in-process, 8 also beat both and `--draft none`).
     max_batch_tokens: int = 8
+    # Prompt lookup (lookup.py): up to this many tokens copied from earlier in the sequence join
+    # each tree as one more path (--lookup; greedy decoding only; 0 = off). They cost no draft
+    # forward; in a batch each row gets its share of max_batch_tokens of them (graft_lookup).
+    # `benchmarks/eagle.py --limit 5 --new-tokens 128 --sweep 4x2x2,4x2x2+2,4x2x2+4,...`: 8 ran
+    # fastest of 0, 2, 4, 6, 8, 12 and 16.
+    lookup: int = 8
 
     def __post_init__(self):
         flags = {"--num-draft-tokens": self.num_draft_tokens, "--draft-depth": self.depth, "--draft-topk": self.topk}
         for flag, value in flags.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SpecSotError(f"{flag} must be a whole number of at least 1, got {value!r}")
+        if isinstance(self.lookup, bool) or not isinstance(self.lookup, int) or self.lookup < 0:
+            raise SpecSotError(f"--lookup must be a whole number of at least 0 (0 = off), got {self.lookup!r}")
         if self.num_draft_tokens > self.max_nodes:
             raise SpecSotError(
                 f"--num-draft-tokens {self.num_draft_tokens} is more than a tree of --draft-depth {self.depth} and "
@@ -93,6 +102,7 @@ class SpecStats:
     drafted: int = 0  # tree nodes verified (root excluded)
     accepted: int = 0  # drafted tokens accepted (bonus tokens excluded)
     accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: accepted nodes at depth d
+    lookup_accepted: int = 0  # of those, nodes that only prompt lookup had drafted
     draft_seconds: float = 0.0  # tree search, draft-head forwards and draft_extend
     verify_seconds: float = 0.0  # the base forward, acceptance and cache compaction
 
@@ -143,6 +153,8 @@ class EagleDecoder:
         # slot -> F at its shared prefix's last position (kept after a drop: a later prompt with
         # the same prefix may copy it from that slot)
         self.prefix_feature: dict[int, torch.Tensor] = {}
+        # running slot -> its tokens so far, indexed for prompt lookup (greedy, tree.lookup > 0)
+        self.lookup: dict[int, NgramIndex] = {}
         self.stats = SpecStats(accepted_at_depth=[0] * self.tree.depth)
 
     @property
@@ -191,6 +203,8 @@ class EagleDecoder:
             self.draft_cache.truncate(slot, d0 + len(x))
             self.state[slot] = DraftState(root, logits[row, len(x) - 1], hidden[row, len(x) - 1])
             self.unread.pop(slot, None)
+            if self.tree.lookup and self.sampler.params.greedy:
+                self.lookup[slot] = NgramIndex(prompts[slot] + [root])
         self.stats.draft_seconds += time.perf_counter() - start
         return {slot: [root] for slot, root in zip(pre.slots, roots)}
 
@@ -201,6 +215,9 @@ class EagleDecoder:
         if budget or any(len(u) >= self.unread_limit for u in self.unread.values()):
             self.draft_extend(seqs)
         trees = self.draft(seqs, budget)
+        drafted = [t.size for t in trees]  # nodes beyond these come from prompt lookup alone
+        if self.lookup:
+            trees = self.graft_lookup(seqs, trees)
         mid = time.perf_counter()
         logits, features = self.verify(seqs, trees)
         results = [self.accept(tree, logits[i, : tree.size]) for i, tree in enumerate(trees)]
@@ -211,14 +228,17 @@ class EagleDecoder:
         for i, (seq, res) in enumerate(zip(seqs, results)):
             self.unread.setdefault(seq, []).append((res.tokens, features[i, [0] + res.nodes]))
             self.state[seq].root = res.tokens[-1]
+            if seq in self.lookup:
+                self.lookup[seq].extend(res.tokens)
         self.stats.draft_seconds += mid - start
         self.stats.verify_seconds += end - mid
-        self._count(trees, results)
+        self._count(trees, results, drafted)
         return {seq: res.tokens for seq, res in zip(seqs, results)}
 
     def drop(self, seq: int) -> None:
         self.state.pop(seq, None)
         self.unread.pop(seq, None)
+        self.lookup.pop(seq, None)
         self.layout.drop(seq)
 
     def room(self, seqs: list[int]) -> int:
@@ -284,6 +304,16 @@ class EagleDecoder:
             make_tree(search, i, kept[i], st.root, n, head.d2t, None if gen is None else qs[i])
             for i, (st, n) in enumerate(zip(states, lengths))
         ]
+
+    def graft_lookup(self, seqs: list[int], trees: list[DraftTree]) -> list[DraftTree]:
+        """Each tree with its sequence's prompt-lookup guess grafted on (tree.graft): up to
+        tree.lookup tokens alone, fewer as more sequences share the forward (max_batch_tokens
+        split between them, as for the draft nodes: the 8 writing questions of
+        `benchmarks/sot.py` ran fastest so, against no split and splits of 4, 12 and 16), and
+        as long as the base cache has room."""
+        room = self.layout.room(seqs)
+        cap = min(self.tree.lookup, max(self.tree.max_batch_tokens, self.tree.lookup) // len(seqs))
+        return [graft(t, self.lookup[s].propose(min(cap, room - t.size))) for s, t in zip(seqs, trees)]
 
     def verify(self, seqs: list[int], trees: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor]:
         """One base forward over every tree; returns (logits [B, T, V], features [B, T, F*H]),
@@ -364,11 +394,13 @@ class EagleDecoder:
         row_of.scatter_(1, expanded + 1, torch.arange(e, device=qs.device).expand(b, e))
         return [qs[i, row_of[i, [0] + [k + 1 for k in kept[i]]]] for i in range(b)]
 
-    def _count(self, trees: list[DraftTree], results: list[Acceptance]) -> None:
+    def _count(self, trees: list[DraftTree], results: list[Acceptance], drafted: list[int]) -> None:
         st = self.stats
         st.steps += len(trees)
-        for tree, res in zip(trees, results):
+        for tree, res, n in zip(trees, results, drafted):
             st.drafted += tree.size - 1
             st.accepted += len(res.nodes)
+            st.lookup_accepted += sum(node >= n for node in res.nodes)
+            st.accepted_at_depth += [0] * (len(res.nodes) - len(st.accepted_at_depth))  # lookup paths go deeper
             for depth in range(len(res.nodes)):
                 st.accepted_at_depth[depth] += 1

@@ -161,6 +161,41 @@ def make_tree(search: TreeSearch, row: int, kept: list[int], root_token: int, ro
     return DraftTree(tokens, parents, depths, mask, root_position + depths, q)
 
 
+def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
+    """The tree with one more path from its root: `chain`'s tokens (base ids; prompt lookup, see
+    lookup.py). Where the tree already holds a prefix of the chain, the path follows it, so no
+    node has two children with the same token (greedy acceptance then has one way down); the rest
+    hangs below as new nodes, appended in order. Greedy only: grafted nodes have no draft
+    distribution, so tree.q must be None."""
+    if tree.q is not None:
+        raise ValueError("graft is for greedy trees (a grafted node has no draft distribution)")
+    tokens, parents = tree.tokens.tolist(), list(tree.parents)
+    kids = tree.children()
+    node, new = 0, []
+    for token in chain:
+        same = next((c for c in kids[node] if tokens[c] == token), None) if not new else None
+        if same is None:
+            parents.append(node)
+            tokens.append(token)
+            new.append(len(parents) - 1)
+            node = new[-1]
+        else:
+            node = same
+    if not new:
+        return tree
+    n, dev = len(parents), tree.tokens.device
+    mask = torch.zeros(n, n, dtype=torch.bool, device=dev)
+    mask[: tree.size, : tree.size] = tree.mask
+    depths = tree.depths.tolist()
+    for i in new:
+        mask[i] = mask[parents[i]]
+        mask[i, i] = True
+        depths.append(depths[parents[i]] + 1)
+    depths_t = torch.tensor(depths, device=dev)
+    root_position = int(tree.positions[0])
+    return DraftTree(torch.tensor(tokens, device=dev), parents, depths_t, mask, root_position + depths_t, None)
+
+
 def root_only(root_token: int, root_position: int, device: torch.device | str = "cpu") -> DraftTree:
     """A tree with nothing drafted: verifying it is a plain decoding step."""
     return DraftTree(

@@ -77,14 +77,17 @@ GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 # A branching tree, so tree drafting and verification are what these tests check (the default
 # is a chain, the fastest shape for the shipped head on a CPU).
 TREE = TreeParams(num_draft_tokens=12, depth=5, topk=4)
+# The same with prompt lookup: chains copied from earlier in the sequence grafted onto each tree.
+LOOKUP = TreeParams(num_draft_tokens=12, depth=5, topk=4, lookup=6)
 
 
+@pytest.mark.parametrize("tree", [TREE, LOOKUP], ids=["tree", "tree+lookup"])
 @pytest.mark.parametrize("kind", ["random", "fused", "oracle"])
-def test_greedy_speculative_equals_plain_greedy(base, kind):
+def test_greedy_speculative_equals_plain_greedy(base, kind, tree):
     prompt = [BOS, 5, 6, 7, 8]
     gen = Generator(base, CharTokenizer(), max_len=len(prompt) + 40)  # the trees must shrink at the end
     plain = gen.generate(prompt, GREEDY)
-    decoder = EagleDecoder(base, heads(base)[kind], gen.cache, Sampler(GREEDY), TREE)
+    decoder = EagleDecoder(base, heads(base)[kind], gen.cache, Sampler(GREEDY), tree)
     spec = gen.generate(prompt, GREEDY, decoder=decoder)
     assert spec.token_ids == plain.token_ids and spec.finish_reason == "length"
     stats = decoder.stats
@@ -92,14 +95,18 @@ def test_greedy_speculative_equals_plain_greedy(base, kind):
     if kind == "oracle":
         assert stats.tau > 1.5 and stats.accepted_at_depth[2] > 0  # whole paths, so compaction ran
     assert sum(stats.accepted_at_depth) == stats.accepted
+    # The tiny model soon repeats itself, so lookup gets tokens accepted that the tree had not
+    # drafted (past the oracle's depth too).
+    assert (stats.lookup_accepted > 0) == (tree.lookup > 0)
 
 
+@pytest.mark.parametrize("tree", [TREE, LOOKUP], ids=["tree", "tree+lookup"])
 @pytest.mark.parametrize("kind", ["random", "fused", "oracle"])
-def test_sequences_decoded_together_equal_each_alone(base, kind):
+def test_sequences_decoded_together_equal_each_alone(base, kind, tree):
     prompts = [[BOS, 5, 6, 7, 8, 9], [BOS, 12], [BOS, 40, 41, 42]]
     gen = Generator(base, CharTokenizer(), max_len=64, num_slots=3)
     head = heads(base)[kind]
-    decoder = lambda: EagleDecoder(base, head, gen.cache, Sampler(GREEDY), TREE)  # noqa: E731
+    decoder = lambda: EagleDecoder(base, head, gen.cache, Sampler(GREEDY), tree)  # noqa: E731
     alone = [gen.generate(p, GREEDY, decoder=decoder()).token_ids for p in prompts]
     together = gen.generate_many(prompts, GREEDY, decoder=decoder())
     assert [c.token_ids for c in together] == alone
@@ -149,7 +156,8 @@ def test_trees_shrink_with_the_batch_down_to_plain_steps(base):
 def test_steps_that_draft_nothing_let_the_draft_read_at_most_unread_limit_steps_late(base):
     gen = Generator(base, CharTokenizer(), max_len=64, num_slots=4)
     head = CountingHead(base)
-    decoder = EagleDecoder(base, head, gen.cache, Sampler(GREEDY), TreeParams(5, 5, 4, max_batch_tokens=6))
+    # No prompt lookup: its chains would make a plain step decide more than one token.
+    decoder = EagleDecoder(base, head, gen.cache, Sampler(GREEDY), TreeParams(5, 5, 4, max_batch_tokens=6, lookup=0))
     decoder.unread_limit = 3
     prompts = [[BOS, 5 + i, 6, 7] for i in range(4)]  # four at once: no tree fits the budget
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -239,6 +247,19 @@ def test_seeded_sampling_reproduces(base, kind):
         assert stats.tau > 2
 
 
+def test_prompt_lookup_is_off_when_sampling(base):
+    """Lookup is greedy-only (a grafted node has no draft distribution for rejection sampling):
+    with it asked for, seeded sampling draws exactly what it draws without."""
+    params = SamplingParams(max_tokens=30, temperature=1.0, top_k=20, seed=7, ignore_eos=True)
+    gen = Generator(base, CharTokenizer(), max_len=64)
+    runs = []
+    for tree in (TREE, LOOKUP):
+        decoder = EagleDecoder(base, random_head(base), gen.cache, Sampler(params), tree)
+        runs.append(gen.generate([BOS, 5, 6, 7], params, decoder=decoder).token_ids)
+        assert decoder.stats.lookup_accepted == 0 and not decoder.lookup
+    assert runs[0] == runs[1]
+
+
 def test_sampling_through_the_decoder_keeps_the_base_distribution(base):
     """The first speculative token (the one after the prefill's) follows the base distribution,
     with a head whose draft vocabulary is a shuffled part of the base's (chi-square)."""
@@ -296,6 +317,7 @@ def test_last_only_forward_still_returns_every_positions_features(base):
     "kwargs, flag",
     [
         ({"num_draft_tokens": 0}, "--num-draft-tokens"),
+        ({"lookup": -1}, "--lookup"),
         ({"depth": 0}, "--draft-depth"),
         ({"topk": -1}, "--draft-topk"),
         ({"topk": 2.5}, "--draft-topk"),
@@ -310,8 +332,8 @@ def test_impossible_tree_params_are_one_clear_error(kwargs, flag):
 
 
 def test_default_tree_fits_a_cheap_cpu_verify():
-    tree = TreeParams()
-    assert tree.num_draft_tokens + 1 <= 16 and tree.num_draft_tokens <= tree.max_nodes
+    tree = TreeParams()  # with its prompt-lookup chain grafted on, a verify stays within 16 tokens
+    assert tree.num_draft_tokens + 1 + tree.lookup <= 16 and tree.num_draft_tokens <= tree.max_nodes
 
 
 @pytest.mark.parametrize("layers", [None, FUSED])

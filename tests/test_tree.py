@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from specsot_mq.tree import grow_search, make_tree, select_nodes, start_search
+from specsot_mq.tree import graft, grow_search, make_tree, root_only, select_nodes, start_search
 from specsot_mq.verify import accept_greedy, accept_sampled
 
 
@@ -117,6 +117,57 @@ def test_greedy_acceptance_follows_the_argmax_and_adds_the_bonus():
     logits[0] = 0
     logits[0, 5] = 1.0  # no child of the root is 5
     assert accept_greedy(tree, logits).tokens == [5]
+
+
+GRAFTS = [
+    # (name, chain, tokens after the root, parents) on build(BRANCHY, 6, 2, 3, 6): root, 0, 1, 4, 3, 0, 1
+    # with parents -1, 0, 0, 1, 2, 3, 4
+    ("a chain the tree holds adds nothing", [0, 4, 0], [0, 1, 4, 3, 0, 1], [-1, 0, 0, 1, 2, 3, 4]),
+    ("a chain leaving the tree hangs below where it leaves", [1, 3, 5, 2],
+     [0, 1, 4, 3, 0, 1, 5, 2], [-1, 0, 0, 1, 2, 3, 4, 4, 7]),
+    ("a chain with a new first token is a new branch of the root", [2, 0, 4],
+     [0, 1, 4, 3, 0, 1, 2, 0, 4], [-1, 0, 0, 1, 2, 3, 4, 0, 7, 8]),
+    ("below a new node every token is new, even one the tree holds elsewhere", [0, 5, 1],
+     [0, 1, 4, 3, 0, 1, 5, 1], [-1, 0, 0, 1, 2, 3, 4, 1, 7]),
+    ("an empty chain adds nothing", [], [0, 1, 4, 3, 0, 1], [-1, 0, 0, 1, 2, 3, 4]),
+]
+
+
+@pytest.mark.parametrize("name, chain, tokens, parents", GRAFTS, ids=[g[0] for g in GRAFTS])
+def test_graft_merges_a_chain_into_the_tree(name, chain, tokens, parents):
+    tree = graft(build(BRANCHY, 6, 2, 3, 6), chain)
+    assert tree.tokens.tolist() == [100] + tokens
+    assert tree.parents == parents
+    depths = [0]
+    for p in parents[1:]:
+        depths.append(depths[p] + 1)
+    assert tree.depths.tolist() == depths
+    assert tree.positions.tolist() == [7 + d for d in depths]
+    expected = torch.eye(len(parents), dtype=torch.bool)
+    for i in range(1, len(parents)):
+        expected[i] |= expected[parents[i]]
+    assert torch.equal(tree.mask, expected)
+    for kids in tree.children():  # siblings never share a token: greedy acceptance has one way down
+        assert len({tokens[k - 1] for k in kids}) == len(kids)
+
+
+def test_greedy_acceptance_walks_a_grafted_chain():
+    tree = graft(root_only(100, 7), [3, 1, 4])
+    logits = torch.full((4, 6), -5.0)
+    for node, best in [(0, 3), (1, 1), (2, 4), (3, 2)]:
+        logits[node, best] = 5.0
+    assert accept_greedy(tree, logits).tokens == [3, 1, 4, 2]
+    logits[2] = -5.0
+    logits[2, 0] = 5.0  # the base disagrees at the third token
+    assert accept_greedy(tree, logits).tokens == [3, 1, 0]
+
+
+def test_graft_refuses_a_sampled_tree():
+    gen = torch.Generator().manual_seed(0)
+    tree = build(BRANCHY, 6, 2, 2, 3, generator=gen)
+    tree.q = torch.full((tree.size, 6), 1 / 6)
+    with pytest.raises(ValueError, match="greedy"):
+        graft(tree, [1])
 
 
 # ---- lossless rejection sampling over trees ------------------------------------------------
