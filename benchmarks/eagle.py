@@ -38,11 +38,17 @@ from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
 
 
 def parse_tree(text: str) -> TreeParams:
+    """NODESxDEPTHxTOPK, optionally +LOOKUP (prompt-lookup tokens grafted on each tree)."""
     try:
-        nodes, depth, topk = (int(x) for x in text.lower().split("x"))
+        shape, _, lookup = text.lower().partition("+")
+        nodes, depth, topk = (int(x) for x in shape.split("x"))
+        return TreeParams(nodes, depth, topk, lookup=int(lookup or 0))
     except ValueError:
-        raise SpecSotError(f"tree '{text}' is not NODESxDEPTHxTOPK (e.g. 12x5x4): fix --sweep") from None
-    return TreeParams(nodes, depth, topk)
+        raise SpecSotError(f"tree '{text}' is not NODESxDEPTHxTOPK[+LOOKUP] (e.g. 12x5x4, 4x2x2+4): fix --tree or --sweep") from None
+
+
+def tree_name(t: TreeParams) -> str:
+    return f"{t.num_draft_tokens}x{t.depth}x{t.topk}" + (f"+{t.lookup}" if t.lookup else "")
 
 
 def run_eagle(gen: Generator, ids: list[int], n: int):
@@ -62,7 +68,7 @@ def main(argv=None) -> dict:
     p.add_argument("--new-tokens", type=int, default=256)
     add_dtype_option(p)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--tree", default=None, help="main tree NODESxDEPTHxTOPK (default: TreeParams())")
+    p.add_argument("--tree", default=None, help="main tree NODESxDEPTHxTOPK[+LOOKUP] (default: TreeParams())")
     p.add_argument("--sweep", default="2x2x1,4x2x2,6x2x3,4x4x1,12x5x4", help="trees for the sweep table ('' = none)")
     p.add_argument("--compare-draft", default=None, help="a second head (.safetensors): the sweep runs it too")
     p.add_argument("--json-only", action="store_true")
@@ -79,9 +85,6 @@ def main(argv=None) -> dict:
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in prompts]
     max_len = max(map(len, prompt_ids)) + n + 64
     plain = Generator(model, tokenizer, max_len=max_len)
-    def tree_name(t: TreeParams) -> str:
-        return f"{t.num_draft_tokens}x{t.depth}x{t.topk}"
-
     heads = {draft_path.stem: head}
     if args.compare_draft:
         other = resolve_draft(args.compare_draft, folder)
@@ -138,7 +141,9 @@ def main(argv=None) -> dict:
     hf_tok_s, plain_tok_s, eagle_tok_s = rate(rows["hf"]), rate(rows["plain"]), rate(rows["eagle"])
     steps = sum(s.steps for s in stats)
     tau = 1 + sum(s.accepted for s in stats) / steps
-    depth_rate = [sum(s.accepted_at_depth[d] for s in stats) / steps for d in range(main_tree.depth)]
+    deepest = max(len(s.accepted_at_depth) for s in stats)
+    depth_rate = [sum((s.accepted_at_depth + [0] * deepest)[d] for s in stats) / steps for d in range(deepest)]
+    lookup_rate = sum(s.lookup_accepted for s in stats) / steps
     draft_s, verify_s = sum(s.draft_seconds for s in stats), sum(s.verify_seconds for s in stats)
 
     table = Table(title=f"greedy decode, {args.dtype}, {torch.get_num_threads()} threads, {n} tokens x {len(prompts)} prompts")
@@ -149,13 +154,14 @@ def main(argv=None) -> dict:
     out.print(table)
     out.print(
         f"tau {tau:.2f} | accepted at depth " + " ".join(f"{d + 1}:{r:.2f}" for d, r in enumerate(depth_rate))
+        + (f" | prompt lookup alone {lookup_rate:.2f} per step" if main_tree.lookup else "")
         + f" | drafting {draft_s / (draft_s + verify_s):.0%} of step time, "
         f"{1000 * draft_s / steps:.1f} ms draft + {1000 * verify_s / steps:.1f} ms verify per step"
     )
     out.print(f"EAGLE tokens identical to plain decoding for the first {same} of {n} (per prompt)")
     sweep_out = []
     if sweep:
-        st_table = Table(title="tree sweep (nodes x depth x topk)")
+        st_table = Table(title="tree sweep (nodes x depth x topk [+ prompt-lookup tokens])")
         st_table.add_column("head", no_wrap=True)
         for c in ("tree", "tau", "tok/s", "vs plain", "ms draft/step", "ms verify/step"):
             st_table.add_column(c, justify="right")
@@ -178,6 +184,7 @@ def main(argv=None) -> dict:
         "plain_tok_s": round(plain_tok_s, 2),
         "hf_tok_s": round(hf_tok_s, 2),
         "accepted_per_depth": [round(r, 3) for r in depth_rate],
+        "lookup_accepted_per_step": round(lookup_rate, 3),
         "draft_ms_per_step": round(1000 * draft_s / steps, 2),
         "verify_ms_per_step": round(1000 * verify_s / steps, 2),
         "identical_prefix": same,

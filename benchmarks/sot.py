@@ -64,6 +64,8 @@ def main(argv=None) -> dict:
     p.add_argument("--plot", type=Path, default=Path("benchmarks/out/sot.png"))
     p.add_argument("--verify-budget", type=int, default=TreeParams().max_batch_tokens,
                    help="tokens of one batched verify, all sequences together (TreeParams.max_batch_tokens)")
+    p.add_argument("--lookup", type=int, default=TreeParams().lookup,
+                   help="prompt-lookup tokens grafted on each draft tree (TreeParams.lookup); 0 = off")
     p.add_argument("--json-only", action="store_true")
     args = p.parse_args(argv)
     engines = ["hf", *(e for e in ENGINES[1:] if e in args.engines.split(","))]
@@ -77,7 +79,7 @@ def main(argv=None) -> dict:
     max_len = 2048
     plain_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel)
     eagle_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel, draft=head,
-                          tree=TreeParams(max_batch_tokens=args.verify_budget))  # fmt: skip
+                          tree=TreeParams(max_batch_tokens=args.verify_budget, lookup=args.lookup))  # fmt: skip
     config = SoTConfig(sot=args.sot, prompt_format=args.prompt_format, max_parallel=args.max_parallel,
                        layout=args.layout)  # fmt: skip
     sot, specsot = SoTEngine(plain_gen, config), SoTEngine(eagle_gen, config)

@@ -30,15 +30,17 @@ DraftOpt = Annotated[str, typer.Option(help="EAGLE draft head: auto (the shipped
 NumDraftOpt = Annotated[Optional[int], typer.Option(help="Draft tree nodes verified per step.")]
 DepthOpt = Annotated[Optional[int], typer.Option(help="Deepest level of the draft tree.")]
 TopkOpt = Annotated[Optional[int], typer.Option(help="Children per expanded node in the draft tree.")]
+LookupOpt = Annotated[Optional[int], typer.Option(
+    help="Prompt lookup: up to N tokens copied from earlier in the text join each draft tree (greedy only); 0 = off.")]
 RepeatOpt = Annotated[int, typer.Option(help="End an output (each phase's) when its last N tokens already ran earlier in it: a loop. 0 = off.")]
 FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan) or plan (the model picks [PLAN] or [DIRECT]).")]
 
 
-def tree_params(num_draft_tokens, depth, topk):
+def tree_params(num_draft_tokens, depth, topk, lookup=None):
     """TreeParams from the flags, defaults where a flag is not given; it validates itself."""
     from specsot_mq.speculative import TreeParams
 
-    given = {"num_draft_tokens": num_draft_tokens, "depth": depth, "topk": topk}
+    given = {"num_draft_tokens": num_draft_tokens, "depth": depth, "topk": topk, "lookup": lookup}
     return TreeParams(**{k: v for k, v in given.items() if v is not None})
 
 
@@ -71,6 +73,7 @@ def ask(
     num_draft_tokens: NumDraftOpt = None,
     draft_depth: DepthOpt = None,
     draft_topk: TopkOpt = None,
+    lookup: LookupOpt = None,
     sot: Annotated[str, typer.Option(help="Plan and expand in parallel: auto, always or never.")] = "auto",
     max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8,
     max_parallel: Annotated[int, typer.Option(help="Points decoded at once (cache slots).")] = 8,
@@ -90,7 +93,7 @@ def ask(
         raise SpecSotError("the question is empty: pass it as an argument or on stdin with '-'")
     params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop or ()), repeat_stop=repeat_stop)
     config = SoTConfig(sot=sot, prompt_format=prompt_format, max_points=max_points, max_parallel=max_parallel, layout=layout)
-    tree = tree_params(num_draft_tokens, draft_depth, draft_topk)
+    tree = tree_params(num_draft_tokens, draft_depth, draft_topk, lookup)
     gen = load_generator(model, dtype=dtype, device=device, max_len=max_len, num_slots=max_parallel,
                          draft=draft, tree=tree)  # fmt: skip
     engine = SoTEngine(gen, config)
