@@ -6,8 +6,12 @@ with the default tree. Reports decode tokens/s of each, the mean acceptance leng
 (= 1 + accepted / verify steps, vLLM's definition), acceptance per tree depth, the time split between
 drafting and verifying, and a sweep over tree shapes as a table.
 
-    python benchmarks/eagle.py [--limit 5] [--new-tokens 256] [--dtype auto|bf16|fp32] [--sweep 8x4x3,12x5x4]
+    python benchmarks/eagle.py [--limit 5] [--new-tokens 256] [--dtype auto|bf16|fp32] [--sweep 8x4x3,12x5x4+8]
                                [--compare-draft PATH]   # the sweep runs a second head too, side by side
+
+A tree is NODESxDEPTHxTOPK, with +N for N prompt-lookup tokens grafted on each tree (4x2x2+8 is
+the default; 4x2x2 alone has none). EOS is ignored, so a small model's answers run into loops,
+which prompt lookup drafts well: sot.py's EAGLE row, with the CLI's loop stop, is the sober figure.
 
 The last stdout line is one JSON object with at least tau, eagle_vs_hf and eagle_vs_plain.
 """
@@ -69,7 +73,8 @@ def main(argv=None) -> dict:
     add_dtype_option(p)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tree", default=None, help="main tree NODESxDEPTHxTOPK[+LOOKUP] (default: TreeParams())")
-    p.add_argument("--sweep", default="2x2x1,4x2x2,6x2x3,4x4x1,12x5x4", help="trees for the sweep table ('' = none)")
+    p.add_argument("--sweep", default="2x2x1,4x2x2,4x2x2+4,4x2x2+8,6x2x3+8,12x5x4+8",
+                   help="trees for the sweep table ('' = none)")
     p.add_argument("--compare-draft", default=None, help="a second head (.safetensors): the sweep runs it too")
     p.add_argument("--json-only", action="store_true")
     args = p.parse_args(argv)

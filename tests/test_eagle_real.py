@@ -26,14 +26,17 @@ def test_eagle_greedy_equals_plain_greedy_on_mt_bench(default_model_dir):
     model = load_model(default_model_dir, dtype=torch.float32)
     head = DraftHead.load(resolve_draft("auto", default_model_dir), model).prepack()
     plain = Generator(model, tokenizer, max_len=1024)
-    # A branching tree (the default is a chain): trees are the harder case for exactness.
+    # A larger branching tree than the default: trees are the harder case for exactness.
     eagle = Generator(model, tokenizer, max_len=1024, draft=head, tree=TreeParams(num_draft_tokens=12, depth=5, topk=4))
     params = SamplingParams(max_tokens=128)
-    taus = []
+    taus, copied = [], 0
     for question in mt_bench_first_turns(5):
         ids = chat_prompt_ids(tokenizer, question)
         want = plain.generate(ids, params).token_ids
-        got = eagle.generate(ids, params)
+        decoder = eagle.new_decoder(params)
+        got = eagle.generate(ids, params, decoder=decoder)
         assert got.token_ids == want, question[:60]
         taus.append(got.tau)
+        copied += decoder.stats.lookup_accepted
     assert sum(taus) / len(taus) > 1.3  # the head is trained: it gets drafts accepted
+    assert copied > 0  # and the trees' prompt-lookup paths (on by default) got tokens accepted too

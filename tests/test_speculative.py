@@ -74,9 +74,9 @@ def heads(base):
 
 FUSED = (0, 1, 2)  # embeddings, layer 1 and the final hidden state of the 2-layer base
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
-# A branching tree, so tree drafting and verification are what these tests check (the default
-# is a chain, the fastest shape for the shipped head on a CPU).
-TREE = TreeParams(num_draft_tokens=12, depth=5, topk=4)
+# A branching tree, larger and deeper than the default, so tree drafting and verification are
+# what these tests check; no prompt lookup (LOOKUP adds it).
+TREE = TreeParams(num_draft_tokens=12, depth=5, topk=4, lookup=0)
 # The same with prompt lookup: chains copied from earlier in the sequence grafted onto each tree.
 LOOKUP = TreeParams(num_draft_tokens=12, depth=5, topk=4, lookup=6)
 
