@@ -1,8 +1,8 @@
 """EAGLE speculative decoding against plain decoding and transformers `generate`, in one run.
 
 For each prompt (first turns of MT-bench questions by default), greedy, EOS ignored so every run
-makes exactly --new-tokens tokens: transformers `generate`, our plain decode, and our EAGLE decode
-with the default tree. Reports decode tokens/s of each, the mean acceptance length tau
+makes exactly --new-tokens tokens: transformers `generate`, our plain decode, our decode with
+prompt lookup alone (no head), and our EAGLE decode with the default tree. Reports decode tokens/s of each, the mean acceptance length tau
 (= 1 + accepted / verify steps, vLLM's definition), acceptance per tree depth, the time split between
 drafting and verifying, and a sweep over tree shapes as a table.
 
@@ -90,6 +90,8 @@ def main(argv=None) -> dict:
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in prompts]
     max_len = max(map(len, prompt_ids)) + n + 64
     plain = Generator(model, tokenizer, max_len=max_len)
+    # No head, prompt lookup alone (what a model without a draft head gets), as long as the main tree's.
+    lookup = Generator(model, tokenizer, max_len=max_len, tree=TreeParams(lookup=main_tree.lookup or TreeParams().lookup))
     heads = {draft_path.stem: head}
     if args.compare_draft:
         other = resolve_draft(args.compare_draft, folder)
@@ -108,13 +110,14 @@ def main(argv=None) -> dict:
         f"{len(prompts)} prompts ({source}), {n} new tokens | draft {draft_path.name} "
         f"(vocab {head.cfg.draft_vocab_size}) | tree {main_tree}"
     )
-    rows = {"hf": [], "plain": [], "eagle": []}
+    rows = {"hf": [], "plain": [], "lookup": [], "eagle": []}
     stats, same = [], []
     sweep_rows = {run: [] for run in runs}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True, disable=args.json_only) as bar:  # fmt: skip
-        task = bar.add_task("warm-up", total=1 + len(prompts) * (3 + len(runs)))
+        task = bar.add_task("warm-up", total=1 + len(prompts) * (4 + len(runs)))
         plain.generate(prompt_ids[0], SamplingParams(max_tokens=8, ignore_eos=True))
+        lookup.generate(prompt_ids[0], SamplingParams(max_tokens=8, ignore_eos=True))
         for g in eagle.values():
             run_eagle(g, prompt_ids[0], 8)
         run_hf(hf, prompt_ids[0], 8, pad_id)
@@ -127,6 +130,10 @@ def main(argv=None) -> dict:
             bar.update(task, description=f"prompt {i + 1}: plain")
             done = plain.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True))
             rows["plain"].append(done.seconds - done.prefill_seconds)
+            bar.advance(task)
+            bar.update(task, description=f"prompt {i + 1}: lookup, no head")
+            copied = lookup.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True))
+            rows["lookup"].append(copied.seconds - copied.prefill_seconds)
             bar.advance(task)
             bar.update(task, description=f"prompt {i + 1}: eagle")
             tokens, seconds, st = run_eagle(eagle[main_run], ids, n)
@@ -144,6 +151,7 @@ def main(argv=None) -> dict:
         return len(decode_s) * (n - 1) / sum(decode_s)
 
     hf_tok_s, plain_tok_s, eagle_tok_s = rate(rows["hf"]), rate(rows["plain"]), rate(rows["eagle"])
+    lookup_tok_s = rate(rows["lookup"])
     steps = sum(s.steps for s in stats)
     tau = 1 + sum(s.accepted for s in stats) / steps
     deepest = max(len(s.accepted_at_depth) for s in stats)
@@ -154,7 +162,8 @@ def main(argv=None) -> dict:
     table = Table(title=f"greedy decode, {args.dtype}, {torch.get_num_threads()} threads, {n} tokens x {len(prompts)} prompts")
     for c in ("engine", "tok/s", "vs transformers", "vs plain"):
         table.add_column(c, justify="left" if c == "engine" else "right")
-    for name, r in (("transformers generate", hf_tok_s), ("ours, plain", plain_tok_s), ("ours, EAGLE", eagle_tok_s)):
+    for name, r in (("transformers generate", hf_tok_s), ("ours, plain", plain_tok_s),
+                    ("ours, prompt lookup alone (no head)", lookup_tok_s), ("ours, EAGLE", eagle_tok_s)):
         table.add_row(name, f"{r:.1f}", f"{r / hf_tok_s:.2f}x", f"{r / plain_tok_s:.2f}x")
     out.print(table)
     out.print(
@@ -187,6 +196,7 @@ def main(argv=None) -> dict:
         "eagle_vs_plain": round(eagle_tok_s / plain_tok_s, 3),
         "eagle_tok_s": round(eagle_tok_s, 2),
         "plain_tok_s": round(plain_tok_s, 2),
+        "lookup_alone_tok_s": round(lookup_tok_s, 2),
         "hf_tok_s": round(hf_tok_s, 2),
         "accepted_per_depth": [round(r, 3) for r in depth_rate],
         "lookup_accepted_per_step": round(lookup_rate, 3),

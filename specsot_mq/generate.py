@@ -22,6 +22,7 @@ import torch
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.layout import SlotLayout, new_layout
+from specsot_mq.lookup import NgramIndex
 from specsot_mq.model import LlamaModel
 from specsot_mq.sampling import Sampler, SamplingParams
 from specsot_mq.tokenizer import Detokenizer, chat_prompt_ids
@@ -93,30 +94,53 @@ class Decoder(Protocol):
 
 
 class PlainDecoder:
-    """One token per sequence per forward; all running sequences share each forward."""
+    """One token per sequence per forward; all running sequences share each forward.
 
-    def __init__(self, model: LlamaModel, cache: KVCache, sampler: Sampler, layout: str = "batching"):
+    With `lookup` (greedy only; a model without a draft head), each sequence also feeds the
+    tokens prompt lookup copies from earlier in it (lookup.py), up to `lookup` tokens per
+    forward split between the sequences, and keeps those the base model's argmax agrees with,
+    plus the next one: the same tokens, in fewer forwards."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, sampler: Sampler, layout: str = "batching", lookup: int = 0):
         self.model, self.sampler = model, sampler
         self.layout = new_layout(layout, model, cache)
         self.max_sequences = self.layout.max_sequences
         self.last: dict[int, int] = {}  # running sequence -> the token fed to its next step
+        self.lookup = lookup if sampler.params.greedy else 0
+        self.index: dict[int, NgramIndex] = {}  # running sequence -> its tokens, for lookup
 
     def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, list[int]]:
         pre = self.layout.prefill(prompts, shared, prefix_from)
         first = dict(zip(pre.slots, self.sampler(pre.last_logits).tolist()))
         self.last.update(first)
+        if self.lookup:
+            self.index.update({slot: NgramIndex(prompts[slot] + [tok]) for slot, tok in first.items()})
         return {slot: [tok] for slot, tok in first.items()}
 
     def step(self) -> dict[int, list[int]]:
         seqs = list(self.last)
-        ids = [[self.last[s]] for s in seqs]
-        logits, _ = self.layout.forward(seqs, ids, [[self.layout.length(s)] for s in seqs])
-        self.layout.commit(seqs, [[0]] * len(seqs))
-        self.last = dict(zip(seqs, self.sampler(logits[:, -1]).tolist()))
-        return {seq: [tok] for seq, tok in self.last.items()}
+        cap = min(self.lookup // len(seqs), self.layout.room(seqs) - 1) if self.lookup else 0
+        ids = [[self.last[s]] + (self.index[s].propose(cap) if cap > 0 else []) for s in seqs]
+        positions = [list(range(n, n + len(x))) for n, x in zip(map(self.layout.length, seqs), ids)]
+        logits, _ = self.layout.forward(seqs, ids, positions)  # causal within each row
+        if not self.lookup:
+            self.layout.commit(seqs, [[0]] * len(seqs))
+            self.last = dict(zip(seqs, self.sampler(logits[:, -1]).tolist()))
+            return {seq: [tok] for seq, tok in self.last.items()}
+        new = {}
+        for seq, x, best in zip(seqs, ids, logits.argmax(-1).tolist()):
+            k = 0  # copied tokens the model agrees with
+            while k + 1 < len(x) and x[k + 1] == best[k]:
+                k += 1
+            new[seq] = x[1 : k + 1] + [best[k]]
+            self.index[seq].extend(new[seq])
+        self.layout.commit(seqs, [list(range(len(new[s]))) for s in seqs])
+        self.last = {seq: tokens[-1] for seq, tokens in new.items()}
+        return new
 
     def drop(self, seq: int) -> None:
         self.last.pop(seq, None)
+        self.index.pop(seq, None)
         self.layout.drop(seq)
 
     def room(self, seqs: list[int]) -> int:
@@ -278,7 +302,8 @@ class Generator:
 
     def __init__(self, model: LlamaModel, tokenizer, max_len: int = 4096, num_slots: int = 1, draft=None, tree=None):
         """draft: an EAGLE DraftHead attached to `model` (None: plain decoding); tree: its
-        TreeParams. Both caches are allocated here, once."""
+        TreeParams (without a head, only tree.lookup counts: prompt lookup in the plain decoder;
+        no tree, no lookup). Both caches are allocated here, once."""
         self.model = model
         self.tokenizer = tokenizer
         self.cache = model.new_cache(num_slots, max_len)
@@ -315,7 +340,7 @@ class Generator:
         "batching" (a cache slot per sequence) or "bim" (all in one slot, see layout.py)."""
         sampler = Sampler(params, self.model.device)
         if self.draft is None:
-            return PlainDecoder(self.model, self.cache, sampler, layout)
+            return PlainDecoder(self.model, self.cache, sampler, layout, self.tree.lookup if self.tree else 0)
         from specsot_mq.speculative import EagleDecoder
 
         return EagleDecoder(self.model, self.draft, self.cache, sampler, self.tree, self.draft_cache, layout)

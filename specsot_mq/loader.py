@@ -156,10 +156,13 @@ def load_generator(
 ):
     """The model named or given by path (pulled if it is a known name not yet cached), its
     tokenizer, its EAGLE draft head (see resolve_draft), and a Generator with caches of
-    `max_len` positions for `num_slots` sequences."""
+    `max_len` positions for `num_slots` sequences. tree: TreeParams (default TreeParams(), whose
+    prompt lookup also drafts for a model without a head; TreeParams(lookup=0) there decodes
+    plainly)."""
     from specsot_mq.draft import DraftHead
     from specsot_mq.generate import Generator
     from specsot_mq.pull import resolve_model
+    from specsot_mq.speculative import TreeParams
     from specsot_mq.tokenizer import load_tokenizer
 
     folder = resolve_model(model)
@@ -167,4 +170,5 @@ def load_generator(
     net = load_model(folder, dtype=resolve_dtype(dtype, dev), device=dev)
     draft_path = resolve_draft(draft, folder)
     head = DraftHead.load(draft_path, net).prepack() if draft_path else None
-    return Generator(net, load_tokenizer(folder), max_len=max_len, num_slots=num_slots, draft=head, tree=tree)
+    return Generator(net, load_tokenizer(folder), max_len=max_len, num_slots=num_slots, draft=head,
+                     tree=tree or TreeParams())  # fmt: skip

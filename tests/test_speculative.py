@@ -247,6 +247,23 @@ def test_seeded_sampling_reproduces(base, kind):
         assert stats.tau > 2
 
 
+@pytest.mark.parametrize("layout", ["batching", "bim"])
+def test_prompt_lookup_without_a_head_equals_plain_decoding_in_fewer_steps(base, layout):
+    """A model without a draft head: the plain decoder feeds the copied tokens along and keeps
+    what the model agrees with; alone and batched, the tokens are plain decoding's."""
+    prompts = [[BOS, 5, 6, 7, 8, 9], [BOS, 12], [BOS, 40, 41, 42]]
+    plain = Generator(base, CharTokenizer(), max_len=160, num_slots=3)  # bim: all three in one slot
+    gen = Generator(base, CharTokenizer(), max_len=160, num_slots=3, tree=TreeParams(lookup=6))
+    want = [c.token_ids for c in plain.generate_many(prompts, GREEDY)]
+    alone = [gen.generate(p, GREEDY, decoder=gen.new_decoder(GREEDY, layout)) for p in prompts]
+    assert [c.token_ids for c in alone] == want
+    assert sum(c.steps for c in alone) < sum(len(c.token_ids) - 1 for c in alone)  # copies got accepted
+    together = gen.generate_many(prompts, GREEDY, decoder=gen.new_decoder(GREEDY, layout))
+    assert [c.token_ids for c in together] == want
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=1)
+    assert gen.new_decoder(sampled).lookup == 0 and gen.new_decoder(GREEDY).lookup == 6
+
+
 def test_prompt_lookup_is_off_when_sampling(base):
     """Lookup is greedy-only (a grafted node has no draft distribution for rejection sampling):
     with it asked for, seeded sampling draws exactly what it draws without."""
