@@ -308,9 +308,9 @@ class EagleDecoder:
     def graft_lookup(self, seqs: list[int], trees: list[DraftTree]) -> list[DraftTree]:
         """Each tree with its sequence's prompt-lookup guess grafted on (tree.graft): up to
         tree.lookup tokens alone, fewer as more sequences share the forward (max_batch_tokens
-        split between them, as for the draft nodes: the 8 writing questions of
-        `benchmarks/sot.py` ran fastest so, against no split and splits of 4, 12 and 16), and
-        as long as the base cache has room."""
+        split between them, as for the draft nodes: in a one-off trial on the 8 writing
+        questions of `benchmarks/sot.py`, SpecSoT ran fastest so, against no split and splits
+        of 4, 12 and 16 tokens), and as long as the base cache has room."""
         room = self.layout.room(seqs)
         cap = min(self.tree.lookup, max(self.tree.max_batch_tokens, self.tree.lookup) // len(seqs))
         return [graft(t, self.lookup[s].propose(min(cap, room - t.size))) for s, t in zip(seqs, trees)]
