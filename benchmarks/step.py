@@ -5,7 +5,8 @@ when T > 1, as a draft chain has, and rows at different lengths when B > 1) it t
 forward, then the same forward again with its linear layers (by kind), its attention and its
 KV-cache writes timed call by call (medians over the runs, as for the whole forward); the rest is
 everything else (norms, rope, Python). Next to it, the floor: the weight bytes one forward reads
-over the memory bandwidth measured in the same run.
+over the memory bandwidth measured in the same run; and after it, picking the greedy tokens from
+the logits, by argmax and by torch.max (what the decoders use: sampling.greedy_tokens).
 
     python benchmarks/step.py [--dtype auto|bf16|fp32] [--threads N] [--runs 20] [--model PATH]
 
@@ -35,6 +36,7 @@ from specsot_mq import model as model_module  # noqa: E402
 from specsot_mq.kv_cache import KVCache  # noqa: E402
 from specsot_mq.loader import load_model  # noqa: E402
 from specsot_mq.pull import resolve_model  # noqa: E402
+from specsot_mq.sampling import greedy_tokens  # noqa: E402
 
 # (B, T): plain decode, EAGLE verifies of the default 4-node tree and larger ones, SoT points batched
 # plain and with small trees
@@ -89,7 +91,7 @@ def time_shape(model, cache, b: int, t: int, runs: int, gen: torch.Generator) ->
     def forward():
         for slot, n in enumerate(lengths):
             cache.truncate(slot, n)
-        model(ids, positions, cache, slots=range(b), mask=mask)
+        return model(ids, positions, cache, slots=range(b), mask=mask).logits
 
     for _ in range(3):
         forward()
@@ -105,12 +107,24 @@ def time_shape(model, cache, b: int, t: int, runs: int, gen: torch.Generator) ->
             forward()
             runs_parts.append(dict(parts))
     ms = {k: statistics.median(r.get(k, 0.0) for r in runs_parts) * 1e3 for k in (*KINDS, *OTHER)}
+    # Picking the greedy tokens from the logits (after the forward, in every verify): argmax
+    # against torch.max, which the decoders use (sampling.greedy_tokens).
+    logits = forward()
+    for name, pick in (("argmax", lambda: logits.argmax(-1)), ("greedy_tokens", lambda: greedy_tokens(logits))):
+        ms[name] = statistics.median(_seconds(pick) for _ in range(runs)) * 1e3
     total = statistics.median(samples) * 1e3
     linears = sum(ms[k] for k in KINDS)
     rest = total - linears - sum(ms[k] for k in OTHER)
     return {"b": b, "t": t, "forward_ms": round(total, 2), "linears_ms": round(linears, 2),
             **{f"{k.replace(' ', '_')}_ms": round(ms[k], 2) for k in OTHER}, "rest_ms": round(rest, 2),
+            "argmax_ms": round(ms["argmax"], 2), "greedy_tokens_ms": round(ms["greedy_tokens"], 2),
             "linear_ms_by_kind": {k: round(ms[k], 2) for k in KINDS}}  # fmt: skip
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main(argv=None) -> dict:
@@ -139,12 +153,13 @@ def main(argv=None) -> dict:
 
     table = Table(title=f"one forward, {args.dtype}, {args.threads} threads, median of {args.runs} | {cpu_name()} | "
                         f"weights {nbytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s read: floor {floor_ms:.1f} ms")  # fmt: skip
-    for col in ("B x T", "forward ms", "linears ms", "attention ms", "cache writes ms", "rest ms", "linears", "x floor"):
+    for col in ("B x T", "forward ms", "linears ms", "attention ms", "cache writes ms", "rest ms", "linears", "x floor",
+                "argmax ms", "max ms"):
         table.add_column(col, justify="right")
     for r in rows:
         ms = [r[k] for k in ("forward_ms", "linears_ms", "attention_ms", "cache_writes_ms", "rest_ms")]
         table.add_row(f"{r['b']} x {r['t']}", *(f"{v:.2f}" for v in ms), f"{100 * r['linears_ms'] / r['forward_ms']:.0f}%",
-                      f"{r['forward_ms'] / floor_ms:.2f}")  # fmt: skip
+                      f"{r['forward_ms'] / floor_ms:.2f}", f"{r['argmax_ms']:.2f}", f"{r['greedy_tokens_ms']:.2f}")  # fmt: skip
     Console(stderr=True).print(table)
     result = {"dtype": args.dtype, "threads": args.threads, "cpu": cpu_name(), "weight_mb": round(nbytes / 1e6, 1),
               "bandwidth_gb_s": round(bandwidth / 1e9, 2), "floor_ms": round(floor_ms, 2), "shapes": rows}  # fmt: skip

@@ -24,7 +24,7 @@ from specsot_mq.kv_cache import KVCache
 from specsot_mq.layout import SlotLayout, new_layout
 from specsot_mq.lookup import NgramIndex
 from specsot_mq.model import LlamaModel
-from specsot_mq.sampling import Sampler, SamplingParams
+from specsot_mq.sampling import Sampler, SamplingParams, greedy_tokens
 from specsot_mq.tokenizer import Detokenizer, chat_prompt_ids
 
 
@@ -128,7 +128,7 @@ class PlainDecoder:
             self.last = dict(zip(seqs, self.sampler(logits[:, -1]).tolist()))
             return {seq: [tok] for seq, tok in self.last.items()}
         new = {}
-        for seq, x, best in zip(seqs, ids, logits.argmax(-1).tolist()):
+        for seq, x, best in zip(seqs, ids, greedy_tokens(logits).tolist()):
             k = 0  # copied tokens the model agrees with
             while k + 1 < len(x) and x[k + 1] == best[k]:
                 k += 1

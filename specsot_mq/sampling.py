@@ -51,6 +51,13 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension (the first index on a tie, as argmax), through
+    torch.max: on CPU, over a 49k vocabulary in bf16, argmax takes 4-5x as long
+    (`benchmarks/step.py`: 0.18 against 0.83 ms for a 9-token verify's logits)."""
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     """Draws tokens for one request; owns its random generator so a seed reproduces the output."""
 
@@ -84,5 +91,5 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """One token id per row of logits [N, V]."""
         if self.params.greedy:
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         return torch.multinomial(self.probs(logits), 1, generator=self.generator).squeeze(-1)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specsot_mq.sampling import greedy_tokens
 from specsot_mq.tree import DraftTree
 
 
@@ -35,7 +36,7 @@ class Acceptance:
 
 def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:
     """target_logits [N+1, V]: the base logits at every tree node."""
-    best = target_logits.argmax(dim=-1).tolist()
+    best = greedy_tokens(target_logits).tolist()
     tokens, kids = tree.tokens.tolist(), tree.children()
     node, nodes = 0, []
     while (nxt := next((c for c in kids[node] if tokens[c] == best[node]), None)) is not None:

@@ -8,7 +8,7 @@ import torch
 from conftest import ours_from_hf, tiny_hf
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Generator, LineWatch, _Output, _StopState
-from specsot_mq.sampling import Sampler, SamplingParams
+from specsot_mq.sampling import Sampler, SamplingParams, greedy_tokens
 
 
 class CharTokenizer:
@@ -157,6 +157,19 @@ def test_a_serving_worker_fails_only_the_request_whose_prompt_is_too_long():
 
 
 # ---- the sampler ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_tokens_are_argmax_ties_included(dtype):
+    """greedy_tokens (torch.max) picks what argmax picks, the first of tied maxima too: logits of
+    a few distinct values tie all the time."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(1, 49152), (13, 49152), (3, 2, 4096), (5, 7)]:
+        tied = torch.randint(-3, 4, shape, generator=gen).to(dtype)
+        spread = torch.randn(shape, generator=gen).to(dtype)
+        for logits in (tied, spread):
+            assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert greedy_tokens(torch.tensor([[1.0, 3.0, 3.0, 2.0]], dtype=dtype)).tolist() == [1]
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():
