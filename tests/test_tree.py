@@ -66,7 +66,12 @@ CASES = [
 @pytest.mark.parametrize("name, draft, topk, depth, num_nodes, tokens, parents, depths", CASES,
                          ids=[c[0] for c in CASES])  # fmt: skip
 def test_tree_construction(name, draft, topk, depth, num_nodes, tokens, parents, depths):
-    tree = build(draft, 6, topk, depth, num_nodes)
+    check_tree(build(draft, 6, topk, depth, num_nodes), tokens, parents, depths)
+
+
+def check_tree(tree, tokens, parents, depths):
+    """The tree (root 100 at position 7) has these tokens after the root, parents and depths,
+    positions by depth, and the ancestor-or-self mask."""
     assert tree.tokens.tolist() == [100] + tokens
     assert tree.parents == parents
     assert tree.depths.tolist() == depths
@@ -136,17 +141,10 @@ GRAFTS = [
 @pytest.mark.parametrize("name, chain, tokens, parents", GRAFTS, ids=[g[0] for g in GRAFTS])
 def test_graft_merges_a_chain_into_the_tree(name, chain, tokens, parents):
     tree = graft(build(BRANCHY, 6, 2, 3, 6), chain)
-    assert tree.tokens.tolist() == [100] + tokens
-    assert tree.parents == parents
     depths = [0]
     for p in parents[1:]:
         depths.append(depths[p] + 1)
-    assert tree.depths.tolist() == depths
-    assert tree.positions.tolist() == [7 + d for d in depths]
-    expected = torch.eye(len(parents), dtype=torch.bool)
-    for i in range(1, len(parents)):
-        expected[i] |= expected[parents[i]]
-    assert torch.equal(tree.mask, expected)
+    check_tree(tree, tokens, parents, depths)
     for kids in tree.children():  # siblings never share a token: greedy acceptance has one way down
         assert len({tokens[k - 1] for k in kids}) == len(kids)
 
