@@ -478,9 +478,10 @@ def _float_view(base: LlamaModel) -> LlamaModel:
 def evaluate_tau(base: LlamaModel, tokenizer, head_path: Path, questions: list[str], max_tokens: int = 128) -> dict:
     """Mean acceptance length of the saved head, greedy, on questions it never saw in training:
     the default tree for every question, batched (the verify budget is raised so that the trees
-    do not shrink with the batch, as they do when serving)."""
+    do not shrink with the batch, as they do when serving), without prompt lookup (the head's
+    own guesses only)."""
     head = DraftHead.load(head_path, base).prepack()
-    tree = TreeParams()
+    tree = TreeParams(lookup=0)
     tree = replace(tree, max_batch_tokens=len(questions) * (tree.num_draft_tokens + 1))
     gen = Generator(base, tokenizer, max_len=1024, num_slots=len(questions), draft=head, tree=tree)
     decoder = gen.new_decoder(SamplingParams(max_tokens=max_tokens))
