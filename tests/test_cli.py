@@ -18,6 +18,8 @@ def specsot(*args, stdin=None):
         (["ask", "hi", "--dtype", "fp8"], "unknown dtype 'fp8'"),
         (["ask", "hi", "--temperature", "-1"], "temperature must be >= 0"),
         (["ask", "  "], "the question is empty"),
+        (["ask", "hi", "--lookup", "-1"], "--lookup must be a whole number of at least 0"),
+        (["ask", "hi", "--draft-depth", "9"], "--draft-depth 9 is deeper"),
         (["pull", "no-such-model"], "unknown model 'no-such-model'"),
         (["train-draft", "--feature-layers", "2,x"], "--feature-layers '2,x': give layer numbers"),
         (["train-draft", "--feature-noise", "2"], "--feature-noise 2.0: give a fraction"),
