@@ -2,9 +2,10 @@
 
 For each prompt (first turns of MT-bench questions by default), greedy, EOS ignored so every run
 makes exactly --new-tokens tokens: transformers `generate`, our plain decode, our decode with
-prompt lookup alone (no head), and our EAGLE decode with the default tree. Reports decode tokens/s of each, the mean acceptance length tau
-(= 1 + accepted / verify steps, vLLM's definition), acceptance per tree depth, the time split between
-drafting and verifying, and a sweep over tree shapes as a table.
+prompt lookup alone (no head), and our EAGLE decode with the default tree. Reports decode tokens/s
+of each, the mean acceptance length tau (= 1 + accepted / verify steps, vLLM's definition),
+acceptance per tree depth, the time split between drafting and verifying, and a sweep over tree
+shapes as a table.
 
     python benchmarks/eagle.py [--limit 5] [--new-tokens 256] [--dtype auto|bf16|fp32] [--sweep 8x4x3,12x5x4+8]
                                [--compare-draft PATH]   # the sweep runs a second head too, side by side
@@ -91,7 +92,8 @@ def main(argv=None) -> dict:
     max_len = max(map(len, prompt_ids)) + n + 64
     plain = Generator(model, tokenizer, max_len=max_len)
     # No head, prompt lookup alone (what a model without a draft head gets), as long as the main tree's.
-    lookup = Generator(model, tokenizer, max_len=max_len, tree=TreeParams(lookup=main_tree.lookup or TreeParams().lookup))
+    lookup_tree = TreeParams(lookup=main_tree.lookup or TreeParams().lookup)
+    lookup = Generator(model, tokenizer, max_len=max_len, tree=lookup_tree)
     heads = {draft_path.stem: head}
     if args.compare_draft:
         other = resolve_draft(args.compare_draft, folder)
