@@ -24,8 +24,10 @@ from specsot_mq.kv_cache import KVCache
 from specsot_mq.layout import SlotLayout, new_layout
 from specsot_mq.lookup import NgramIndex
 from specsot_mq.model import LlamaModel
-from specsot_mq.sampling import Sampler, SamplingParams, greedy_tokens
+from specsot_mq.sampling import Sampler, SamplingParams
 from specsot_mq.tokenizer import Detokenizer, chat_prompt_ids
+from specsot_mq.tree import graft, root_only
+from specsot_mq.verify import accept_greedy
 
 
 @dataclass(slots=True)
@@ -119,24 +121,27 @@ class PlainDecoder:
 
     def step(self) -> dict[int, list[int]]:
         seqs = list(self.last)
-        cap = min(self.lookup // len(seqs), self.layout.room(seqs) - 1) if self.lookup else 0
-        ids = [[self.last[s]] + (self.index[s].propose(cap) if cap > 0 else []) for s in seqs]
-        positions = [list(range(n, n + len(x))) for n, x in zip(map(self.layout.length, seqs), ids)]
-        logits, _ = self.layout.forward(seqs, ids, positions)  # causal within each row
-        if not self.lookup:
-            self.layout.commit(seqs, [[0]] * len(seqs))
-            self.last = dict(zip(seqs, self.sampler(logits[:, -1]).tolist()))
-            return {seq: [tok] for seq, tok in self.last.items()}
-        new = {}
-        for seq, x, best in zip(seqs, ids, greedy_tokens(logits).tolist()):
-            k = 0  # copied tokens the model agrees with
-            while k + 1 < len(x) and x[k + 1] == best[k]:
-                k += 1
-            new[seq] = x[1 : k + 1] + [best[k]]
-            self.index[seq].extend(new[seq])
-        self.layout.commit(seqs, [list(range(len(new[s]))) for s in seqs])
-        self.last = {seq: tokens[-1] for seq, tokens in new.items()}
-        return new
+        if self.lookup:
+            return self._lookup_step(seqs)
+        ids = [[self.last[s]] for s in seqs]
+        logits, _ = self.layout.forward(seqs, ids, [[self.layout.length(s)] for s in seqs])
+        self.layout.commit(seqs, [[0]] * len(seqs))
+        self.last = dict(zip(seqs, self.sampler(logits[:, -1]).tolist()))
+        return {seq: [tok] for seq, tok in self.last.items()}
+
+    def _lookup_step(self, seqs: list[int]) -> dict[int, list[int]]:
+        """A step whose rows are chains: the step's token, then the copied ones (a draft tree of
+        one path, verified and accepted as the EAGLE decoder's are)."""
+        cap = min(self.lookup // len(seqs), self.layout.room(seqs) - 1)
+        dev = self.model.device
+        chains = [graft(root_only(self.last[s], self.layout.length(s), dev), self.index[s].propose(cap)) for s in seqs]
+        logits, _ = self.layout.forward(seqs, [c.tokens for c in chains], [c.positions for c in chains])  # causal
+        results = [accept_greedy(c, logits[i, : c.size]) for i, c in enumerate(chains)]
+        self.layout.commit(seqs, [[0] + res.nodes for res in results])
+        for seq, res in zip(seqs, results):
+            self.index[seq].extend(res.tokens)
+        self.last = {seq: res.tokens[-1] for seq, res in zip(seqs, results)}
+        return {seq: res.tokens for seq, res in zip(seqs, results)}
 
     def drop(self, seq: int) -> None:
         self.last.pop(seq, None)

@@ -154,7 +154,7 @@ class EagleDecoder:
         # the same prefix may copy it from that slot)
         self.prefix_feature: dict[int, torch.Tensor] = {}
         # running slot -> its tokens so far, indexed for prompt lookup (greedy, tree.lookup > 0)
-        self.lookup: dict[int, NgramIndex] = {}
+        self.index: dict[int, NgramIndex] = {}
         self.stats = SpecStats(accepted_at_depth=[0] * self.tree.depth)
 
     @property
@@ -204,7 +204,7 @@ class EagleDecoder:
             self.state[slot] = DraftState(root, logits[row, len(x) - 1], hidden[row, len(x) - 1])
             self.unread.pop(slot, None)
             if self.tree.lookup and self.sampler.params.greedy:
-                self.lookup[slot] = NgramIndex(prompts[slot] + [root])
+                self.index[slot] = NgramIndex(prompts[slot] + [root])
         self.stats.draft_seconds += time.perf_counter() - start
         return {slot: [root] for slot, root in zip(pre.slots, roots)}
 
@@ -216,7 +216,7 @@ class EagleDecoder:
             self.draft_extend(seqs)
         trees = self.draft(seqs, budget)
         drafted = [t.size for t in trees]  # nodes beyond these come from prompt lookup alone
-        if self.lookup:
+        if self.index:
             trees = self.graft_lookup(seqs, trees)
         mid = time.perf_counter()
         logits, features = self.verify(seqs, trees)
@@ -228,8 +228,8 @@ class EagleDecoder:
         for i, (seq, res) in enumerate(zip(seqs, results)):
             self.unread.setdefault(seq, []).append((res.tokens, features[i, [0] + res.nodes]))
             self.state[seq].root = res.tokens[-1]
-            if seq in self.lookup:
-                self.lookup[seq].extend(res.tokens)
+            if seq in self.index:
+                self.index[seq].extend(res.tokens)
         self.stats.draft_seconds += mid - start
         self.stats.verify_seconds += end - mid
         self._count(trees, results, drafted)
@@ -238,7 +238,7 @@ class EagleDecoder:
     def drop(self, seq: int) -> None:
         self.state.pop(seq, None)
         self.unread.pop(seq, None)
-        self.lookup.pop(seq, None)
+        self.index.pop(seq, None)
         self.layout.drop(seq)
 
     def room(self, seqs: list[int]) -> int:
@@ -313,7 +313,7 @@ class EagleDecoder:
         of 4, 12 and 16 tokens), and as long as the base cache has room."""
         room = self.layout.room(seqs)
         cap = min(self.tree.lookup, max(self.tree.max_batch_tokens, self.tree.lookup) // len(seqs))
-        return [graft(t, self.lookup[s].propose(min(cap, room - t.size))) for s, t in zip(seqs, trees)]
+        return [graft(t, self.index[s].propose(min(cap, room - t.size))) for s, t in zip(seqs, trees)]
 
     def verify(self, seqs: list[int], trees: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor]:
         """One base forward over every tree; returns (logits [B, T, V], features [B, T, F*H]),

@@ -273,7 +273,7 @@ def test_prompt_lookup_is_off_when_sampling(base):
     for tree in (TREE, LOOKUP):
         decoder = EagleDecoder(base, random_head(base), gen.cache, Sampler(params), tree)
         runs.append(gen.generate([BOS, 5, 6, 7], params, decoder=decoder).token_ids)
-        assert decoder.stats.lookup_accepted == 0 and not decoder.lookup
+        assert decoder.stats.lookup_accepted == 0 and not decoder.index
     assert runs[0] == runs[1]
 
 
