@@ -152,14 +152,22 @@ def main(argv=None) -> dict:
     result.update(questions=len(rows), sot_routed=len(planned), dtype=args.dtype, max_tokens=args.max_tokens,
                   threads=torch.get_num_threads(), draft=draft_path.name, layout=args.layout,
                   prompt_format=args.prompt_format, repeat_stop=args.repeat_stop, verify_budget=args.verify_budget,
+                  lookup=args.lookup,
                   per_question=[{"question": r["question"], "mode": mode(r),
                                  **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]} for e in engines}} for r in rows])  # fmt: skip
-    summary = Table(title="median speedup over transformers generate")
-    summary.add_column("engine")
-    summary.add_column("all questions", justify="right")
-    summary.add_column("routed to SoT", justify="right")
-    for engine in [e for e in ("eagle", "sot", "specsot") if e in engines]:
-        summary.add_row(engine, str(result[f"{engine}_vs_hf"]), str(result[f"{engine}_vs_hf_sot_routed"]))
+    # Tokens over seconds of all answers: the answers' lengths differ between engines (SoT's are
+    # structured, and in bf16 tree shapes change tokens), so rates complement the latency medians.
+    result["totals"] = {e: {"tokens": sum(r[e][1] for r in rows), "seconds": round(sum(r[e][0] for r in rows), 2)}
+                        for e in engines}  # fmt: skip
+    for t in result["totals"].values():
+        t["tok_s"] = round(t["tokens"] / t["seconds"], 1) if t["seconds"] else None
+    summary = Table(title="median speedup over transformers generate; all answers' tokens over their seconds")
+    for col in ("engine", "all questions", "routed to SoT", "tokens", "seconds", "tok/s"):
+        summary.add_column(col, justify="left" if col == "engine" else "right")
+    for engine in engines:
+        speedups = ("-", "-") if engine == "hf" else (str(result[f"{engine}_vs_hf"]), str(result[f"{engine}_vs_hf_sot_routed"]))
+        t = result["totals"][engine]
+        summary.add_row(engine, *speedups, str(t["tokens"]), f"{t['seconds']:.1f}", str(t["tok_s"]))
     out.print(summary)
     if phases:
         result["specsot_phases"] = phase_table(phases, out)
