@@ -120,7 +120,7 @@ class PlainDecoder:
         return {slot: [tok] for slot, tok in first.items()}
 
     def step(self) -> dict[int, list[int]]:
-        seqs = list(self.last)
+        seqs = sorted(self.last)  # in slot order: a run of consecutive slots is read in place (KVCache.view)
         if self.lookup:
             return self._lookup_step(seqs)
         ids = [[self.last[s]] for s in seqs]

@@ -100,8 +100,9 @@ class KVCache:
         if _is_range(slots):
             s0 = slots[0]
             return self.k[layer, s0 : s0 + len(slots), :, :length], self.v[layer, s0 : s0 + len(slots), :, :length]
+        # index_select over the slot dimension: several times faster than advanced indexing here.
         idx = torch.tensor(slots, device=self.k.device)
-        return self.k[layer, idx, :, :length], self.v[layer, idx, :, :length]
+        return self.k[layer, :, :, :length].index_select(0, idx), self.v[layer, :, :, :length].index_select(0, idx)
 
     def move(self, slot: int, src: Sequence[int] | torch.Tensor, dst: int) -> None:
         """Copy the entries at cache positions `src` to positions dst, dst+1, ... (all layers), then

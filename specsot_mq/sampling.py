@@ -80,16 +80,50 @@ class Sampler:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if p.top_p < 1:
-            sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-            # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token).
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-            probs = probs / probs.sum(-1, keepdim=True)
+            probs = top_p_filter(probs, p.top_p)
         return probs
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """One token id per row of logits [N, V]."""
         if self.params.greedy:
             return greedy_tokens(logits)
-        return torch.multinomial(self.probs(logits), 1, generator=self.generator).squeeze(-1)
+        return sample(self.probs(logits), self.generator)
+
+
+# Top-p looks at this many of the most likely tokens first; only a row whose kept tokens reach past
+# them (a flat distribution) sorts its whole vocabulary.
+TOP_P_CANDIDATES = 1024
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [N, V] renormalised over each row's nucleus: a token is dropped when the mass of the
+    more likely tokens before it already reaches top_p (so at least one is kept). Sorting a 49k
+    vocabulary costs ~1.4 ms a row on a CPU core; the nucleus is usually among the top few
+    hundred, and it lies within a row's top k exactly when its k-th token is dropped, so only
+    the rows where that fails are sorted in full."""
+    k = min(TOP_P_CANDIDATES, probs.shape[-1])
+    top, order = torch.topk(probs, k, dim=-1)  # sorted, most likely first
+    out = _nucleus(probs, top, order, top_p)
+    wide = (top.cumsum(-1) - top)[:, -1] < top_p  # the k-th kept: the nucleus may reach past it
+    if k < probs.shape[-1] and bool(wide.any()):
+        rows = wide.nonzero().squeeze(1)
+        out[rows] = _nucleus(probs[rows], *torch.sort(probs[rows], dim=-1, descending=True), top_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+def _nucleus(probs: torch.Tensor, top: torch.Tensor, order: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs' most likely tokens `top` (at `order`, most likely first) cut at top_p, in place of probs."""
+    kept = top.masked_fill((top.cumsum(-1) - top) >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, kept)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row of probs [N, V] (rows need not sum to 1), drawn by inverting the
+    cumulative distribution with one uniform number per row: the same distribution as
+    torch.multinomial, ~50x faster on a 49k vocabulary on CPU. A token of probability 0 is never
+    drawn (the first index whose cumulative mass exceeds the draw)."""
+    cdf = probs.float().cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # below the total, even rounded
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)

@@ -209,7 +209,7 @@ class EagleDecoder:
         return {slot: [root] for slot, root in zip(pre.slots, roots)}
 
     def step(self) -> dict[int, list[int]]:
-        seqs = list(self.state)
+        seqs = sorted(self.state)  # in slot order: a run of consecutive slots is read in place (KVCache.view)
         start = time.perf_counter()
         budget = self.budget(seqs)
         if budget or any(len(u) >= self.unread_limit for u in self.unread.values()):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specsot_mq.sampling import greedy_tokens
+from specsot_mq.sampling import greedy_tokens, sample
 from specsot_mq.tree import DraftTree
 
 
@@ -73,7 +73,7 @@ def accept_sampled(
             q[tok] = 0
             q = q / q.sum().clamp(min=1e-30)
         if accepted is None:
-            bonus = int(torch.multinomial(p, 1, generator=generator))
+            bonus = int(sample(p[None], generator))
             return Acceptance(nodes, [tokens[i] for i in nodes] + [bonus])
         nodes.append(accepted)
         node = accepted

@@ -190,6 +190,38 @@ def test_sampling_frequencies_follow_the_distribution():
     assert (freq - target).abs().max() < 0.02
 
 
+def test_top_p_over_the_top_candidates_equals_sorting_the_whole_vocabulary(monkeypatch):
+    """Rows whose nucleus lies within the top candidates and rows that reach past them (flat ones,
+    sorted in full) in one batch: each is cut exactly where sorting its whole row cuts it."""
+    import specsot_mq.sampling as sampling
+
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 8)
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(6, 64) * torch.tensor([[8.0], [0.1], [4.0], [0.5], [20.0], [1.0]]), -1)
+    for top_p in (0.3, 0.9, 0.99):
+        got = sampling.top_p_filter(probs, top_p)
+        ranked, order = torch.sort(probs, -1, descending=True)
+        ref = torch.zeros_like(probs).scatter_(-1, order, ranked.masked_fill(ranked.cumsum(-1) - ranked >= top_p, 0))
+        ref = ref / ref.sum(-1, keepdim=True)
+        assert torch.allclose(got, ref)
+        kept = (got > 0).sum(-1)
+        assert kept.max() > 8 and kept.min() < 8  # both kinds of rows were there
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero():
+    from specsot_mq.sampling import sample
+
+    target = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    gen = torch.Generator().manual_seed(1)
+    draws = sample((target * 7).expand(30000, 6), gen)  # unnormalised rows are fine
+    counts = torch.bincount(draws, minlength=6)
+    assert counts[target == 0].sum() == 0
+    freq = counts.float() / 30000
+    assert (freq - target).abs().max() < 0.015
+    edge = torch.tensor([[0.0, 1.0, 0.0]]).expand(1000, 3)  # a draw at the very top still lands on a token
+    assert sample(edge, gen).eq(1).all()
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
