@@ -36,12 +36,15 @@ RepeatOpt = Annotated[int, typer.Option(help="End an output (each phase's) when 
 FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan) or plan (the model picks [PLAN] or [DIRECT]).")]
 
 
-def tree_params(num_draft_tokens, depth, topk, lookup=None):
-    """TreeParams from the flags, defaults where a flag is not given; it validates itself."""
+def tree_flags(num_draft_tokens, depth, topk, lookup=None) -> dict:
+    """The TreeParams fields given by flags (a stage process gets them as they are), checked now:
+    an impossible tree fails here with one clear error."""
     from specsot_mq.speculative import TreeParams
 
     given = {"num_draft_tokens": num_draft_tokens, "depth": depth, "topk": topk, "lookup": lookup}
-    return TreeParams(**{k: v for k, v in given.items() if v is not None})
+    given = {k: v for k, v in given.items() if v is not None}
+    TreeParams(**given)  # validates
+    return given
 
 
 @app.command()
@@ -93,7 +96,9 @@ def ask(
         raise SpecSotError("the question is empty: pass it as an argument or on stdin with '-'")
     params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop or ()), repeat_stop=repeat_stop)
     config = SoTConfig(sot=sot, prompt_format=prompt_format, max_points=max_points, max_parallel=max_parallel, layout=layout)
-    tree = tree_params(num_draft_tokens, draft_depth, draft_topk, lookup)
+    from specsot_mq.speculative import TreeParams
+
+    tree = TreeParams(**tree_flags(num_draft_tokens, draft_depth, draft_topk, lookup))
     gen = load_generator(model, dtype=dtype, device=device, max_len=max_len, num_slots=max_parallel,
                          draft=draft, tree=tree)  # fmt: skip
     engine = SoTEngine(gen, config)
@@ -107,6 +112,7 @@ def train_draft(
     work_dir: Annotated[Optional[str], typer.Option(help="Data and checkpoints (resumable).")] = None,
     questions: Annotated[int, typer.Option(help="Questions the model writes for itself.")] = 640,
     epochs: Annotated[int, typer.Option(help="Training epochs.")] = 5,
+    batch: Annotated[int, typer.Option(help="Sequences decoded together while the model writes the data.")] = 64,
     draft_vocab: Annotated[int, typer.Option(help="Draft vocabulary size (most frequent tokens).")] = 8192,
     feature_layers: Annotated[Optional[str], typer.Option(
         help="Base hidden states the head reads, the final one last, e.g. 2,15,27,30 for a 30-layer base "
@@ -134,6 +140,8 @@ def train_draft(
         layers = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None
     except ValueError:
         raise SpecSotError(f"--feature-layers {feature_layers!r}: give layer numbers separated by commas, e.g. 2,15,27,30") from None
+    if batch < 1:
+        raise SpecSotError(f"--batch {batch}: give the number of sequences to decode together, at least 1 (e.g. 64)")
     if not 0 < lr < 1:
         raise SpecSotError(f"--lr {lr}: give a learning rate above 0 and below 1, e.g. 1e-3 (3e-4 to fine-tune)")
     if not 0 <= feature_noise < 1:
@@ -142,7 +150,7 @@ def train_draft(
     name = folder.name
     dev = resolve_device(device)
     base = load_model(folder, dtype=resolve_dtype(dtype, dev), device=dev)
-    cfg = recipe.TrainConfig(questions=questions, epochs=epochs, draft_vocab=draft_vocab, feature_layers=layers,
+    cfg = recipe.TrainConfig(questions=questions, epochs=epochs, batch=batch, draft_vocab=draft_vocab, feature_layers=layers,
                              feature_noise=feature_noise, seed=seed, lr=lr, init=init)
     recipe.feature_layers(base, cfg)  # a wrong list fails now, not after the data is written
     out_path = Path(out) if out else specsot_home() / "drafts" / f"{name}.safetensors"

@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from specsot_mq.cli.app import DraftOpt, DtypeOpt, FormatOpt, ModelOpt, RepeatOpt, app, err
+from specsot_mq.cli.app import (DepthOpt, DraftOpt, DtypeOpt, FormatOpt, LookupOpt, ModelOpt, NumDraftOpt, RepeatOpt,
+                                TopkOpt, app, err, tree_flags)
 from specsot_mq.errors import SpecSotError
 from specsot_mq.sampling import REPEAT_STOP
 
@@ -33,10 +34,10 @@ def _run_file(name: str) -> Path:
     return Path(name) if name.endswith(".json") else runs_folder() / f"{name}.json"
 
 
-def start_topology(devices: str, topology: str, model, dtype, draft, stages=None, remote: str = "ssh {host} {command}",
-                   devices_file=None, max_points: int = 8, point_tokens: int = 160, skeleton_tokens: int = 128,
-                   base_port: int = 5600, restart: bool = True, prompt_format: str = "sot"):  # fmt: skip
-    """Plan and start a topology; returns (launcher, spec)."""
+def start_topology(devices: str, topology: str, model, dtype, draft, tree: dict, stages=None,
+                   remote: str = "ssh {host} {command}", devices_file=None, max_points: int = 8, point_tokens: int = 160,
+                   skeleton_tokens: int = 128, base_port: int = 5600, restart: bool = True, prompt_format: str = "sot"):  # fmt: skip
+    """Plan and start a topology; returns (launcher, spec). tree: TreeParams fields (tree_flags)."""
     from specsot_mq.devices import parse_devices
     from specsot_mq.launch import Launcher, plan_run
     from specsot_mq.sot.engine import SoTConfig
@@ -49,7 +50,7 @@ def start_topology(devices: str, topology: str, model, dtype, draft, stages=None
     profiles = load_profiles(devices_file or default_profiles_path())
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
     spec = plan_run(parse_devices(devices), profiles, topology, run_dir, base_port, model=model, dtype=dtype,
-                    draft=draft, sot=sot, overrides=parse_overrides(stages or []))  # fmt: skip
+                    draft=draft, tree=tree, sot=sot, overrides=parse_overrides(stages or []))  # fmt: skip
     launcher = Launcher(spec, run_dir, remote=remote, restart=restart)
     launcher.start()
     return launcher, spec
@@ -90,6 +91,10 @@ def launch(
     model: ModelOpt = None,
     dtype: DtypeOpt = "auto",
     draft: DraftOpt = "auto",
+    num_draft_tokens: NumDraftOpt = None,
+    draft_depth: DepthOpt = None,
+    draft_topk: TopkOpt = None,
+    lookup: LookupOpt = None,
     stage: StageOpt = None,
     run: RunOpt = "default",
     remote: Annotated[str, typer.Option(help="Command that runs {command} on {host}.")] = "ssh {host} {command}",
@@ -106,7 +111,8 @@ def launch(
     from specsot_mq.launch import wait_ready
 
     with _sigterm_as_interrupt():
-        launcher, spec = start_topology(devices, topology, model, dtype, draft, stage, remote, devices_file,
+        tree = tree_flags(num_draft_tokens, draft_depth, draft_topk, lookup)
+        launcher, spec = start_topology(devices, topology, model, dtype, draft, tree, stage, remote, devices_file,
                                         max_points, point_tokens, skeleton_tokens, base_port, restart,
                                         prompt_format)  # fmt: skip
         run_file = _run_file(run)
@@ -205,6 +211,10 @@ def run_batch(
     model: ModelOpt = None,
     dtype: DtypeOpt = "auto",
     draft: DraftOpt = "auto",
+    num_draft_tokens: NumDraftOpt = None,
+    draft_depth: DepthOpt = None,
+    draft_topk: TopkOpt = None,
+    lookup: LookupOpt = None,
     devices: DevicesOpt = "127.0.0.1#cpu",
     topology: TopologyOpt = "p2p",
 ):
@@ -216,6 +226,7 @@ def run_batch(
     if concurrency < 1:
         raise SpecSotError(f"--concurrency must be at least 1, got {concurrency}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, repeat_stop=repeat_stop)
+    tree = tree_flags(num_draft_tokens, draft_depth, draft_topk, lookup)
     src = sys.stdin if input == "-" else open(input, encoding="utf-8")
     lines = [(n, line) for n, line in enumerate(src.read().splitlines(), 1) if line.strip()]
     dst = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")
@@ -247,7 +258,7 @@ def run_batch(
                 dst.flush()
         return failures
 
-    with _topology(run, devices, topology, model, dtype, draft) as address:
+    with _topology(run, devices, topology, model, dtype, draft, tree) as address:
         failures = asyncio.run(answer_all(address))
     if failures:
         err.print(f"[yellow]{failures} of {len(lines)} lines failed (see their \"error\")[/]")
@@ -263,6 +274,10 @@ def chat(
     model: ModelOpt = None,
     dtype: DtypeOpt = "auto",
     draft: DraftOpt = "auto",
+    num_draft_tokens: NumDraftOpt = None,
+    draft_depth: DepthOpt = None,
+    draft_topk: TopkOpt = None,
+    lookup: LookupOpt = None,
     devices: DevicesOpt = "127.0.0.1#cpu",
     topology: TopologyOpt = "p2p",
 ):
@@ -272,7 +287,8 @@ def chat(
     console = Console(highlight=False)
     settings = {"mode": "auto", "temperature": 0.0, "max_tokens": 256, "repeat_stop": REPEAT_STOP}
     history: list[tuple[str, str]] = []
-    with _topology(run, devices, topology, model, dtype, draft) as address:
+    tree = tree_flags(num_draft_tokens, draft_depth, draft_topk, lookup)
+    with _topology(run, devices, topology, model, dtype, draft, tree) as address:
         console.print(f"[dim]connected to {address} · {CHAT_HELP}[/]")
         while True:
             try:

@@ -44,7 +44,7 @@ console = Console(stderr=True)
 @dataclass(slots=True)
 class TrainConfig:
     questions: int = 640  # self-written questions; 5% are held out for evaluation
-    batch: int = 16  # sequences generated together
+    batch: int = 64  # sequences decoded together while writing the data (--batch)
     answer_tokens: int = 192
     skeleton_tokens: int = 96
     point_tokens: int = 64

@@ -45,6 +45,7 @@ class RunSpec:
     model: str | None = None  # name or path (None: the default model)
     dtype: str = "auto"
     draft: str | None = "auto"
+    tree: dict = field(default_factory=dict)  # TreeParams fields given on the command line (the rest default)
     sot: dict = field(default_factory=dict)  # SoTConfig fields (max_points, skeleton_tokens, ...)
     skeleton_slots: int = 4  # skeletons decoded together (from different requests)
     max_len: int = 2048

@@ -137,9 +137,12 @@ class DeviceStage(Stage):
         if threads:
             torch.set_num_threads(threads)
         device = parse_devices(self.spec.devices[self.name], resolve=False)[0].torch_device
+        from specsot_mq.speculative import TreeParams
+
         loop = asyncio.get_running_loop()
         self.gen = await loop.run_in_executor(None, lambda: load_generator(
-            self.spec.model, self.spec.dtype, device, self.spec.max_len, self.slots, self.spec.draft))  # fmt: skip
+            self.spec.model, self.spec.dtype, device, self.spec.max_len, self.slots, self.spec.draft,
+            TreeParams(**self.spec.tree)))  # fmt: skip
         self.outbox: asyncio.Queue = asyncio.Queue()
         self._sender = asyncio.create_task(self._drain())
         self.worker = DeviceWorker(self.gen, self.on_delta, loop, self.on_error)

@@ -20,9 +20,13 @@ def specsot(*args, stdin=None):
         (["ask", "  "], "the question is empty"),
         (["ask", "hi", "--lookup", "-1"], "--lookup must be a whole number of at least 0"),
         (["ask", "hi", "--draft-depth", "9"], "--draft-depth 9 is deeper"),
+        (["run", "--lookup", "-1"], "--lookup must be a whole number of at least 0"),
+        (["launch", "--draft-topk", "0"], "--draft-topk must be a whole number of at least 1"),
+        (["chat", "--draft-depth", "9"], "--draft-depth 9 is deeper"),
         (["pull", "no-such-model"], "unknown model 'no-such-model'"),
         (["train-draft", "--feature-layers", "2,x"], "--feature-layers '2,x': give layer numbers"),
         (["train-draft", "--feature-noise", "2"], "--feature-noise 2.0: give a fraction"),
+        (["train-draft", "--batch", "0"], "--batch 0: give the number of sequences"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(args, message):

@@ -111,6 +111,32 @@ def reference(tiny_model):
     return skeleton, expanded, direct
 
 
+def test_a_device_stage_decodes_with_the_runs_draft_tree(tiny_model):
+    """`--num-draft-tokens`, `--draft-depth`, `--draft-topk` and `--lookup` of launch/run/chat reach
+    every device stage through the run spec (as its JSON crosses to the stage process); the
+    fields not given keep their defaults."""
+    from specsot_mq.speculative import TreeParams
+    from specsot_mq.stages.base import RunSpec
+    from specsot_mq.stages.skeleton import SkeletonStage
+
+    spec, _ = tiny_spec(tiny_model, "p2p")
+    spec.tree = {"num_draft_tokens": 6, "depth": 3, "lookup": 0}
+    spec = RunSpec.from_json(spec.to_json())
+
+    async def started():
+        async def send(dst, msg):
+            pass
+
+        stage = SkeletonStage("skeleton", spec, send)
+        await stage.start()
+        try:
+            return stage.gen.tree
+        finally:
+            await stage.stop()
+
+    assert asyncio.run(started()) == TreeParams(num_draft_tokens=6, depth=3, lookup=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("topology", ["p2p", "ring"])
 def test_topologies_answer_exactly_as_the_in_process_engine(tiny_model, reference, topology):

@@ -104,7 +104,7 @@ def test_default_feature_layers_are_low_middle_high_and_final_where_the_base_has
 def test_train_draft_command_end_to_end(tmp_path, default_model_dir):
     out = tmp_path / "head.safetensors"
     cmd = [sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "train-draft",
-           "--questions", "4", "--epochs", "1", "--draft-vocab", "512",
+           "--questions", "4", "--batch", "4", "--epochs", "1", "--draft-vocab", "512",
            "--work-dir", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
