@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
         f"(vocab {head.cfg.draft_vocab_size}) | tree {main_tree}"
     )
     rows = {"hf": [], "plain": [], "lookup": [], "eagle": []}
-    stats, same = [], []
+    stats, same, lookup_stats = [], [], []
     sweep_rows = {run: [] for run in runs}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True, disable=args.json_only) as bar:  # fmt: skip
@@ -134,8 +134,11 @@ def main(argv=None) -> dict:
             rows["plain"].append(done.seconds - done.prefill_seconds)
             bar.advance(task)
             bar.update(task, description=f"prompt {i + 1}: lookup, no head")
-            copied = lookup.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True))
+            params = SamplingParams(max_tokens=n, ignore_eos=True)
+            copier = lookup.new_decoder(params)
+            copied = lookup.generate(ids, params, decoder=copier)
             rows["lookup"].append(copied.seconds - copied.prefill_seconds)
+            lookup_stats.append(copier.stats)
             bar.advance(task)
             bar.update(task, description=f"prompt {i + 1}: eagle")
             tokens, seconds, st = run_eagle(eagle[main_run], ids, n)
@@ -159,6 +162,7 @@ def main(argv=None) -> dict:
     deepest = max(len(s.accepted_at_depth) for s in stats)
     depth_rate = [sum((s.accepted_at_depth + [0] * deepest)[d] for s in stats) / steps for d in range(deepest)]
     lookup_rate = sum(s.lookup_accepted for s in stats) / steps
+    lookup_tau = 1 + sum(s.accepted for s in lookup_stats) / sum(s.steps for s in lookup_stats)
     draft_s, verify_s = sum(s.draft_seconds for s in stats), sum(s.verify_seconds for s in stats)
 
     table = Table(title=f"greedy decode, {args.dtype}, {torch.get_num_threads()} threads, {n} tokens x {len(prompts)} prompts")
@@ -171,6 +175,7 @@ def main(argv=None) -> dict:
     out.print(
         f"tau {tau:.2f} | accepted at depth " + " ".join(f"{d + 1}:{r:.2f}" for d, r in enumerate(depth_rate))
         + (f" | prompt lookup alone {lookup_rate:.2f} per step" if main_tree.lookup else "")
+        + f" | without a head, prompt lookup's tau {lookup_tau:.2f}"
         + f" | drafting {draft_s / (draft_s + verify_s):.0%} of step time, "
         f"{1000 * draft_s / steps:.1f} ms draft + {1000 * verify_s / steps:.1f} ms verify per step"
     )
@@ -199,6 +204,7 @@ def main(argv=None) -> dict:
         "eagle_tok_s": round(eagle_tok_s, 2),
         "plain_tok_s": round(plain_tok_s, 2),
         "lookup_alone_tok_s": round(lookup_tok_s, 2),
+        "lookup_alone_tau": round(lookup_tau, 3),
         "hf_tok_s": round(hf_tok_s, 2),
         "accepted_per_depth": [round(r, 3) for r in depth_rate],
         "lookup_accepted_per_step": round(lookup_rate, 3),

@@ -27,7 +27,7 @@ from specsot_mq.model import LlamaModel
 from specsot_mq.sampling import Sampler, SamplingParams
 from specsot_mq.tokenizer import Detokenizer, chat_prompt_ids
 from specsot_mq.tree import graft, root_only
-from specsot_mq.verify import accept_greedy
+from specsot_mq.verify import SpecStats, accept_greedy
 
 
 @dataclass(slots=True)
@@ -110,6 +110,7 @@ class PlainDecoder:
         self.last: dict[int, int] = {}  # running sequence -> the token fed to its next step
         self.lookup = lookup if sampler.params.greedy else 0
         self.index: dict[int, NgramIndex] = {}  # running sequence -> its tokens, for lookup
+        self.stats = SpecStats() if self.lookup else None  # what lookup drafted and got accepted (tau)
 
     def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, list[int]]:
         pre = self.layout.prefill(prompts, shared, prefix_from)
@@ -132,6 +133,7 @@ class PlainDecoder:
     def _lookup_step(self, seqs: list[int]) -> dict[int, list[int]]:
         """A step whose rows are chains: the step's token, then the copied ones (a draft tree of
         one path, verified and accepted as the EAGLE decoder's are)."""
+        start = time.perf_counter()
         cap = min(self.lookup // len(seqs), self.layout.room(seqs) - 1)
         dev = self.model.device
         chains = [graft(root_only(self.last[s], self.layout.length(s), dev), self.index[s].propose(cap)) for s in seqs]
@@ -141,6 +143,8 @@ class PlainDecoder:
         for seq, res in zip(seqs, results):
             self.index[seq].extend(res.tokens)
         self.last = {seq: res.tokens[-1] for seq, res in zip(seqs, results)}
+        self.stats.count(chains, results, [1] * len(chains))  # every node past the root is lookup's
+        self.stats.verify_seconds += time.perf_counter() - start
         return {seq: res.tokens for seq, res in zip(seqs, results)}
 
     def drop(self, seq: int) -> None:

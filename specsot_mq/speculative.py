@@ -24,7 +24,7 @@ Usage, with `gen` a Generator and `head` a DraftHead attached to gen.model:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -37,7 +37,7 @@ from specsot_mq.lookup import NgramIndex
 from specsot_mq.model import LlamaModel
 from specsot_mq.sampling import Sampler
 from specsot_mq.tree import DraftTree, TreeSearch, graft, grow_search, make_tree, root_only, select_nodes, start_search
-from specsot_mq.verify import Acceptance, accept_greedy, accept_sampled
+from specsot_mq.verify import Acceptance, SpecStats, accept_greedy, accept_sampled
 
 
 @dataclass(slots=True)
@@ -92,24 +92,6 @@ class TreeParams:
     def max_nodes(self) -> int:
         """Nodes the search draws: topk at depth 1, then topk x topk per level."""
         return self.topk + (self.depth - 1) * self.topk * self.topk
-
-
-@dataclass(slots=True)
-class SpecStats:
-    """Counters for benchmarks. A step of B sequences counts B sequence-steps."""
-
-    steps: int = 0  # sequence-steps verified
-    drafted: int = 0  # tree nodes verified (root excluded)
-    accepted: int = 0  # drafted tokens accepted (bonus tokens excluded)
-    accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: accepted nodes at depth d
-    lookup_accepted: int = 0  # of those, nodes that only prompt lookup had drafted
-    draft_seconds: float = 0.0  # tree search, draft-head forwards and draft_extend
-    verify_seconds: float = 0.0  # the base forward, acceptance and cache compaction
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens per sequence per verify step (vLLM's mean acceptance length)."""
-        return 1 + self.accepted / self.steps if self.steps else 0.0
 
 
 @dataclass(slots=True)
@@ -232,7 +214,7 @@ class EagleDecoder:
                 self.index[seq].extend(res.tokens)
         self.stats.draft_seconds += mid - start
         self.stats.verify_seconds += end - mid
-        self._count(trees, results, drafted)
+        self.stats.count(trees, results, drafted)
         return {seq: res.tokens for seq, res in zip(seqs, results)}
 
     def drop(self, seq: int) -> None:
@@ -393,14 +375,3 @@ class EagleDecoder:
         row_of = torch.zeros(b, search.ids.shape[1] + 1, dtype=torch.long, device=qs.device)  # by search node + 1
         row_of.scatter_(1, expanded + 1, torch.arange(e, device=qs.device).expand(b, e))
         return [qs[i, row_of[i, [0] + [k + 1 for k in kept[i]]]] for i in range(b)]
-
-    def _count(self, trees: list[DraftTree], results: list[Acceptance], drafted: list[int]) -> None:
-        st = self.stats
-        st.steps += len(trees)
-        for tree, res, n in zip(trees, results, drafted):
-            st.drafted += tree.size - 1
-            st.accepted += len(res.nodes)
-            st.lookup_accepted += sum(node >= n for node in res.nodes)
-            st.accepted_at_depth += [0] * (len(res.nodes) - len(st.accepted_at_depth))  # lookup paths go deeper
-            for depth in range(len(res.nodes)):
-                st.accepted_at_depth[depth] += 1

@@ -18,7 +18,7 @@ against 2.15 on the tree case of tests/test_tree.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -85,3 +85,34 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     r = (p - q).clamp_(min=0)
     total = float(r.sum())
     return r / total if total > 1e-12 else p
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """A decoder's counters (benchmarks, the engine's tau per phase). A step of B sequences counts
+    B sequence-steps."""
+
+    steps: int = 0  # sequence-steps verified
+    drafted: int = 0  # tree nodes verified (root excluded)
+    accepted: int = 0  # drafted tokens accepted (bonus tokens excluded)
+    accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: accepted nodes at depth d
+    lookup_accepted: int = 0  # of those, nodes that only prompt lookup had drafted
+    draft_seconds: float = 0.0  # tree search, draft-head forwards and draft_extend
+    verify_seconds: float = 0.0  # the base forward, acceptance and cache compaction
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per sequence per verify step (vLLM's mean acceptance length)."""
+        return 1 + self.accepted / self.steps if self.steps else 0.0
+
+    def count(self, trees: list[DraftTree], results: list[Acceptance], drafted: list[int]) -> None:
+        """One step's trees and what was accepted of them; drafted[i]: tree i's nodes before the
+        prompt-lookup chain was grafted on (the nodes from then on are lookup's alone)."""
+        self.steps += len(trees)
+        for tree, res, n in zip(trees, results, drafted):
+            self.drafted += tree.size - 1
+            self.accepted += len(res.nodes)
+            self.lookup_accepted += sum(node >= n for node in res.nodes)
+            self.accepted_at_depth += [0] * (len(res.nodes) - len(self.accepted_at_depth))  # lookup paths go deeper
+            for depth in range(len(res.nodes)):
+                self.accepted_at_depth[depth] += 1

@@ -258,10 +258,16 @@ def test_prompt_lookup_without_a_head_equals_plain_decoding_in_fewer_steps(base,
     alone = [gen.generate(p, GREEDY, decoder=gen.new_decoder(GREEDY, layout)) for p in prompts]
     assert [c.token_ids for c in alone] == want
     assert sum(c.steps for c in alone) < sum(len(c.token_ids) - 1 for c in alone)  # copies got accepted
-    together = gen.generate_many(prompts, GREEDY, decoder=gen.new_decoder(GREEDY, layout))
+    decoder = gen.new_decoder(GREEDY, layout)
+    together = gen.generate_many(prompts, GREEDY, decoder=decoder)
     assert [c.token_ids for c in together] == want
+    # Its stats count what lookup drafted and got accepted: each step gave 1 + accepted tokens.
+    st = decoder.stats
+    assert st.accepted == st.lookup_accepted > 0 and st.tau == together[0].tau > 1
+    assert sum(len(c.token_ids) for c in together) <= len(prompts) + st.steps + st.accepted  # + the prefill's
     sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=1)
     assert gen.new_decoder(sampled).lookup == 0 and gen.new_decoder(GREEDY).lookup == 6
+    assert gen.new_decoder(sampled).stats is None and plain.new_decoder(GREEDY).stats is None  # no lookup: no tau
 
 
 def test_prompt_lookup_is_off_when_sampling(base):
