@@ -98,9 +98,9 @@ TOP_P_CANDIDATES = 1024
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """probs [N, V] renormalised over each row's nucleus: a token is dropped when the mass of the
     more likely tokens before it already reaches top_p (so at least one is kept). Sorting a 49k
-    vocabulary costs ~1.4 ms a row on a CPU core; the nucleus is usually among the top few
-    hundred, and it lies within a row's top k exactly when its k-th token is dropped, so only
-    the rows where that fails are sorted in full."""
+    vocabulary is slow on a CPU (`benchmarks/step.py`, columns "top-p sort" and "sampler"); the
+    nucleus is usually among the top few hundred, and it lies within a row's top k exactly when
+    its k-th token is dropped, so only the rows where that fails are sorted in full."""
     k = min(TOP_P_CANDIDATES, probs.shape[-1])
     top, order = torch.topk(probs, k, dim=-1)  # sorted, most likely first
     out = _nucleus(probs, top, order, top_p)
@@ -120,8 +120,8 @@ def _nucleus(probs: torch.Tensor, top: torch.Tensor, order: torch.Tensor, top_p:
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One index per row of probs [N, V] (rows need not sum to 1), drawn by inverting the
     cumulative distribution with one uniform number per row: the same distribution as
-    torch.multinomial, ~50x faster on a 49k vocabulary on CPU. A token of probability 0 is never
-    drawn (the first index whose cumulative mass exceeds the draw)."""
+    torch.multinomial, which is far slower over a 49k vocabulary on CPU. A token of probability
+    0 is never drawn (the first index whose cumulative mass exceeds the draw)."""
     cdf = probs.float().cumsum(-1)
     total = cdf[:, -1:]
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * total

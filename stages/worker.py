@@ -131,14 +131,13 @@ class DeviceStage(Stage):
 
         from specsot_mq.devices import parse_devices
         from specsot_mq.loader import load_generator
+        from specsot_mq.speculative import TreeParams
 
         self.running: dict[str, object] = {}  # rid -> what the subclass keeps about that request
         threads = self.spec.threads.get(self.name)
         if threads:
             torch.set_num_threads(threads)
         device = parse_devices(self.spec.devices[self.name], resolve=False)[0].torch_device
-        from specsot_mq.speculative import TreeParams
-
         loop = asyncio.get_running_loop()
         self.gen = await loop.run_in_executor(None, lambda: load_generator(
             self.spec.model, self.spec.dtype, device, self.spec.max_len, self.slots, self.spec.draft,
