@@ -7,14 +7,16 @@ forward, then the same forward again with its linear layers (by kind), its atten
 KV-cache writes timed call by call (medians over the runs, as for the whole forward); the rest is
 everything else (norms, rope, Python). Next to it, the floor: the weight bytes one forward reads
 over the memory bandwidth measured in the same run; and after it, picking the greedy tokens from
-the logits, by argmax and by torch.max (what the decoders use: sampling.greedy_tokens); and
-drawing a token per row at temperature 1, top-p 0.95 (from the logits of the model writing its
-own answer to an MT-bench question), by sorting the whole vocabulary and torch.multinomial
-against the Sampler (top-p over the top 1024 first, an inverse-CDF draw).
+the logits, by argmax and by torch.max (what the decoders use: sampling.greedy_tokens). A
+second table, once per batch size: drawing a token per row at temperature 1, top-p 0.95 (from
+the logits of the model writing its own answer to an MT-bench question), by sorting the whole
+vocabulary and torch.multinomial against the Sampler (top-p over the top 1024 first, an
+inverse-CDF draw).
 
     python benchmarks/step.py [--dtype auto|bf16|fp32] [--threads N] [--runs 20] [--model PATH]
 
-The last stdout line is one JSON object: per shape, ms of the forward and of each part.
+The last stdout line is one JSON object: per shape, ms of the forward and of each part; per
+batch size, ms of each way of sampling.
 """
 
 from __future__ import annotations
@@ -92,8 +94,7 @@ def step_inputs(b: int, t: int, vocab: int, gen: torch.Generator):
     return ids, positions, mask, lengths
 
 
-def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.Generator, text: torch.Tensor) -> dict:
-    """text: logits [N, V] of the model writing its own answer, for the sampling columns."""
+def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.Generator) -> dict:
     ids, positions, mask, lengths = step_inputs(b, t, model.cfg.vocab_size, gen)
     slots = range(0, b * stride, stride)
 
@@ -119,13 +120,7 @@ def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.
     # Picking the greedy tokens from the logits (after the forward, in every verify): argmax
     # against torch.max, which the decoders use (sampling.greedy_tokens).
     logits = forward()
-    # Sampling one token per row, from B of the logits the model had while writing its own answer
-    # (the random ids of the step above give flat distributions, which a sampled answer rarely sees).
-    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.95, seed=0))
-    last = text[:b]
-    ways = (("argmax", lambda: logits.argmax(-1)), ("greedy_tokens", lambda: greedy_tokens(logits)),
-            ("sort_multinomial", lambda: _sort_multinomial(last, 0.95, sampler.generator)), ("sampler", lambda: sampler(last)))
-    for name, pick in ways:
+    for name, pick in (("argmax", lambda: logits.argmax(-1)), ("greedy_tokens", lambda: greedy_tokens(logits))):
         ms[name] = statistics.median(_seconds(pick) for _ in range(runs)) * 1e3
     total = statistics.median(samples) * 1e3
     linears = sum(ms[k] for k in KINDS)
@@ -133,8 +128,17 @@ def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.
     return {"b": b, "t": t, "slot_stride": stride, "forward_ms": round(total, 2), "linears_ms": round(linears, 2),
             **{f"{k.replace(' ', '_')}_ms": round(ms[k], 2) for k in OTHER}, "rest_ms": round(rest, 2),
             "argmax_ms": round(ms["argmax"], 2), "greedy_tokens_ms": round(ms["greedy_tokens"], 2),
-            "sort_multinomial_ms": round(ms["sort_multinomial"], 2), "sampler_ms": round(ms["sampler"], 2),
             "linear_ms_by_kind": {k: round(ms[k], 2) for k in KINDS}}  # fmt: skip
+
+
+def time_sampling(text: torch.Tensor, b: int, runs: int) -> dict:
+    """One token drawn for each of B rows of `text` (logits the model had while writing its own
+    answer: the random ids of the forward shapes give flat distributions, which a sampled answer
+    rarely sees), temperature 1, top-p 0.95: sorting every row against the Sampler."""
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.95, seed=0))
+    rows = text[:b]
+    ways = {"sort_multinomial": lambda: _sort_multinomial(rows, 0.95, sampler.generator), "sampler": lambda: sampler(rows)}
+    return {"b": b, **{f"{k}_ms": round(statistics.median(_seconds(f) for _ in range(runs)) * 1e3, 2) for k, f in ways.items()}}
 
 
 def answer_logits(model, folder, n: int) -> torch.Tensor:
@@ -180,7 +184,6 @@ def main(argv=None) -> dict:
     cache = model.new_cache(max(b * stride for b, _, stride in SHAPES), CONTEXT + 32)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    text = answer_logits(model, resolve_model(args.model), max(b for b, _, _ in SHAPES))
     with torch.inference_mode():
         prompt = torch.randint(0, model.cfg.vocab_size, (1, CONTEXT), generator=gen)
         model(prompt, torch.arange(CONTEXT)[None], cache, last_only=True)
@@ -188,24 +191,34 @@ def main(argv=None) -> dict:
         bandwidth = measure_bandwidth()
         with Progress(console=Console(stderr=True), transient=True) as bar:
             for b, t, stride in bar.track(SHAPES, description="shapes"):
-                rows.append(time_shape(model, cache, b, t, stride, args.runs, gen, text))
+                rows.append(time_shape(model, cache, b, t, stride, args.runs, gen))
+    sizes = sorted({b for b, _, _ in SHAPES})
+    text = answer_logits(model, resolve_model(args.model), sizes[-1])
+    sampling = [time_sampling(text, b, args.runs) for b in sizes]
     _, nbytes = weight_bytes(model, dtype)
     floor_ms = nbytes / bandwidth * 1e3
 
     table = Table(title=f"one forward, {args.dtype}, {args.threads} threads, median of {args.runs} | {cpu_name()} | "
                         f"weights {nbytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s read: floor {floor_ms:.1f} ms")  # fmt: skip
     for col in ("B x T", "forward ms", "linears ms", "attention ms", "cache writes ms", "rest ms", "linears", "x floor",
-                "argmax ms", "max ms", "top-p sort ms", "sampler ms"):
+                "argmax ms", "max ms"):
         table.add_column(col, justify="right")
     for r in rows:
         ms = [r[k] for k in ("forward_ms", "linears_ms", "attention_ms", "cache_writes_ms", "rest_ms")]
         shape = f"{r['b']} x {r['t']}" + (" (every 2nd slot)" if r["slot_stride"] == 2 else "")
         table.add_row(shape, *(f"{v:.2f}" for v in ms), f"{100 * r['linears_ms'] / r['forward_ms']:.0f}%",
-                      f"{r['forward_ms'] / floor_ms:.2f}", f"{r['argmax_ms']:.2f}", f"{r['greedy_tokens_ms']:.2f}",
-                      f"{r['sort_multinomial_ms']:.2f}", f"{r['sampler_ms']:.2f}")  # fmt: skip
+                      f"{r['forward_ms'] / floor_ms:.2f}", f"{r['argmax_ms']:.2f}", f"{r['greedy_tokens_ms']:.2f}")  # fmt: skip
     Console(stderr=True, width=150).print(table)
+    draws = Table(title="sampling one token per row: temperature 1, top-p 0.95, on the model's own answer logits")
+    for col in ("rows", "sort + multinomial ms", "Sampler ms", "x"):
+        draws.add_column(col, justify="right")
+    for r in sampling:
+        draws.add_row(str(r["b"]), f"{r['sort_multinomial_ms']:.2f}", f"{r['sampler_ms']:.2f}",
+                      f"{r['sort_multinomial_ms'] / r['sampler_ms']:.1f}")  # fmt: skip
+    Console(stderr=True).print(draws)
     result = {"dtype": args.dtype, "threads": args.threads, "cpu": cpu_name(), "weight_mb": round(nbytes / 1e6, 1),
-              "bandwidth_gb_s": round(bandwidth / 1e9, 2), "floor_ms": round(floor_ms, 2), "shapes": rows}  # fmt: skip
+              "bandwidth_gb_s": round(bandwidth / 1e9, 2), "floor_ms": round(floor_ms, 2), "shapes": rows,
+              "sampling": sampling}  # fmt: skip
     print(json.dumps(result))
     return result
 

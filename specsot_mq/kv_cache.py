@@ -39,6 +39,7 @@ class KVCache:
         self.capacity = capacity
         self.lengths = [0] * num_slots
         self._where: tuple = ((), None, None)  # (slots, starts, T) of the last scattered write, its indices
+        self._gather: tuple = ((), None)  # the slots of the last scattered read, their index tensor
 
     @classmethod
     def for_model(cls, config, num_slots: int, capacity: int, dtype, device) -> "KVCache":
@@ -101,7 +102,10 @@ class KVCache:
             s0 = slots[0]
             return self.k[layer, s0 : s0 + len(slots), :, :length], self.v[layer, s0 : s0 + len(slots), :, :length]
         # index_select over the slot dimension: several times faster than advanced indexing here.
-        idx = torch.tensor(slots, device=self.k.device)
+        # The index is built once per forward: every layer reads the same slots.
+        if self._gather[0] != tuple(slots):
+            self._gather = (tuple(slots), torch.tensor(slots, device=self.k.device))
+        idx = self._gather[1]
         return self.k[layer, :, :, :length].index_select(0, idx), self.v[layer, :, :, :length].index_select(0, idx)
 
     def move(self, slot: int, src: Sequence[int] | torch.Tensor, dst: int) -> None:

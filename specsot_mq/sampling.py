@@ -98,7 +98,7 @@ TOP_P_CANDIDATES = 1024
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """probs [N, V] renormalised over each row's nucleus: a token is dropped when the mass of the
     more likely tokens before it already reaches top_p (so at least one is kept). Sorting a 49k
-    vocabulary is slow on a CPU (`benchmarks/step.py`, columns "top-p sort" and "sampler"); the
+    vocabulary is slow on a CPU (`benchmarks/step.py`, its sampling table); the
     nucleus is usually among the top few hundred, and it lies within a row's top k exactly when
     its k-th token is dropped, so only the rows where that fails are sorted in full."""
     k = min(TOP_P_CANDIDATES, probs.shape[-1])
