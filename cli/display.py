@@ -38,6 +38,8 @@ class AnswerView:
             if not self.live:
                 self.err.print(f"[dim]point {event.index} done ({len(event.token_ids)} tokens)[/]")
         elif isinstance(event, AnswerDelta):
+            if self.skeleton and not self.direct:  # a skeleton that went direct: its line ends first
+                self._end_skeleton_line()
             self.direct = True
             if self.live is None:
                 sys.stdout.write(event.text)
@@ -51,7 +53,8 @@ class AnswerView:
             self.live.update(self._render())
 
     def _end_skeleton_line(self) -> None:
-        """Piped output: the streamed skeleton ends with a line break before the point lines."""
+        """Piped output: the streamed skeleton ends with a line break before the point lines (or
+        the direct answer it turned into)."""
         if not self.live and not self.points:
             self.err.print()
 

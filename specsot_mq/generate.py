@@ -241,16 +241,23 @@ class LoopWatch:
 class LineWatch:
     """SamplingParams.stop_repeated_line's rule. Fed an output's text piece by piece, add() says
     whether a line just completed repeats an earlier one, ignoring case, a leading list number and
-    punctuation (a plan that has begun to list its points again)."""
+    punctuation (a plan that has begun to list its points again). With `items`
+    (SamplingParams.stop_repeated_item), a list item that runs on inside a line ("1. a 2. b") also
+    ends the line before it: a plan that lists its points again on one line."""
 
     MARK = re.compile(r"^[\W_]*(?:\d+[.)])?")
+    INLINE_ITEM = re.compile(r"[ \t]+(?=[0-9]{1,3}[.)][ \t])")  # the space before "N. " inside a line
 
-    def __init__(self):
+    def __init__(self, items: bool = False):
+        self.items = items
         self.partial = ""
         self.seen: set[str] = set()
 
     def add(self, piece: str) -> bool:
-        *done, self.partial = (self.partial + piece).split("\n")
+        text = self.partial + piece
+        if self.items:
+            text = self.INLINE_ITEM.sub("\n", text)
+        *done, self.partial = text.split("\n")
         for line in done:
             key = " ".join(re.findall(r"\w+", self.MARK.sub("", line).lower()))
             if key in self.seen:
@@ -269,7 +276,7 @@ class _Output:
         self.stop = _StopState(params.stop, params.stop_after_text)
         self.produced = 0
         self.loop = LoopWatch(params.repeat_stop) if params.repeat_stop else None
-        self.lines = LineWatch() if params.stop_repeated_line else None
+        self.lines = LineWatch(params.stop_repeated_item) if params.stop_repeated_line else None
 
     def take(self, new: list[int]) -> Delta:
         """Accept proposed tokens up to the first stopping point; return the resulting delta.

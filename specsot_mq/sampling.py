@@ -32,6 +32,9 @@ class SamplingParams:
     # End the output (finish "repeat") at the end of a line that repeats an earlier line, ignoring
     # case, a leading list number and punctuation: a SoT skeleton listing its points again.
     stop_repeated_line: bool = False
+    # With stop_repeated_line: a list item that runs on inside a line ("1. a 2. b") starts a line
+    # of its own, so a skeleton that lists its points again on one line ends too.
+    stop_repeated_item: bool = False
 
     def __post_init__(self):
         checks = [

@@ -50,3 +50,21 @@ def test_ask_streams_an_answer_and_a_summary(default_model_dir):
     assert out.stdout.strip()
     summary = out.stderr.strip().splitlines()[-1]
     assert "tokens" in summary and "tok/s" in summary
+
+
+def test_piped_view_ends_the_skeleton_line_before_a_direct_answer(capsys):
+    """A skeleton that turns direct (streamed to stderr) ends its line before the answer starts."""
+    import io
+
+    from rich.console import Console
+
+    from specsot_mq.cli.display import AnswerView
+    from specsot_mq.sot.engine import AnswerDelta, Final, SkeletonDelta
+
+    err = io.StringIO()
+    view = AnswerView(Console(file=io.StringIO()), Console(file=err, width=200))
+    for event in [SkeletonDelta("1."), SkeletonDelta(" One point"), AnswerDelta("The"), AnswerDelta(" answer."),
+                  Final("The answer.", "direct", "skeleton says direct", "")]:  # fmt: skip
+        view(event)
+    assert err.getvalue().startswith("1. One point\n")
+    assert capsys.readouterr().out == "The answer.\n"

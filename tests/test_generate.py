@@ -316,6 +316,14 @@ def test_line_watch_reads_lines_over_pieces_and_ignores_numbers_case_and_marks()
     assert LineWatch().add("1. a\n\n\n2. b\n") is False  # blank lines are not repeats of each other
 
 
+def test_line_watch_with_items_splits_a_list_that_runs_on_in_one_line():
+    pieces = ["1. Sleep well", " 2. Less", " coffee 3", ". sleep well", " 4", ". Walk"]
+    assert [LineWatch().add(p) for p in pieces] == [False] * 6  # one line, never finished
+    watch = LineWatch(items=True)
+    assert [watch.add(p) for p in pieces] == [False, False, False, False, False, True]  # "3." ends at " 4. "
+    assert LineWatch(items=True).add("Pi is 3.14 and 3.14 again. 3.14 \n") is False  # decimals are not items
+
+
 def test_several_sequences_decoded_together_equal_each_alone():
     g = Generator(ours_from_hf(tiny_hf("qwen2")), CharTokenizer(), max_len=64, num_slots=3)
     prompts = [[5, 6, 7, 8, 9], [12, 3], [40, 41, 42]]

@@ -9,7 +9,7 @@ import pytest
 
 from specsot_mq.devices import device_profiles, parse_devices
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import Delta
+from specsot_mq.generate import Delta, LineWatch
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.engine import SoTConfig, finished_lines, point_params, skeleton_params, skeleton_text
@@ -146,6 +146,24 @@ def test_an_unfinished_last_line_of_a_cut_skeleton_is_not_a_point(finish, titles
     plan = load_format("sot").plan(finished_lines(CUT, finish), 8)
     assert [p.title for p in plan.points] == titles
     assert finished_lines("1. one line", "length") == "1. one line"  # nothing before it to keep
+    assert finished_lines("1. a 2. b 3. c and", "length") == "1. a 2. b"  # items run on in one line
+
+
+def test_a_skeleton_that_lists_its_point_again_inside_one_line_goes_direct():
+    """SmolLM2-135M on an MT-bench question wrote its one point, then "1." and the point again, "2."
+    and the point again, ... on one line up to the skeleton's cap. The skeleton's loop stop ends it
+    at the first repeat; the parser is left one point, not a plan."""
+    point = " The stages of life shape our understanding of time and mortality:"
+    looped = "1." + point + " 1." + point + " 2." + point + " 3." + point
+    watch_params = skeleton_params(SoTConfig(), SamplingParams())
+    assert watch_params.stop_repeated_line and watch_params.stop_repeated_item
+    watch = LineWatch(items=True)
+    text = looped[2:]  # the output (the prompt prefilled "1.")
+    fed = next(i for i in range(1, len(text) + 1) if watch.add(text[i - 1]))
+    skeleton = "1." + text[:fed]
+    assert skeleton == "1." + point + " 1." + point + " 2. "  # ended as the repeated item finished
+    plan = load_format("sot").plan(finished_lines(skeleton, "repeat"), 8)
+    assert plan.kind == "direct" and "only 1 usable point" in plan.reason
 
 
 def test_phases_keep_the_request_s_repeat_stop():

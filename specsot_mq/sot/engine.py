@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import Delta, Generator
+from specsot_mq.generate import Delta, Generator, LineWatch
 from specsot_mq.layout import check_layout
 from specsot_mq.prompts import common_prefix, load_format
 from specsot_mq.sampling import SamplingParams
@@ -232,10 +232,11 @@ class SoTEngine:
 
 def skeleton_params(config: SoTConfig, params: SamplingParams) -> SamplingParams:
     """The skeleton phase's settings: its own length cap, a stop past the point cap, the prompt
-    format's own stops ("DIRECT]" in the plan format), and an end at a point listed again (the
-    parser would drop it, and a small model that repeats one point tends to repeat them all)."""
+    format's own stops ("DIRECT]" in the plan format), and an end at a point listed again, on a
+    line of its own or run on inside a line (the parser would drop it, and a small model that
+    repeats one point tends to repeat them all)."""
     stops = (f"\n{config.max_points + 1}.", *load_format(config.prompt_format).skeleton_stop)
-    return replace(_bounded(params, config.skeleton_tokens, stops), stop_repeated_line=True)
+    return replace(_bounded(params, config.skeleton_tokens, stops), stop_repeated_line=True, stop_repeated_item=True)
 
 
 def skeleton_text(fmt, delta: Delta) -> str:
@@ -246,10 +247,13 @@ def skeleton_text(fmt, delta: Delta) -> str:
 
 
 def finished_lines(skeleton: str, finish_reason: str | None) -> str:
-    """The skeleton the parser reads: when it was cut off (its length cap, or a loop that
-    repeat_stop ended), its last line is unfinished and is left out."""
-    if finish_reason in ("length", "repeat") and "\n" in skeleton:
-        return skeleton[: skeleton.rindex("\n")]
+    """The skeleton the parser reads: when it was cut off (its length cap, or a loop that the
+    loop stops ended), its last line, or its last item where items run on in one line, is
+    unfinished or a repeat and is left out."""
+    if finish_reason in ("length", "repeat"):
+        cut = max([skeleton.rfind("\n")] + [m.start() for m in LineWatch.INLINE_ITEM.finditer(skeleton)])
+        if cut > 0:
+            return skeleton[:cut]
     return skeleton
 
 
