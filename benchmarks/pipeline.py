@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     p.add_argument("--devices", default="127.0.0.1#cpu")
     p.add_argument("--topology", default="p2p")
     p.add_argument("--clients", default="1,4,8")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per device stage (default: cores shared)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per device stage (default: all of the host's cores)")
     p.add_argument("--soak", type=int, default=0, help="extra requests to check memory stays flat")
     args = p.parse_args(argv)
     console = Console(stderr=True)

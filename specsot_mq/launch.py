@@ -34,8 +34,9 @@ def runs_folder() -> Path:
 def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology: str, run_dir: Path,
              base_port: int = 5600, stage_threads: int | None = None, **options) -> RunSpec:  # fmt: skip
     """The RunSpec of a topology over these devices (options: RunSpec fields such as model, sot).
-    A CPU device stage gets `stage_threads` torch threads, by default its host's cores shared
-    evenly between the host's device stages."""
+    A CPU device stage gets `stage_threads` torch threads, by default all of its host's cores:
+    stage processes wait for work passively (runner.py), so two busy stages on one host share
+    its cores as well as fixed halves would, and a stage busy alone gets all of them."""
     from specsot_mq.transports import TOPOLOGIES
 
     if topology not in TOPOLOGIES:
@@ -57,11 +58,7 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
         return f"tcp://{hosts.get(name, first.host)}:{next(port)}"
 
     table = {name: address(name) for name in kinds}
-    per_host: dict[str, int] = {}
-    for name in dev:
-        per_host[hosts[name]] = per_host.get(hosts[name], 0) + 1
-    threads = {name: stage_threads or max(1, (os.cpu_count() or 1) // per_host[hosts[name]]) for name in dev
-               if "#cpu" in dev[name]}  # fmt: skip
+    threads = {name: stage_threads or os.cpu_count() or 1 for name in dev if "#cpu" in dev[name]}
     # Each branch's profile fields but its name (the stage is named after the device already).
     profs = {f"branch@{p.name}": {k: v for k, v in asdict(p).items() if k != "name"}
              for p in device_profiles(devices, profiles)}  # fmt: skip

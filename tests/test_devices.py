@@ -1,6 +1,10 @@
 """--devices parsing and the run plan: one clear error per mistake, and the address table and ring
 order the launcher computes."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from specsot_mq.devices import Device, parse_devices
@@ -47,6 +51,9 @@ def test_run_plan_local_and_remote(tmp_path):
                                  "branch@127.0.0.1#cpu1", "merge"]  # the ring order  # fmt: skip
     assert all(a.startswith("ipc://") for a in local.table.values())
     assert local.devices["skeleton"] == "127.0.0.1#cpu0" and local.profiles["branch@127.0.0.1#cpu1"]["max_parallel"] == 8
+    cores = os.cpu_count()  # every CPU device stage runs on all of its host's cores (they wait passively)
+    assert local.threads == {"skeleton": cores, "branch@127.0.0.1#cpu0": cores, "branch@127.0.0.1#cpu1": cores}
+    assert plan_run(parse_devices("127.0.0.1#cpu"), profiles, "p2p", tmp_path, stage_threads=1).threads["skeleton"] == 1
     remote = plan_run(parse_devices("127.0.0.1#cpu,192.0.2.7#0"), profiles, "p2p", tmp_path, base_port=7000)
     assert remote.table["gateway"] == "tcp://127.0.0.1:7000" and remote.table["branch@192.0.2.7#0"].startswith("tcp://192.0.2.7:")
     assert remote.hosts["branch@192.0.2.7#0"] == "192.0.2.7" and remote.hosts["merge"] == "127.0.0.1"
@@ -64,3 +71,13 @@ def test_stage_overrides_are_checked(flag, message):
     with pytest.raises(SpecSotError, match=message):
         parse_overrides([flag])
     assert parse_overrides(["parse=specsot_mq.stages.parse:ParseStage"]) == {"parse": "specsot_mq.stages.parse:ParseStage"}
+
+
+def test_a_stage_process_sets_passive_openmp_waiting_before_torch_loads():
+    """Busy stages on one host share its cores: their idle OpenMP threads must sleep, not spin,
+    and OpenMP reads that setting once, when torch loads it."""
+    code = ("import os, sys; import specsot_mq.stages; assert 'torch' not in sys.modules; "
+            "import specsot_mq.stages.runner; import torch; print(os.environ['OMP_WAIT_POLICY'])")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "PASSIVE"
