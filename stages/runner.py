@@ -7,7 +7,15 @@ stops the stage and exits 0. A malformed frame is logged and dropped by the tran
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import ctypes
+import logging
 import os
+import resource
+import signal
+import socket
+import time
 
 # Set before torch loads OpenMP: an idle OpenMP thread sleeps instead of spinning. The CPU device
 # stages of one host each run on all of its cores (launch.plan_run). With spinning threads, two
@@ -15,15 +23,6 @@ import os
 # as fast as on half the cores each, and a stage busy alone gets every core (`python
 # benchmarks/cores.py`, and the pipeline rows of the README's speed table).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import ctypes  # noqa: E402
-import logging  # noqa: E402
-import resource  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import time  # noqa: E402
 
 from specsot_mq.messages import Abort, Heartbeat, Ready  # noqa: E402
 from specsot_mq.stages.base import RunSpec, Stage, stage_class  # noqa: E402

@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import Delta, Generator, LineWatch
+from specsot_mq.generate import Delta, Generator
 from specsot_mq.layout import check_layout
 from specsot_mq.prompts import common_prefix, load_format
 from specsot_mq.sampling import SamplingParams
-from specsot_mq.sot.parser import Plan
+from specsot_mq.sot.parser import Plan, item_starts
 from specsot_mq.sot.router import MODES, route
 from specsot_mq.sot.scheduler import DeviceProfile, schedule
 from specsot_mq.tokenizer import chat_prompt_ids
@@ -248,12 +248,12 @@ def skeleton_text(fmt, delta: Delta) -> str:
 
 def finished_lines(skeleton: str, finish_reason: str | None) -> str:
     """The skeleton the parser reads: when it was cut off (its length cap, or a loop that the
-    loop stops ended), its last line, or its last item where items run on in one line, is
-    unfinished or a repeat and is left out."""
+    loop stops ended), its last line, or its last item where items run on in one line (as the
+    parser reads them), is unfinished or a repeat and is left out."""
     if finish_reason in ("length", "repeat"):
-        cut = max([skeleton.rfind("\n")] + [m.start() for m in LineWatch.INLINE_ITEM.finditer(skeleton)])
+        cut = max([skeleton.rfind("\n")] + [start for start, _, _ in item_starts(skeleton)])
         if cut > 0:
-            return skeleton[:cut]
+            return skeleton[:cut].rstrip()
     return skeleton
 
 

@@ -121,9 +121,9 @@ def parse_plan_direct(text: str, max_points: int = 10) -> Plan:
     return plan
 
 
-def _items(text: str) -> list[tuple[int, str]]:
-    """(number as written, raw body) of every item, in order; text before the first item is ignored."""
-    starts = []  # (marker start, marker end, number)
+def item_starts(text: str) -> list[tuple[int, int, int]]:
+    """(marker start, marker end, number) of every item, in order."""
+    starts = []
     for m in MARKER.finditer(text):
         number = int(m.group("number"))
         if m.group("line") is None:  # inside a line: only the next number, followed by a space
@@ -131,6 +131,12 @@ def _items(text: str) -> list[tuple[int, str]]:
             if number != expected or not text[m.end():m.end() + 1].isspace():
                 continue
         starts.append((m.start(), m.end(), number))
+    return starts
+
+
+def _items(text: str) -> list[tuple[int, str]]:
+    """(number as written, raw body) of every item, in order; text before the first item is ignored."""
+    starts = item_starts(text)
     ends = [start for start, _, _ in starts[1:]] + [len(text)]
     return [(number, text[end:stop]) for (_, end, number), stop in zip(starts, ends)]
 
