@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import add_dtype_option, cpu_name, run_script  # noqa: E402
+from decode import add_dtype_option, chosen_dtype, cpu_name, run_script  # noqa: E402
 
 CHILD = """
 import json, sys, time
@@ -73,6 +73,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", type=int, default=8, help="tokens per forward (a verify of a small tree)")
     add_dtype_option(p)
     args = p.parse_args(argv)
+    chosen_dtype(args)  # args.dtype: what auto picks here, for the children and the table
     cores = os.cpu_count() or 1
     half = max(1, cores // 2)
     cases = [  # (name, threads of each process, OpenMP wait policy)
@@ -92,7 +93,7 @@ def main(argv=None) -> dict:
             results.append((name, threads, policy, run_case(threads, policy, args.seconds, args.tokens, args.dtype)))
             progress.advance(task)
     base = results[0][3][0]
-    table = Table(title=f"ms per forward (1 x {args.tokens} tokens), {cores} cores: {cpu_name()}")
+    table = Table(title=f"ms per forward (1 x {args.tokens} tokens, {args.dtype}), {cores} cores: {cpu_name()}")
     for column in ("processes", "threads each", "OpenMP waiting", "ms per forward", "vs alone (active)"):
         table.add_column(column, justify="right" if column.startswith(("ms", "vs", "threads")) else "left")
     out = []

@@ -76,8 +76,18 @@ def test_stage_overrides_are_checked(flag, message):
 def test_a_stage_process_sets_passive_openmp_waiting_before_torch_loads():
     """Busy stages on one host share its cores: their idle OpenMP threads must sleep, not spin,
     and OpenMP reads that setting once, when torch loads it."""
-    code = ("import os, sys; import specsot_mq.stages; assert 'torch' not in sys.modules; "
-            "import specsot_mq.stages.runner; import torch; print(os.environ['OMP_WAIT_POLICY'])")
+    # An import hook notes the setting at the moment torch is first imported.
+    code = """
+import importlib.abc, os, sys
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            print(os.environ.get("OMP_WAIT_POLICY"))
+            sys.meta_path.remove(self)
+        return None
+sys.meta_path.insert(0, Watch())
+import specsot_mq.stages.runner
+"""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "PASSIVE"

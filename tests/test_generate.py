@@ -321,7 +321,20 @@ def test_line_watch_with_items_splits_a_list_that_runs_on_in_one_line():
     assert [LineWatch().add(p) for p in pieces] == [False] * 6  # one line, never finished
     watch = LineWatch(items=True)
     assert [watch.add(p) for p in pieces] == [False, False, False, False, False, True]  # "3." ends at " 4. "
-    assert LineWatch(items=True).add("Pi is 3.14 and 3.14 again. 3.14 \n") is False  # decimals are not items
+    # a decimal is not an item: split there, "1.5 kg" would be a line repeated
+    assert LineWatch(items=True).add("x 1.5 kg 1.5 kg\n") is False
+
+
+@pytest.mark.parametrize("items", [True, False])
+def test_stop_repeated_item_ends_an_output_that_lists_its_point_again_in_one_line(items):
+    tok = CharTokenizer()
+    text = " Sleep well: 1. Sleep well: 2. Walk"
+    params = SamplingParams(max_tokens=100, stop_repeated_line=True, stop_repeated_item=items)
+    delta = _Output(tok, params, frozenset([0])).take(tok.encode(text))
+    if items:
+        assert delta.finish_reason == "repeat" and delta.text == " Sleep well: 1. Sleep well: 2. "
+    else:
+        assert delta.finish_reason is None and delta.text == text
 
 
 def test_several_sequences_decoded_together_equal_each_alone():
