@@ -36,7 +36,8 @@ def _run_file(name: str) -> Path:
 
 def start_topology(devices: str, topology: str, model, dtype, draft, tree: dict, stages=None,
                    remote: str = "ssh {host} {command}", devices_file=None, max_points: int = 8, point_tokens: int = 160,
-                   skeleton_tokens: int = 128, base_port: int = 5600, restart: bool = True, prompt_format: str = "sot"):  # fmt: skip
+                   skeleton_tokens: int = 128, base_port: int = 5600, restart: bool = True, prompt_format: str = "sot",
+                   threads: int | None = None):  # fmt: skip
     """Plan and start a topology; returns (launcher, spec). tree: TreeParams fields (tree_flags)."""
     from specsot_mq.devices import parse_devices
     from specsot_mq.launch import Launcher, plan_run
@@ -49,7 +50,7 @@ def start_topology(devices: str, topology: str, model, dtype, draft, tree: dict,
     SoTConfig(**sot)  # validates
     profiles = load_profiles(devices_file or default_profiles_path())
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
-    spec = plan_run(parse_devices(devices), profiles, topology, run_dir, base_port, model=model, dtype=dtype,
+    spec = plan_run(parse_devices(devices), profiles, topology, run_dir, base_port, threads, model=model, dtype=dtype,
                     draft=draft, tree=tree, sot=sot, overrides=parse_overrides(stages or []))  # fmt: skip
     launcher = Launcher(spec, run_dir, remote=remote, restart=restart)
     launcher.start()
@@ -105,6 +106,8 @@ def launch(
     base_port: Annotated[int, typer.Option(help="First tcp port (multi-host runs).")] = 5600,
     restart: Annotated[bool, typer.Option(help="Restart a stage that dies.")] = True,
     prompt_format: FormatOpt = "sot",
+    threads: Annotated[Optional[int], typer.Option(
+        help="Torch threads of each CPU device stage (default: all cores of the host it runs on).")] = None,
 ):
     """Start every stage process, show them live, and stop them all on Ctrl-C or SIGTERM."""
     from specsot_mq.client import Client
@@ -114,7 +117,7 @@ def launch(
         tree = tree_flags(num_draft_tokens, draft_depth, draft_topk, lookup)
         launcher, spec = start_topology(devices, topology, model, dtype, draft, tree, stage, remote, devices_file,
                                         max_points, point_tokens, skeleton_tokens, base_port, restart,
-                                        prompt_format)  # fmt: skip
+                                        prompt_format, threads)  # fmt: skip
         run_file = _run_file(run)
         tty = sys.stdout.isatty()
         try:

@@ -34,9 +34,10 @@ def runs_folder() -> Path:
 def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology: str, run_dir: Path,
              base_port: int = 5600, stage_threads: int | None = None, **options) -> RunSpec:  # fmt: skip
     """The RunSpec of a topology over these devices (options: RunSpec fields such as model, sot).
-    A CPU device stage gets `stage_threads` torch threads, by default all of its host's cores:
-    stage processes wait for work passively (runner.py), so two busy stages on one host share
-    its cores as well as fixed halves would, and a stage busy alone gets all of them."""
+    A CPU device stage runs `stage_threads` torch threads if given, else all the cores of the host
+    it runs on (counted there, by the stage itself: a remote host may have more or fewer than this
+    one): stage processes wait for work passively (runner.py), so two busy stages on one host
+    share its cores as well as fixed halves would, and a stage busy alone gets all of them."""
     from specsot_mq.transports import TOPOLOGIES
 
     if topology not in TOPOLOGIES:
@@ -58,7 +59,9 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
         return f"tcp://{hosts.get(name, first.host)}:{next(port)}"
 
     table = {name: address(name) for name in kinds}
-    threads = {name: stage_threads or os.cpu_count() or 1 for name in dev if "#cpu" in dev[name]}
+    if stage_threads is not None and (isinstance(stage_threads, bool) or stage_threads < 1):
+        raise SpecSotError(f"--threads must be a whole number of at least 1, got {stage_threads!r}")
+    threads = {name: stage_threads for name in dev if "#cpu" in dev[name]} if stage_threads else {}
     # Each branch's profile fields but its name (the stage is named after the device already).
     profs = {f"branch@{p.name}": {k: v for k, v in asdict(p).items() if k != "name"}
              for p in device_profiles(devices, profiles)}  # fmt: skip

@@ -51,7 +51,7 @@ class RunSpec:
     max_len: int = 2048
     heartbeat_s: float = 0.5
     dead_after_s: float = 5.0  # a stage silent this long is down
-    threads: dict[str, int] = field(default_factory=dict)  # device stage -> torch threads
+    threads: dict[str, int] = field(default_factory=dict)  # CPU device stage -> torch threads (default: its host's cores)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -134,10 +135,9 @@ class DeviceStage(Stage):
         from specsot_mq.speculative import TreeParams
 
         self.running: dict[str, object] = {}  # rid -> what the subclass keeps about that request
-        threads = self.spec.threads.get(self.name)
-        if threads:
-            torch.set_num_threads(threads)
         device = parse_devices(self.spec.devices[self.name], resolve=False)[0].torch_device
+        if device == "cpu":  # all of this host's cores unless the launch fixed a count (plan_run)
+            torch.set_num_threads(self.spec.threads.get(self.name) or os.cpu_count() or 1)
         loop = asyncio.get_running_loop()
         self.gen = await loop.run_in_executor(None, lambda: load_generator(
             self.spec.model, self.spec.dtype, device, self.spec.max_len, self.slots, self.spec.draft,

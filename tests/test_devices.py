@@ -51,9 +51,14 @@ def test_run_plan_local_and_remote(tmp_path):
                                  "branch@127.0.0.1#cpu1", "merge"]  # the ring order  # fmt: skip
     assert all(a.startswith("ipc://") for a in local.table.values())
     assert local.devices["skeleton"] == "127.0.0.1#cpu0" and local.profiles["branch@127.0.0.1#cpu1"]["max_parallel"] == 8
-    cores = os.cpu_count()  # every CPU device stage runs on all of its host's cores (they wait passively)
-    assert local.threads == {"skeleton": cores, "branch@127.0.0.1#cpu0": cores, "branch@127.0.0.1#cpu1": cores}
-    assert plan_run(parse_devices("127.0.0.1#cpu"), profiles, "p2p", tmp_path, stage_threads=1).threads["skeleton"] == 1
+    # Every CPU device stage runs on all the cores of its own host, counted there (worker.py),
+    # unless the launch fixes a count for all of them.
+    assert local.threads == {}
+    fixed = plan_run(parse_devices("127.0.0.1#cpu,192.0.2.7#0"), profiles, "p2p", tmp_path, stage_threads=3)
+    assert fixed.threads == {"skeleton": 3, "branch@127.0.0.1#cpu": 3}  # not the GPU's stage
+    for bad in (0, -2, True):
+        with pytest.raises(SpecSotError, match="--threads must be a whole number of at least 1"):
+            plan_run(parse_devices("127.0.0.1#cpu"), profiles, "p2p", tmp_path, stage_threads=bad)
     remote = plan_run(parse_devices("127.0.0.1#cpu,192.0.2.7#0"), profiles, "p2p", tmp_path, base_port=7000)
     assert remote.table["gateway"] == "tcp://127.0.0.1:7000" and remote.table["branch@192.0.2.7#0"].startswith("tcp://192.0.2.7:")
     assert remote.hosts["branch@192.0.2.7#0"] == "192.0.2.7" and remote.hosts["merge"] == "127.0.0.1"
