@@ -253,18 +253,34 @@ class LineWatch:
         self.partial = ""
         self.seen: set[str] = set()
 
+    @classmethod
+    def key(cls, line: str) -> str:
+        """What two lines must share to count as the same line."""
+        return " ".join(re.findall(r"\w+", cls.MARK.sub("", line).lower()))
+
     def add(self, piece: str) -> bool:
         text = self.partial + piece
         if self.items:
             text = self.INLINE_ITEM.sub("\n", text)
         *done, self.partial = text.split("\n")
         for line in done:
-            key = " ".join(re.findall(r"\w+", self.MARK.sub("", line).lower()))
+            key = self.key(line)
             if key in self.seen:
                 return True
             if key:
                 self.seen.add(key)
         return False
+
+
+def without_repeated_last_line(text: str) -> str:
+    """The text without its last line where that line repeats an earlier one (LineWatch's rule):
+    an output that stop_repeated_line ended has streamed the repeat before it was known to be
+    one, and an answer assembled from it leaves it out."""
+    *before, last = text.rstrip().split("\n")
+    key = LineWatch.key(last)
+    if key and key in {LineWatch.key(line) for line in before}:
+        return "\n".join(before)
+    return text
 
 
 class _Output:

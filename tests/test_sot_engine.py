@@ -58,6 +58,21 @@ def test_points_share_every_token_before_their_own_words(tiny):
     assert fmt.merge([(1, "Warm up", " Walk first.\n"), (2, "Pick shoes", "")]) == "1. Warm up: Walk first.\n2. Pick shoes:"
 
 
+def test_the_answer_leaves_out_a_points_last_line_where_it_repeats_an_earlier_one():
+    """A point's loop stop (stop_repeated_line) ends it at the end of a line that repeats an
+    earlier one, after that line has streamed: the merged answer leaves the repeat out. The
+    README's question did this on SmolLM2 (point 2, "Stay hydrated")."""
+    fmt = load_format("sot")
+    looped = (" \n- Drink plenty of water to stay healthy.\n- Staying hydrated is a great way to stay healthy.\n"
+              "- staying hydrated is a great way to stay healthy!\n")
+    assert fmt.merge([(2, "Stay hydrated", looped), (3, "Sleep", " Sleep 8 hours.")]) == (
+        "2. Stay hydrated: \n- Drink plenty of water to stay healthy.\n- Staying hydrated is a great way to stay healthy."
+        "\n3. Sleep: Sleep 8 hours.")
+    # Lines that only look alike stay, and so does one line on its own.
+    kept = " Walk.\nWalk more.\n"
+    assert fmt.merge([(1, "Walk", kept), (2, "Run", " Run.")]) == "1. Walk: Walk.\nWalk more.\n2. Run: Run."
+
+
 def test_the_skeleton_prompt_shows_its_examples_as_earlier_turns(tiny):
     tok, fmt = tiny.tokenizer, load_format("sot")
     text = tok.decode(fmt.skeleton_ids(tok, "How do I start running?"))

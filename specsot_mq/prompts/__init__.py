@@ -8,6 +8,7 @@ from functools import cache
 from pathlib import Path
 
 from specsot_mq.errors import SpecSotError
+from specsot_mq.generate import without_repeated_last_line
 from specsot_mq.sot.parser import Plan, parse_plan_direct, parse_skeleton
 from specsot_mq.tokenizer import chat_prompt_ids
 
@@ -39,8 +40,10 @@ class PromptFormat:
 
     def merge(self, points) -> str:
         """The answer from (index, title, expansion) triples in plan order: each point's prefilled
-        beginning, then what the model wrote after it (trailing whitespace dropped)."""
-        return "\n".join((self.point_prefix.format(index=i, title=title) + text).rstrip() for i, title, text in points)
+        beginning, then what the model wrote after it, without a last line that repeats one of
+        its earlier lines (where the point's loop stop ended it) and trailing whitespace."""
+        return "\n".join((self.point_prefix.format(index=i, title=title) + without_repeated_last_line(text)).rstrip()
+                         for i, title, text in points)  # fmt: skip
 
     def skeleton_ids(self, tokenizer, question: str) -> list[int]:
         """Chat prompt for the skeleton, ending inside the assistant turn after the prefix."""
