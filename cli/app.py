@@ -80,7 +80,8 @@ def ask(
     sot: Annotated[str, typer.Option(help="Plan and expand in parallel: auto, always or never.")] = "auto",
     max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8,
     max_parallel: Annotated[int, typer.Option(help="Points decoded at once (cache slots).")] = 8,
-    layout: Annotated[str, typer.Option(help="Points' KV: batching (a cache slot each) or bim (one slot, branch-index map).")] = "batching",
+    layout: Annotated[str, typer.Option(
+        help="Points' KV: batching (a cache slot each), bim (one slot, branch-index map) or auto (bim where all points fit in one slot).")] = "auto",
     prompt_format: FormatOpt = "sot",
 ):
     """Answer one question: a streamed skeleton, then every point expanded in parallel."""
@@ -146,10 +147,11 @@ def train_draft(
         raise SpecSotError(f"--lr {lr}: give a learning rate above 0 and below 1, e.g. 1e-3 (3e-4 to fine-tune)")
     if not 0 <= feature_noise < 1:
         raise SpecSotError(f"--feature-noise {feature_noise}: give a fraction of the features' size from 0 (none) to below 1, e.g. 0.1")
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)  # a bad flag fails before a model is pulled
     folder = resolve_model(model)
     name = folder.name
-    dev = resolve_device(device)
-    base = load_model(folder, dtype=resolve_dtype(dtype, dev), device=dev)
+    base = load_model(folder, dtype=torch_dtype, device=dev)
     cfg = recipe.TrainConfig(questions=questions, epochs=epochs, batch=batch, draft_vocab=draft_vocab, feature_layers=layers,
                              feature_noise=feature_noise, seed=seed, lr=lr, init=init)
     recipe.feature_layers(base, cfg)  # a wrong list fails now, not after the data is written

@@ -165,9 +165,10 @@ def load_generator(
     from specsot_mq.speculative import TreeParams
     from specsot_mq.tokenizer import load_tokenizer
 
-    folder = resolve_model(model)
     dev = resolve_device(device)
-    net = load_model(folder, dtype=resolve_dtype(dtype, dev), device=dev)
+    torch_dtype = resolve_dtype(dtype, dev)  # a bad flag fails before a model is pulled
+    folder = resolve_model(model)
+    net = load_model(folder, dtype=torch_dtype, device=dev)
     draft_path = resolve_draft(draft, folder)
     head = DraftHead.load(draft_path, net).prepack() if draft_path else None
     return Generator(net, load_tokenizer(folder), max_len=max_len, num_slots=num_slots, draft=head,

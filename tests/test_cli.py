@@ -1,14 +1,16 @@
 """The `specsot` command line: a streamed answer with a summary line, and one-line errors."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def specsot(*args, stdin=None):
+def specsot(*args, stdin=None, home=None):
     cmd = [sys.executable, "-c", "from specsot_mq.cli.app import main; main()", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, input=stdin, timeout=600)
+    env = None if home is None else {**os.environ, "SPECSOT_HOME": str(home)}
+    return subprocess.run(cmd, capture_output=True, text=True, input=stdin, timeout=600, env=env)
 
 
 @pytest.mark.parametrize(
@@ -29,8 +31,9 @@ def specsot(*args, stdin=None):
         (["train-draft", "--batch", "0"], "--batch 0: give the number of sequences"),
     ],
 )
-def test_user_errors_are_one_line_without_traceback(args, message):
-    out = specsot(*args)
+def test_user_errors_are_one_line_without_traceback(args, message, tmp_path):
+    """Checked before any work: with an empty model cache, nothing is pulled first."""
+    out = specsot(*args, home=tmp_path)
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
