@@ -175,29 +175,39 @@ def _topology(run: str, *start):
         launcher.stop()
 
 
+class BadLine(SpecSotError):
+    """A batch line that cannot be answered; `rid` is the id its output line gets (its own where
+    it gave one)."""
+
+    def __init__(self, message: str, rid: str):
+        super().__init__(message)
+        self.rid = rid
+
+
 def parse_batch_line(line: str, number: int) -> tuple[str, str]:
     """(id, question) from one input line: a plain question, JSONL {"id", "question"}, or the
-    OpenAI batch format {"custom_id", "body": {"messages"}}. SpecSotError says what is wrong."""
+    OpenAI batch format {"custom_id", "body": {"messages"}}. BadLine says what is wrong."""
     text = line.strip()
+    rid = f"line-{number}"
     if not text.startswith("{"):
-        return f"line-{number}", text
+        return rid, text
     try:
         row = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SpecSotError(f"line {number} is not valid JSON ({exc.msg} at column {exc.colno})") from None
+        raise BadLine(f"line {number} is not valid JSON ({exc.msg} at column {exc.colno})", rid) from None
     if not isinstance(row, dict):
-        raise SpecSotError(f"line {number} must be a JSON object")
-    rid = row.get("id", row.get("custom_id", f"line-{number}"))
+        raise BadLine(f"line {number} must be a JSON object", rid)
+    rid = str(row.get("id", row.get("custom_id", rid)))
     if "question" in row:
         question = row["question"]
     elif isinstance(row.get("body"), dict) and isinstance(row["body"].get("messages"), list):
         users = [m.get("content") for m in row["body"]["messages"] if isinstance(m, dict) and m.get("role") == "user"]
         question = users[-1] if users else None
     else:
-        raise SpecSotError(f'line {number} has neither "question" nor "body": {{"messages": [...]}}')
+        raise BadLine(f'line {number} has neither "question" nor "body": {{"messages": [...]}}', rid)
     if not isinstance(question, str) or not question.strip():
-        raise SpecSotError(f"line {number}: the question must be a non-empty string")
-    return str(rid), question
+        raise BadLine(f"line {number}: the question must be a non-empty string", rid)
+    return rid, question
 
 
 @app.command("run")
@@ -242,9 +252,9 @@ def run_batch(
             nonlocal failures
             try:
                 rid, question = parse_batch_line(line, number)
-            except SpecSotError as exc:
+            except BadLine as exc:
                 failures += 1
-                return {"id": f"line-{number}", "line": number, "error": str(exc)}
+                return {"id": exc.rid, "line": number, "error": str(exc)}
             async with gate:
                 msg = await client.answer(question, params, sot, timeout=timeout)
             if isinstance(msg, Failed):

@@ -1,6 +1,7 @@
 """The `specsot` command line: a streamed answer with a summary line, and one-line errors."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -71,3 +72,28 @@ def test_piped_view_ends_the_skeleton_line_before_a_direct_answer(capsys):
         view(event)
     assert err.getvalue().startswith("1. One point\n")
     assert capsys.readouterr().out == "The answer.\n"
+
+
+@pytest.mark.parametrize(
+    "line, rid, question, error",
+    [
+        ("Why is the sky blue?", "line-3", "Why is the sky blue?", None),
+        ('{"id": "q1", "question": "Hi"}', "q1", "Hi", None),
+        ('{"id": 7, "question": "Hi"}', "7", "Hi", None),
+        ('{"custom_id": "c", "body": {"messages": [{"role": "user", "content": "Hi"}]}}', "c", "Hi", None),
+        ('{"id": oops', "line-3", None, "line 3 is not valid JSON"),
+        ("[1, 2]", "line-3", None, None),  # not an object: read as a plain question
+        ('{"id": "q5"}', "q5", None, 'line 3 has neither "question"'),  # its own id, with the error
+        ('{"id": "q6", "question": "  "}', "q6", None, "the question must be a non-empty string"),
+        ('{"custom_id": "c7", "body": {"messages": []}}', "c7", None, "the question must be a non-empty string"),
+    ],
+)
+def test_batch_lines_give_their_id_and_question_or_one_error(line, rid, question, error):
+    from specsot_mq.cli.serve import BadLine, parse_batch_line
+
+    if error is None:
+        assert parse_batch_line(line, 3) == (rid, question if question is not None else line)
+    else:
+        with pytest.raises(BadLine, match=re.escape(error)) as caught:
+            parse_batch_line(line, 3)
+        assert caught.value.rid == rid

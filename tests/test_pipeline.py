@@ -243,7 +243,7 @@ def test_specsot_run_answers_good_lines_and_fails_only_the_malformed_one(tiny_mo
                               "--max-tokens", "8", "--concurrency", "3"], input="\n".join(lines), text=True,
                              capture_output=True, timeout=300)  # fmt: skip
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["id"] for r in rows] == ["line-1", "q2", "line-3", "c4", "line-5"], out.stderr
+    assert [r["id"] for r in rows] == ["line-1", "q2", "line-3", "c4", "q5"], out.stderr
     assert [("error" in r) for r in rows] == [False, False, True, False, True]
     assert "not valid JSON" in rows[2]["error"] and "neither" in rows[4]["error"]
     assert rows[0]["mode"] == "sot" and len(rows[0]["points"]) == 5 and rows[1]["mode"] == "direct"
