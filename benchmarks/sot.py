@@ -13,7 +13,7 @@ writes a PNG plot (with matplotlib, if installed) and ends with one JSON line ho
 of the speedups over all questions and over those routed to SoT.
 
     python benchmarks/sot.py [--limit 8] [--per-category N] [--max-tokens 256] [--dtype auto|bf16|fp32] [--plot out.png]
-        [--layout auto|batching|bim] [--prompt-format sot|plan] [--engines hf,specsot] [--repeat-stop 16] [--verify-budget 8]
+        [--layout batching|bim] [--prompt-format sot|plan] [--engines hf,specsot] [--repeat-stop 16] [--verify-budget 8]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     add_dtype_option(p)
     p.add_argument("--max-parallel", type=int, default=8)
     p.add_argument("--sot", default="auto", help="routing for the SoT engines: auto, always, never")
-    p.add_argument("--layout", default=SoTConfig().layout, help="the points' cache layout: auto, batching or bim")
+    p.add_argument("--layout", default="batching", help="the points' cache layout: batching or bim")
     p.add_argument("--prompt-format", default="sot", help="sot (numbered plan) or plan ([PLAN]/[DIRECT])")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"which of {','.join(ENGINES)} to run (hf always)")
     p.add_argument("--repeat-stop", type=int, default=REPEAT_STOP,

@@ -8,8 +8,8 @@ from conftest import ours_from_hf, tiny_hf
 from specsot_mq.generate import Generator
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.engine import (
-    STEP_ROOM, AnswerDelta, Final, PointDone, SkeletonDelta, SoTConfig, SoTEngine, finished_lines, point_params,
-    point_prompts, points_layout, skeleton_params,
+    AnswerDelta, Final, PointDone, SkeletonDelta, SoTConfig, SoTEngine, finished_lines, point_params, point_prompts,
+    skeleton_params,
 )  # fmt: skip
 from specsot_mq.sot.parser import Plan, Point, parse_skeleton
 from specsot_mq.prompts import load_format
@@ -133,29 +133,6 @@ def test_bim_layout_equals_batching(tiny, tiny_eagle, max_parallel, eagle):
     bim = {e.index: e.token_ids for e in events if isinstance(e, PointDone)}
     assert bim == expand(tiny, max_parallel=5)[1]
     assert (events[-1].phases["points"].tau is not None) == eagle  # drafted when it has a head
-
-
-def test_auto_layout_is_bim_where_every_point_fits_in_one_slot():
-    prompts = [[7] * 100 + [i] * 20 for i in range(3)]  # a 100-token shared prefix, 20 tokens each after it
-    need = 100 + 3 * (20 + 50 + STEP_ROOM)
-    assert points_layout("auto", need, prompts, 100, 50) == "bim"
-    assert points_layout("auto", need - 1, prompts, 100, 50) == "batching"
-    for layout in ("batching", "bim"):  # as configured, whatever fits
-        assert points_layout(layout, need - 1, prompts, 100, 50) == points_layout(layout, need, prompts, 100, 50) == layout
-
-
-@pytest.mark.parametrize("max_len, layout", [(512, "bim"), (400, "batching")])
-def test_the_default_layout_follows_the_cache_and_keeps_the_points_tokens(tiny, monkeypatch, max_len, layout):
-    """SoTConfig's default ("auto") decodes the points in one slot where a slot holds them all
-    (here: prefix 81 + 5 x (34-35 + 12 + STEP_ROOM) = 472 entries), else a slot each; the tokens
-    are the batching layout's either way."""
-    gen = Generator(tiny.model, tiny.tokenizer, max_len=max_len, num_slots=5)
-    used = []
-    new_decoder = gen.new_decoder
-    monkeypatch.setattr(gen, "new_decoder", lambda params, name="batching": used.append(name) or new_decoder(params, name))
-    engine = SoTEngine(gen, SoTConfig(max_parallel=5, point_tokens=12))
-    got = {e.index: e.token_ids for e in engine.expand("How do I start running?", PLAN, PARAMS) if isinstance(e, PointDone)}
-    assert used[1:] == [layout] and got == expand(tiny, max_parallel=5)[1]  # used[0]: the kept skeleton prefix
 
 
 def test_questions_that_do_not_decompose_go_direct(tiny):

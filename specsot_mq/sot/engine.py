@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator
-from specsot_mq.layout import LAYOUTS
+from specsot_mq.layout import check_layout
 from specsot_mq.prompts import common_prefix, load_format
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.parser import Plan, item_starts
@@ -112,14 +112,11 @@ class SoTConfig:
     max_parallel: int = 8  # points decoding at once (cache slots)
     skeleton_tokens: int = 128
     point_tokens: int = 160
-    # Branches: "batching" (a cache slot each), "bim" (one slot, see layout.py) or "auto": bim where
-    # every point fits in one slot (points_layout), else batching.
-    layout: str = "auto"
+    layout: str = "batching"  # branches: "batching" (a cache slot each) or "bim" (one slot, see layout.py)
 
     def __post_init__(self):
         load_format(self.prompt_format)  # an unknown name fails here, naming the known ones
-        if self.layout not in ("auto", *LAYOUTS):
-            raise SpecSotError(f"--layout must be one of auto, {', '.join(LAYOUTS)}, got '{self.layout}'")
+        check_layout(self.layout)
         if self.sot not in MODES:
             raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got '{self.sot}'")
         for flag, value, low in (("--max-points", self.max_points, 2), ("--max-parallel", self.max_parallel, 1)):
@@ -176,8 +173,7 @@ class SoTEngine:
         texts = {p.index: "" for p in points}
         ids = {p.index: [] for p in points}
         pt_params = point_params(self.config, params, plan)
-        layout = points_layout(self.config.layout, self.gen.cache.capacity, prompts, len(prefix), pt_params.max_tokens)
-        for seq, delta in self._run("points", prompts, pt_params, phases, shared=len(prefix), layout=layout):
+        for seq, delta in self._run("points", prompts, pt_params, phases, shared=len(prefix)):
             index = points[seq].index
             texts[index] += delta.text
             ids[index] += delta.token_ids
@@ -201,11 +197,10 @@ class SoTEngine:
                 yield AnswerDelta(delta.text)
         yield Final(text, "direct", reason, "", [], [], phases, time.perf_counter() - start)
 
-    def _run(self, phase: str, prompts, params, phases, shared: int = 0,
-             layout: str = "batching") -> Iterator[tuple[int, Delta]]:  # fmt: skip
+    def _run(self, phase: str, prompts, params, phases, shared: int = 0) -> Iterator[tuple[int, Delta]]:
         """One phase through the generation loop, counting its tokens, time and tau."""
         stats = phases.setdefault(phase, PhaseStats())
-        decoder = self.gen.new_decoder(params, layout)
+        decoder = self.gen.new_decoder(params, self.config.layout if phase == "points" else "batching")
         began = time.perf_counter()
         for seq, delta in self.gen.stream_many(prompts, params, decoder, shared, self.config.max_parallel):
             stats.tokens += len(delta.token_ids)
@@ -272,23 +267,6 @@ def point_params(config: SoTConfig, params: SamplingParams, plan: Plan) -> Sampl
              *(f"{p.index}. {p.title}" for p in plan.points))  # fmt: skip
     bounded = _bounded(params, config.point_tokens, (*params.stop, *stops))
     return replace(bounded, stop_after_text=True, stop_repeated_line=True)
-
-
-# Entries a point may hold in a bim slot beyond its own tokens: one step's draft tree and prompt-
-# lookup chain before the rejected part is dropped (at most 13 with the default tree), with room to spare.
-STEP_ROOM = 32
-
-
-def points_layout(layout: str, capacity: int, prompts: list[list[int]], shared: int, max_tokens: int) -> str:
-    """The points' cache layout: `layout` as configured, and for "auto" bim (the shared prefix once,
-    every point beside it in one slot: on a 2-core Xeon, the points phase of 16 MT-bench questions
-    took 4.7-5.0 s against batching's 5.2-5.3 s, `benchmarks/sot.py --layout`) where the prefix, every point's own prompt part and
-    max_tokens each (plus a step's tree) fit in one slot of `capacity` entries, else batching (a
-    slot each, where each point only needs room for itself: a long question with many points)."""
-    if layout != "auto":
-        return layout
-    need = shared + sum(len(p) - shared + max_tokens + STEP_ROOM for p in prompts)
-    return "bim" if need <= capacity else "batching"
 
 
 def point_prompts(tokenizer, fmt, question: str, plan: Plan) -> tuple[list[int], dict[int, list[int]]]:
