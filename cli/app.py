@@ -80,8 +80,7 @@ def ask(
     sot: Annotated[str, typer.Option(help="Plan and expand in parallel: auto, always or never.")] = "auto",
     max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8,
     max_parallel: Annotated[int, typer.Option(help="Points decoded at once (cache slots).")] = 8,
-    layout: Annotated[str, typer.Option(
-        help="Points' KV: batching (a cache slot each), bim (one slot, branch-index map) or auto (bim where all points fit in one slot).")] = "auto",
+    layout: Annotated[str, typer.Option(help="Points' KV: batching (a cache slot each) or bim (one slot, branch-index map).")] = "batching",
     prompt_format: FormatOpt = "sot",
 ):
     """Answer one question: a streamed skeleton, then every point expanded in parallel."""
