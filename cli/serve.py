@@ -107,7 +107,7 @@ def launch(
     restart: Annotated[bool, typer.Option(help="Restart a stage that dies.")] = True,
     prompt_format: FormatOpt = "sot",
     threads: Annotated[Optional[int], typer.Option(
-        help="Torch threads of each CPU device stage (default: all cores of the host it runs on).")] = None,
+        help="Torch threads of each CPU device stage (default: its share of its host's cores, by how many of them are busy).")] = None,
 ):
     """Start every stage process, show them live, and stop them all on Ctrl-C or SIGTERM."""
     from specsot_mq.client import Client

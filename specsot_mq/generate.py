@@ -14,6 +14,7 @@ import asyncio
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,6 +25,7 @@ from specsot_mq.kv_cache import KVCache
 from specsot_mq.layout import SlotLayout, new_layout
 from specsot_mq.lookup import NgramIndex
 from specsot_mq.model import LlamaModel
+from specsot_mq.openmp import release_pool
 from specsot_mq.sampling import Sampler, SamplingParams
 from specsot_mq.tokenizer import Detokenizer, chat_prompt_ids
 from specsot_mq.tree import graft, root_only
@@ -348,6 +350,7 @@ class Generator:
             room = (self.tree.depth + 1) * (self.tree.topk + 1)
             self.draft_cache = draft.new_cache(num_slots, max_len + room)
         self.kept: list[tuple[list[int], tuple]] = []  # (prompt beginning, its decoder state), see keep_prefix
+        self._model_thread: ThreadPoolExecutor | None = None  # the async APIs' steps run here (on_model_thread)
         eos = set(model.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -433,13 +436,15 @@ class Generator:
         decoder: Decoder,
         max_parallel: int | None = None,
         cancelled: Callable[[object], bool] | None = None,
+        before_step: Callable[[], None] | None = None,
     ) -> Iterator[tuple[object, Delta]]:
         """The generation loop. Before every step it asks `admit(room)` for at most `room` new
         jobs (room: free sequences); it ends when nothing runs and admit gives nothing. Jobs may
         come from different callers (a serving stage admits points of several requests into one
         running batch). Yields (job key, Delta); a job's last delta has finish_reason set
         ("abort" when `cancelled(key)` turned true while it ran; "length" also when its cache slot
-        is full)."""
+        is full). `before_step()` runs before each model step (prefills included), on the loop's
+        thread: a serving stage sets its thread count there."""
         width = min(max_parallel or decoder.max_sequences, decoder.max_sequences)
         free = list(range(width - 1, -1, -1))  # a stack: slot 0 first
         running: dict[int, tuple[Job, _Output]] = {}
@@ -468,8 +473,10 @@ class Generator:
                 return
             for job in jobs:  # before any state changes (a serving caller checks them as it admits)
                 self.check_prompt(job.ids)
-            # Grad mode is per thread and astream() may run each step in a different worker
-            # thread, so inference mode is entered around each model call, not around the loop.
+            if before_step is not None:
+                before_step()
+            # Grad mode is per thread and a caller may run the loop's steps on another thread than
+            # the one that started it, so inference mode is entered around each model call.
             with torch.inference_mode():
                 # Step the running sequences; admitted ones start with their prefill.
                 new = decoder.step() if running else {}
@@ -551,10 +558,19 @@ class Generator:
         ]
 
     async def astream(self, prompt, params: SamplingParams | None = None, decoder: Decoder | None = None) -> AsyncIterator[Delta]:
-        """The same loop as an async generator; each model step runs in a worker thread, so the
-        event loop stays responsive."""
-        it = self.stream(prompt, params, decoder)
+        """The same loop as an async generator; the model steps run on the model thread
+        (on_model_thread), so the event loop stays responsive."""
+        async for delta in self.on_model_thread(self.stream(prompt, params, decoder)):
+            yield delta
+
+    async def on_model_thread(self, it: Iterator) -> AsyncIterator:
+        """Yield the items of `it` (an iterator that runs this Generator's model), each computed on
+        the Generator's one model thread. The calling thread's OpenMP pool is freed first: with
+        two pools in a process every forward runs much slower (openmp.py)."""
+        if self._model_thread is None:
+            self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="specsot-model")
+        release_pool()
         loop = asyncio.get_running_loop()
         done = object()
-        while (delta := await loop.run_in_executor(None, next, it, done)) is not done:
-            yield delta
+        while (item := await loop.run_in_executor(self._model_thread, next, it, done)) is not done:
+            yield item

@@ -34,10 +34,9 @@ def runs_folder() -> Path:
 def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology: str, run_dir: Path,
              base_port: int = 5600, stage_threads: int | None = None, **options) -> RunSpec:  # fmt: skip
     """The RunSpec of a topology over these devices (options: RunSpec fields such as model, sot).
-    A CPU device stage runs `stage_threads` torch threads if given, else all the cores of the host
-    it runs on (counted there, by the stage itself: a remote host may have more or fewer than this
-    one): stage processes wait for work passively (runner.py), so two busy stages on one host
-    share its cores as well as fixed halves would, and a stage busy alone gets all of them."""
+    A CPU device stage runs `stage_threads` torch threads if given, else its share of the cores of
+    the host it runs on (counted there, by the stage itself: a remote host may have more or fewer
+    than this one): a stage busy alone takes all of them, busy stages split them (core_share.py)."""
     from specsot_mq.transports import TOPOLOGIES
 
     if topology not in TOPOLOGIES:

@@ -17,12 +17,12 @@ import signal
 import socket
 import time
 
-# Set before torch loads OpenMP: an idle OpenMP thread sleeps instead of spinning. The CPU device
-# stages of one host each run on all of its cores (launch.plan_run). With spinning threads, two
-# stages busy at once slow each other down several times over; with sleeping ones they run nearly
-# as fast as on half the cores each, and a stage busy alone gets every core (`python
-# benchmarks/cores.py`, and the pipeline rows of the README's speed table).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Set before torch loads OpenMP (libgomp): an idle OpenMP thread spins about 0.1 ms, then sleeps.
+# Within a forward, the gaps between kernels are shorter, so a stage's threads stay awake while it
+# decodes (threads that sleep at once made a lone forward 1.7x slower on a 2-core EPYC); a stage
+# waiting for work, or running on fewer threads while its host's cores are shared
+# (core_share.py), takes no core. `python benchmarks/cores.py` times these policies.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from specsot_mq.messages import Abort, Heartbeat, Ready  # noqa: E402
 from specsot_mq.stages.base import RunSpec, Stage, stage_class  # noqa: E402

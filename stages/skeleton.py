@@ -3,7 +3,6 @@ questions that go the SoT way, several requests' skeletons in one running batch.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from specsot_mq.errors import SpecSotError
@@ -24,9 +23,12 @@ class SkeletonStage(DeviceStage):
         self.format = load_format(self.config.prompt_format)
         self.parse = self.spec.named("parse")[0]
         await super().start()  # self.running: rid -> the Ask, its text so far, counts
+
+    def build(self):
+        gen = super().build()
         # Every skeleton prompt begins the same way: compute that once (before any request).
-        head = self.format.skeleton_head(self.gen.tokenizer)
-        await asyncio.get_running_loop().run_in_executor(None, self.gen.keep_prefix, head)
+        gen.keep_prefix(self.format.skeleton_head(gen.tokenizer))
+        return gen
 
     def accept(self, msg: Ask, params) -> None:
         try:

@@ -1,7 +1,13 @@
-"""The model side of a device stage: one thread runs the generation loop over the stage's one
-Generator (one model, one draft head, one KV cache allocated at start), admitting the prompts of any
-request into the running batch as slots free up. The event loop hands jobs in with submit() and
-gets every delta back on the loop through `emit`.
+"""The model side of a device stage: one thread loads the stage's one Generator (one model, one
+draft head, one KV cache allocated at start) and runs the generation loop over it, admitting the
+prompts of any request into the running batch as slots free up. The event loop hands jobs in with
+submit() and gets every delta back on the loop through `emit`.
+
+Every torch call of a stage process runs on that one thread, loading included: each thread that
+starts parallel work gets its own OpenMP thread pool, and once a process holds more OpenMP threads
+than the machine has cores, libgomp makes idle threads sleep almost at once, so every kernel of a
+forward waits for a thread to wake (on a 2-core EPYC a forward of 8 tokens took 20.9 ms where the
+thread that loaded the model took 12.8: `python benchmarks/cores.py`).
 
 Sampling: one decoder samples for its whole batch, so a batch holds greedy jobs of any requests,
 or the jobs of one sampled request (its seed then reproduces). A job that cannot join the running
@@ -17,6 +23,9 @@ import queue
 import threading
 from collections.abc import Callable
 
+import torch
+
+from specsot_mq.core_share import CoreShare
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator, Job
 from specsot_mq.messages import Failed, params_from_wire
@@ -26,16 +35,37 @@ log = logging.getLogger("specsot.worker")
 
 
 class DeviceWorker:
-    """A thread that decodes jobs; `emit(key, delta)` is called on the event loop."""
+    """A thread that builds the Generator with `load()`, then decodes jobs; `emit(key, delta)` is
+    called on the event loop. Await `ready` for the Generator (or the error that load raised)."""
 
-    def __init__(self, gen: Generator, emit: Callable[[object, Delta], None], loop: asyncio.AbstractEventLoop,
-                 on_error: Callable[[object, str], None]):  # fmt: skip
-        self.gen, self.emit, self.loop, self.on_error = gen, emit, loop, on_error
+    def __init__(self, load: Callable[[], Generator], emit: Callable[[object, Delta], None],
+                 loop: asyncio.AbstractEventLoop, on_error: Callable[[object, str], None],
+                 share: CoreShare | None = None, threads: int | None = None):  # fmt: skip
+        """share: this CPU stage's place on its host's core board; threads: a fixed torch thread
+        count instead (None for both: torch's own)."""
+        self.emit, self.loop, self.on_error = emit, loop, on_error
+        self.share, self.threads = share, threads
+        self.gen: Generator | None = None
+        self.ready: asyncio.Future = loop.create_future()
         self.inbox: queue.Queue = queue.Queue()
         self.cancelled: dict = {}  # request ids whose jobs stop (job keys are (rid, index)); the newest kept
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, name="device-worker", daemon=True)
+        self.thread = threading.Thread(target=self._main, args=(load,), name="device-worker", daemon=True)
         self.thread.start()
+
+    def _main(self, load: Callable[[], Generator]) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        self._fit_threads()
+        try:
+            self.gen = load()
+        except BaseException as exc:  # the stage's start() raises it
+            self.loop.call_soon_threadsafe(_settle, self.ready, None, exc)
+            return
+        finally:
+            self._idle()
+        self.loop.call_soon_threadsafe(_settle, self.ready, self.gen, None)
+        self._serve()
 
     def submit(self, jobs: list[Job], batch_key: object) -> None:
         """Queue jobs; jobs with equal batch_key may share a batch (see the module docstring)."""
@@ -88,7 +118,8 @@ class DeviceWorker:
             try:
                 decoder = self.gen.new_decoder(pending[0].params)
                 for job_key, delta in self.gen.run(self._tracking(admit, active), decoder,
-                                                   cancelled=lambda k: k[0] in self.cancelled):  # fmt: skip
+                                                   cancelled=lambda k: k[0] in self.cancelled,
+                                                   before_step=self._fit_threads):  # fmt: skip
                     if delta.finish_reason:
                         active.discard(job_key)
                     self.loop.call_soon_threadsafe(self.emit, job_key, delta)
@@ -98,6 +129,19 @@ class DeviceWorker:
                 log.exception("decoding failed")
                 for job_key in active | {job.key for job in pending}:
                     self.loop.call_soon_threadsafe(self.on_error, job_key, f"{type(exc).__name__}: {exc}")
+            if not held:  # held jobs start the next batch at once
+                self._idle()
+
+    def _idle(self) -> None:
+        if self.share is not None:
+            self.share.idle()
+
+    def _fit_threads(self) -> None:
+        """Before each step: this stage's share of its host's cores (core_share.py), set on the
+        thread that runs the model (OpenMP's thread count is per thread)."""
+        if self.share is not None and (n := self.share.take()) != self.threads:
+            torch.set_num_threads(n)
+            self.threads = n
 
     def _fits(self, job: Job) -> bool:
         """A prompt too long for the cache fails its request alone (the running batch goes on);
@@ -120,6 +164,11 @@ class DeviceWorker:
         return wrapped
 
 
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_exception(error) if error is not None else future.set_result(result)
+
+
 class DeviceStage(Stage):
     """A stage that owns a device: one Generator (model, draft head, KV cache allocated at start)
     and the worker thread that decodes on it. Messages go out in order through one sender task."""
@@ -128,23 +177,26 @@ class DeviceStage(Stage):
     message: type = object  # the message a subclass decodes (it gets them in accept())
 
     async def start(self) -> None:
-        import torch
-
         from specsot_mq.devices import parse_devices
+
+        self.running: dict[str, object] = {}  # rid -> what the subclass keeps about that request
+        self.device = parse_devices(self.spec.devices[self.name], resolve=False)[0].torch_device
+        threads = self.spec.threads.get(self.name) if self.device == "cpu" else None  # --threads fixed it
+        # Otherwise a CPU stage takes its share of the host's cores, by how many of its stages are busy.
+        self.share = host_share(self.spec, self.name) if self.device == "cpu" and threads is None else None
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self._sender = asyncio.create_task(self._drain())
+        self.worker = DeviceWorker(self.build, self.on_delta, asyncio.get_running_loop(), self.on_error, self.share,
+                                   threads)  # fmt: skip
+        self.gen = await self.worker.ready
+
+    def build(self) -> Generator:
+        """The stage's Generator; runs on the worker thread (see the module docstring)."""
         from specsot_mq.loader import load_generator
         from specsot_mq.speculative import TreeParams
 
-        self.running: dict[str, object] = {}  # rid -> what the subclass keeps about that request
-        device = parse_devices(self.spec.devices[self.name], resolve=False)[0].torch_device
-        if device == "cpu":  # all of this host's cores unless the launch fixed a count (plan_run)
-            torch.set_num_threads(self.spec.threads.get(self.name) or os.cpu_count() or 1)
-        loop = asyncio.get_running_loop()
-        self.gen = await loop.run_in_executor(None, lambda: load_generator(
-            self.spec.model, self.spec.dtype, device, self.spec.max_len, self.slots, self.spec.draft,
-            TreeParams(**self.spec.tree)))  # fmt: skip
-        self.outbox: asyncio.Queue = asyncio.Queue()
-        self._sender = asyncio.create_task(self._drain())
-        self.worker = DeviceWorker(self.gen, self.on_delta, loop, self.on_error)
+        return load_generator(self.spec.model, self.spec.dtype, self.device, self.spec.max_len, self.slots,
+                              self.spec.draft, TreeParams(**self.spec.tree))  # fmt: skip
 
     async def _drain(self) -> None:
         while True:
@@ -187,6 +239,20 @@ class DeviceStage(Stage):
     async def stop(self) -> None:
         self.worker.close()
         self._sender.cancel()
+        if self.share is not None:
+            self.share.idle()
+            CoreShare.board_path(self.spec.client_address, self.spec.hosts[self.name]).unlink(missing_ok=True)
+
+
+def host_share(spec, name: str) -> CoreShare:
+    """The core board of the CPU device stages on `name`'s host (see core_share.py), with all of
+    this host's cores counted here: a remote host may have more or fewer than the launcher's."""
+    from specsot_mq.devices import parse_devices
+
+    host = spec.hosts[name]
+    members = [n for n, d in spec.devices.items()
+               if spec.hosts[n] == host and parse_devices(d, resolve=False)[0].torch_device == "cpu"]  # fmt: skip
+    return CoreShare(CoreShare.board_path(spec.client_address, host), members.index(name), len(members), os.cpu_count() or 1)
 
 
 def batch_key(rid: str, params) -> object:

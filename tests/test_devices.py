@@ -51,8 +51,8 @@ def test_run_plan_local_and_remote(tmp_path):
                                  "branch@127.0.0.1#cpu1", "merge"]  # the ring order  # fmt: skip
     assert all(a.startswith("ipc://") for a in local.table.values())
     assert local.devices["skeleton"] == "127.0.0.1#cpu0" and local.profiles["branch@127.0.0.1#cpu1"]["max_parallel"] == 8
-    # Every CPU device stage runs on all the cores of its own host, counted there (worker.py),
-    # unless the launch fixes a count for all of them.
+    # Every CPU device stage takes its share of its own host's cores, counted there (worker.py,
+    # core_share.py), unless the launch fixes a count for all of them.
     assert local.threads == {}
     fixed = plan_run(parse_devices("127.0.0.1#cpu,192.0.2.7#0"), profiles, "p2p", tmp_path, stage_threads=3)
     assert fixed.threads == {"skeleton": 3, "branch@127.0.0.1#cpu": 3}  # not the GPU's stage
@@ -78,21 +78,21 @@ def test_stage_overrides_are_checked(flag, message):
     assert parse_overrides(["parse=specsot_mq.stages.parse:ParseStage"]) == {"parse": "specsot_mq.stages.parse:ParseStage"}
 
 
-def test_a_stage_process_sets_passive_openmp_waiting_before_torch_loads():
-    """Busy stages on one host share its cores: their idle OpenMP threads must sleep, not spin,
-    and OpenMP reads that setting once, when torch loads it."""
-    # An import hook notes the setting at the moment torch is first imported.
+def test_a_stage_process_bounds_openmp_spinning_before_torch_loads():
+    """Idle OpenMP threads of a stage must sleep after a short spin (busy stages on one host share
+    its cores, core_share.py), and OpenMP reads that setting once, when torch loads it."""
+    # An import hook notes the settings at the moment torch is first imported.
     code = """
 import importlib.abc, os, sys
 class Watch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "torch":
-            print(os.environ.get("OMP_WAIT_POLICY"))
+            print(os.environ.get("GOMP_SPINCOUNT"), os.environ.get("OMP_WAIT_POLICY"))
             sys.meta_path.remove(self)
         return None
 sys.meta_path.insert(0, Watch())
 import specsot_mq.stages.runner
 """
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "PASSIVE"
+    assert out.stdout.strip() == "10000 None"

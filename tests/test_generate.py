@@ -1,6 +1,8 @@
 """The generation loop on a tiny model: stopping, streaming, sampling, and text deltas."""
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,6 +105,55 @@ def test_callback_and_async_stream_see_the_same_deltas(gen):
     assert [d.finish_reason for d in streamed] == [None] * 9 + ["length"]
 
 
+def test_async_streams_step_on_one_model_thread(gen, monkeypatch):
+    """Every step of every astream runs on the Generator's one model thread, not the caller's,
+    and the caller's OpenMP pool is released first: one pool for the model (openmp.py)."""
+    import threading
+
+    import specsot_mq.generate as generate
+
+    released = []
+    monkeypatch.setattr(generate, "release_pool", lambda: released.append(threading.get_ident()))
+    threads = []
+    forward = gen.model.forward
+    gen.model.forward = lambda *a, **k: threads.append(threading.get_ident()) or forward(*a, **k)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def collect():
+        return [[d async for d in gen.astream([1, 2, 3], params)] for _ in range(2)]
+
+    try:
+        first, second = asyncio.run(collect())
+    finally:
+        del gen.model.forward
+    assert first[-1].finish_reason == second[-1].finish_reason == "length"
+    assert len(threads) >= 12 and len(set(threads)) == 1 and threading.get_ident() not in threads
+    assert released == [threading.get_ident()] * 2  # by the caller, once per stream
+
+
+def test_release_pool_frees_the_calling_thread_s_openmp_threads():
+    """openmp.release_pool ends the calling thread's OpenMP pool (the process has fewer threads
+    after it), so another thread can run the model with the only pool."""
+    code = """
+import time, torch
+from specsot_mq.openmp import release_pool
+def threads():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("Threads:")).split()[1])
+torch.set_num_threads(4)
+x = torch.ones(4_000_000)
+for _ in range(3):
+    x = x * 1.0001  # parallel work: this thread gets a pool of 4
+before = threads()
+ok = release_pool()
+time.sleep(0.5)
+print(ok, before - threads())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    released, fewer = out.stdout.split()
+    assert released == "True" and int(fewer) == 3  # the pool's 3 threads besides the caller
+
+
 def test_seeded_sampling_is_reproducible_and_differs_from_greedy(gen):
     params = SamplingParams(max_tokens=16, temperature=1.5, seed=7, ignore_eos=True)
     a = gen.generate([1, 2, 3], params).token_ids
@@ -141,7 +192,8 @@ def test_a_serving_worker_fails_only_the_request_whose_prompt_is_too_long():
         def on_error(key, error):
             errors[key] = error
 
-        worker = DeviceWorker(g, emit, loop, on_error)
+        worker = DeviceWorker(lambda: g, emit, loop, on_error)
+        assert await worker.ready is g
         worker.submit([Job(("a", 0), [1, 2, 3], params)], "greedy")
         worker.submit([Job(("b", 0), list(range(1, 40)), params), Job(("b", 1), [1, 2], params)], "greedy")
         worker.submit([Job(("c", 0), [4, 5, 6, 7], params)], "greedy")
@@ -154,6 +206,51 @@ def test_a_serving_worker_fails_only_the_request_whose_prompt_is_too_long():
     assert tokens[("a", 0)] == alone[(1, 2, 3)] and tokens[("c", 0)] == alone[(4, 5, 6, 7)]
     assert finish[("a", 0)] == finish[("c", 0)] == "length"
     assert ("b", 1) not in tokens  # the failed request's other job, admitted with it, never ran
+
+
+def test_a_serving_worker_loads_and_decodes_on_its_own_thread_taking_its_core_share(tmp_path):
+    """Every torch call of a stage runs on the worker's one thread (one OpenMP pool per process),
+    and before each step the worker takes its share of the host's cores from the board."""
+    import threading
+
+    from specsot_mq.core_share import CoreShare
+    from specsot_mq.generate import Job
+    from specsot_mq.stages.worker import DeviceWorker
+
+    g = Generator(ours_from_hf(tiny_hf("llama")), CharTokenizer(), max_len=32, num_slots=2)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    threads, shares = set(), []
+    forward = g.model.forward
+    g.model.forward = lambda *a, **k: threads.add(threading.get_ident()) or forward(*a, **k)
+    share, other = CoreShare(tmp_path / "board", 0, 2, 4), CoreShare(tmp_path / "board", 1, 2, 4)
+    take = share.take
+    share.take = lambda: shares.append(take()) or shares[-1]
+
+    def load():
+        threads.add(threading.get_ident())
+        return g
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+
+        def emit(key, delta):
+            if delta.finish_reason:
+                done.set()
+
+        worker = DeviceWorker(load, emit, loop, lambda key, error: None, share)
+        await worker.ready
+        other.board[2 * other.index] = 1  # the host's other stage has work: a half share from now on
+        worker.submit([Job(("a", 0), [1, 2, 3], params)], "greedy")
+        await asyncio.wait_for(done.wait(), 60)
+        await asyncio.sleep(0.1)  # the batch drains
+        worker.close()
+        return worker.thread.ident
+
+    ident = asyncio.run(scenario())
+    assert threads == {ident} and ident != threading.get_ident()
+    assert shares[0] == 4 and shares[-1] == 2 and len(shares) >= 4  # loading alone, then a step each
+    assert share.board[0] == share.board[1] == 0  # out of work: it holds no cores
 
 
 # ---- the sampler ------------------------------------------------------------------------

@@ -139,34 +139,32 @@ def test_a_device_stage_decodes_with_the_runs_draft_tree(tiny_model):
 
 def test_a_cpu_device_stage_runs_on_its_own_hosts_cores_unless_the_launch_fixes_them(tiny_model):
     """The stage counts the cores of the host it runs on (a remote host may have other than the
-    launcher's); `specsot launch --threads N` (plan_run's stage_threads) fixes the count instead."""
+    launcher's) and, busy alone, takes all of them; `specsot launch --threads N` (plan_run's
+    stage_threads) fixes the count instead. Counted on the worker thread, where the model runs."""
     import torch
 
     from specsot_mq.stages.base import RunSpec
     from specsot_mq.stages.skeleton import SkeletonStage
 
+    class Probe(SkeletonStage):
+        def build(self):
+            self.loaded_with = torch.get_num_threads()  # on the worker thread
+            return super().build()
+
     async def threads_of(spec):
         async def send(dst, msg):
             pass
 
-        stage = SkeletonStage("skeleton", RunSpec.from_json(spec.to_json()), send)
+        stage = Probe("skeleton", RunSpec.from_json(spec.to_json()), send)
         await stage.start()
-        try:
-            return torch.get_num_threads()
-        finally:
-            await stage.stop()
+        await stage.stop()
+        return stage.loaded_with
 
-    before = torch.get_num_threads()
-    try:
-        spec, _ = tiny_spec(tiny_model, "p2p")
-        assert spec.threads == {}
-        torch.set_num_threads(1)
-        assert asyncio.run(threads_of(spec)) == os.cpu_count()
-        spec.threads = {"skeleton": 1}
-        torch.set_num_threads(max(2, os.cpu_count()))
-        assert asyncio.run(threads_of(spec)) == 1
-    finally:
-        torch.set_num_threads(before)
+    spec, _ = tiny_spec(tiny_model, "p2p")
+    assert spec.threads == {}
+    assert asyncio.run(threads_of(spec)) == os.cpu_count()
+    spec.threads = {"skeleton": 1}
+    assert asyncio.run(threads_of(spec)) == 1
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ points than `max_parallel` a waiting point takes the slot of the first to finish
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -222,11 +221,8 @@ class SoTEngine:
         return final
 
     async def astream(self, question: str, params: SamplingParams | None = None) -> AsyncIterator[Event]:
-        """The same stream as an async generator; model steps run in a worker thread."""
-        it = self.stream(question, params)
-        loop = asyncio.get_running_loop()
-        done = object()
-        while (event := await loop.run_in_executor(None, next, it, done)) is not done:
+        """The same stream as an async generator; model steps run on the generator's model thread."""
+        async for event in self.gen.on_model_thread(self.stream(question, params)):
             yield event
 
 

@@ -1,0 +1,76 @@
+"""The CPU device stages of one host share its cores by how many of them are busy.
+
+A launch puts the skeleton stage and one branch stage per CPU device on a host, each a process
+with its own model. A stage busy alone should run on every core; stages busy together should
+split them, because OpenMP threads of two processes on the same cores slow each other down
+several times over (`python benchmarks/cores.py`). So the stages of a host share a small board in
+shared memory: for each stage, whether it has work and how many threads it holds. Before each
+model step a stage marks itself busy, works out its share (`cores // busy stages`), and takes it
+once the others hold no more than the rest: a stage still running a step on every core gives
+them back at its next step, so a stage that turns busy waits at most one step of the other
+instead of running beside it on too few cores.
+
+Between the kernels of one forward, OpenMP threads spin (a few microseconds); idle, they sleep
+after a short bounded spin (runner.py sets GOMP_SPINCOUNT), so a waiting stage takes no core.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+class CoreShare:
+    """One stage's place on its host's board: `take()` before a step, `idle()` when out of work."""
+
+    max_wait_s = 1.0  # a stage that died holding cores is not waited for longer than this
+
+    def __init__(self, path: Path, index: int, members: int, cores: int):
+        if not 0 <= index < members:
+            raise ValueError(f"index {index} is not one of {members} members")
+        self.index, self.members, self.cores = index, members, cores
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < 2 * members:
+                os.ftruncate(fd, 2 * members)
+            # byte 2i: stage i has work; byte 2i+1: threads it holds (0 while it waits or idles)
+            self.board = mmap.mmap(fd, 2 * members)
+        finally:
+            os.close(fd)  # the mapping keeps the memory
+        self.idle()  # a restarted stage clears what its dead predecessor left
+
+    def take(self) -> int:
+        """Mark this stage busy and return its share of the cores, waiting until the other stages
+        hold no more than the rest (they give cores back at their next step)."""
+        board, me = self.board, self.index
+        board[2 * me] = 1
+        board[2 * me + 1] = 0
+        deadline = time.monotonic() + self.max_wait_s
+        while True:
+            others = [i for i in range(self.members) if i != me]
+            share = max(1, self.cores // (1 + sum(board[2 * i] for i in others)))
+            held = sum(board[2 * i + 1] for i in others)
+            if held + share <= self.cores or time.monotonic() > deadline:
+                board[2 * me + 1] = share
+                return share
+            time.sleep(0.0005)
+
+    def idle(self) -> None:
+        """This stage has no work: it holds no cores."""
+        self.board[2 * self.index] = 0
+        self.board[2 * self.index + 1] = 0
+
+    def close(self) -> None:
+        self.board.close()
+
+    @staticmethod
+    def board_path(run_key: str, host: str) -> Path:
+        """The board of one run's stages on one host: a file in shared memory where there is one
+        (named after the run, so two launches on one host never share a board)."""
+        folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        digest = hashlib.sha1(f"{run_key}|{host}".encode()).hexdigest()[:16]
+        return folder / f"specsot-cores-{digest}"
