@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
         # The reference implementation's roundings: normalised in fp32, rounded to the input dtype,
         # then the weight. torch's fused kernel without a weight computes exactly the first part
         # (bit for bit, in bf16 and fp32); with the weight inside it would round once, which made
-        # the shipped head accept less in bf16 (README, speed).
+        # the shipped head accept less in bf16 (benchmarks/HISTORY.md).
         return self.weight * F.rms_norm(x, x.shape[-1:], None, self.eps)
 
 
