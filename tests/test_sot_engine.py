@@ -175,34 +175,40 @@ def test_plan_format_direct_reply_is_answered_directly(default_model_dir):
     assert final.phases["skeleton"].tokens == len(tag)  # it stopped at the tag, not at max tokens
 
 
+# MT-bench first turns 3-5 (writing), as they stand in ../shared/data/mt_bench_questions.jsonl:
+# each plans 4 points on the default model in fp32.
+MT_BENCH_PLANNED = [
+    "Imagine you are writing a blog post comparing two popular smartphone models. Develop an outline for the blog "
+    "post, including key points and subheadings to effectively compare and contrast the features, performance, and "
+    "user experience of the two models. Please answer in fewer than 200 words.",
+    "Write a persuasive email to convince your introverted friend, who dislikes public speaking, to volunteer as a "
+    "guest speaker at a local event. Use compelling arguments and address potential objections. Please be concise.",
+    "Describe a vivid and unique character, using strong imagery and creative language. Please answer in fewer than "
+    "two paragraphs.",
+]
+
+
 def test_real_model_phases_equal_plain_greedy(default_model_dir):
-    """The default model with the shipped head, fp32: the skeleton equals plain greedy decoding of
-    the skeleton prompt, and every point equals plain greedy decoding of its full prompt."""
+    """The default model with the shipped head, fp32, on three MT-bench first turns that plan at
+    least 3 points each: the skeleton equals plain greedy decoding of the skeleton prompt, and
+    every point equals plain greedy decoding of its full prompt."""
     from specsot_mq.loader import load_generator
 
     gen = load_generator(dtype="fp32", num_slots=8, max_len=1024)
     plain = Generator(gen.model, gen.tokenizer, max_len=1024)
     engine = SoTEngine(gen, SoTConfig(sot="always", point_tokens=48))
     params = SamplingParams(max_tokens=128)
-    planned = 0
-    for question in [
-        "What are some tips for staying productive when working from home?",
-        "How can I improve my sleep?",
-        "Describe the benefits of learning a second language.",
-    ]:
+    for question in MT_BENCH_PLANNED:
         events = list(engine.stream(question, params))
         final = events[-1]
         sk_prompt = engine.format.skeleton_ids(gen.tokenizer, question)
         skeleton = plain.generate(sk_prompt, skeleton_params(engine.config, params))
         assert final.skeleton_ids == skeleton.token_ids
         assert "".join(e.text for e in events if isinstance(e, SkeletonDelta)) == final.skeleton
-        if final.mode != "sot":
-            continue
-        planned += 1
+        assert final.mode == "sot" and len(final.points) >= 3, (question[:60], final.skeleton)
         plan = parse_skeleton(finished_lines(final.skeleton, skeleton.finish_reason), 8)
         prefix, suffixes = point_prompts(engine.gen.tokenizer, engine.format, question, plan)
         done = {e.index: e.token_ids for e in events if isinstance(e, PointDone)}
         for index, suffix in suffixes.items():
             want = plain.generate(prefix + suffix, point_params(engine.config, params, plan)).token_ids
-            assert done[index] == want, (question, index)
-    assert planned >= 2
+            assert done[index] == want, (question[:60], index)
