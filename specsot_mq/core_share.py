@@ -64,9 +64,6 @@ class CoreShare:
         self.board[2 * self.index] = 0
         self.board[2 * self.index + 1] = 0
 
-    def close(self) -> None:
-        self.board.close()
-
     @staticmethod
     def board_path(run_key: str, host: str) -> Path:
         """The board of one run's stages on one host: a file in shared memory where there is one
