@@ -32,7 +32,7 @@ class CoreShare:
     def __init__(self, path: Path, index: int, members: int, cores: int):
         if not 0 <= index < members:
             raise ValueError(f"index {index} is not one of {members} members")
-        self.index, self.members, self.cores = index, members, cores
+        self.path, self.index, self.members, self.cores = path, index, members, cores
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < 2 * members:

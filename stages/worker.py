@@ -44,7 +44,8 @@ class DeviceWorker:
         """share: this CPU stage's place on its host's core board; threads: a fixed torch thread
         count instead (None for both: torch's own)."""
         self.emit, self.loop, self.on_error = emit, loop, on_error
-        self.share, self.threads = share, threads
+        self.share = share
+        self.threads = threads  # the torch thread count the worker thread runs with (fixed, or its latest share)
         self.gen: Generator | None = None
         self.ready: asyncio.Future = loop.create_future()
         self.inbox: queue.Queue = queue.Queue()
@@ -165,8 +166,12 @@ class DeviceWorker:
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
-    if not future.done():
-        future.set_exception(error) if error is not None else future.set_result(result)
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class DeviceStage(Stage):
@@ -241,7 +246,7 @@ class DeviceStage(Stage):
         self._sender.cancel()
         if self.share is not None:
             self.share.idle()
-            CoreShare.board_path(self.spec.client_address, self.spec.hosts[self.name]).unlink(missing_ok=True)
+            self.share.path.unlink(missing_ok=True)
 
 
 def host_share(spec, name: str) -> CoreShare:

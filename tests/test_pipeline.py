@@ -158,6 +158,7 @@ def test_a_cpu_device_stage_runs_on_its_own_hosts_cores_unless_the_launch_fixes_
         stage = Probe("skeleton", RunSpec.from_json(spec.to_json()), send)
         await stage.start()
         await stage.stop()
+        assert stage.share is None or not stage.share.path.exists()  # a stopped launch leaves no board behind
         return stage.loaded_with
 
     spec, _ = tiny_spec(tiny_model, "p2p")
