@@ -113,31 +113,43 @@ def measure_bandwidth(repeats: int = 5) -> float:
 
 
 def weight_bytes(model, dtype: torch.dtype) -> tuple[int, int]:
-    """(parameters, bytes) read per decoded token: every weight once, the output layer in full. The
-    embedding table is left out because a lookup reads one row; when it is tied to the output layer
-    the shared tensor is counted once, as the output layer."""
-    seen, count = set(), 0
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name == "embed.weight" or id(p) in seen:
+    """(parameters, bytes) read per decoded token: every weight once (quantized ones as their packed
+    blocks), the output layer in full. The embedding table is left out because a lookup reads one
+    row; when it is tied to the output layer the shared tensor is counted once, as the output layer."""
+    from specsot_mq.quant import QEmbedding, QLinear
+
+    seen, count, nbytes = set(), 0, 0
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, QEmbedding) or id(m) in seen:
             continue
-        seen.add(id(p))
-        count += p.numel()
-    return count, count * dtype.itemsize
+        seen.add(id(m))
+        if isinstance(m, QLinear):  # its packed blocks (or its dequantized weight without the kernels)
+            count += m.out_features * m.in_features
+            nbytes += m.packed.numel() if m.packed is not None else m.weight.numel() * m.weight.element_size()
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            if f"{name}.{pname}" == "embed.weight" or id(p) in seen:
+                continue
+            seen.add(id(p))
+            count += p.numel()
+            nbytes += p.numel() * p.element_size()
+    return count, nbytes
 
 
 def load_transformers(folder: Path, dtype: torch.dtype):
     """transformers' own model of a folder, its logging silenced (ours is the one progress bar).
     Loaded in fp32 and cast: the same on every transformers version we support, and the same
-    rounding of the fp32 file as our loader applies."""
-    from transformers import AutoModelForCausalLM
+    rounding of the fp32 file as our loader applies; quantized weights dequantized."""
     from transformers.utils import logging as hf_logging
+
+    from specsot_mq.loader import transformers_model
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(str(folder)).to(dtype).eval()
+    return transformers_model(folder, dtype)
 
 
-def load_with_draft(model: str | None, draft: str, dtype: torch.dtype):
+def load_with_draft(model: str | None, draft: str, dtype: torch.dtype, quantize: str = "auto"):
     """(folder, tokenizer, our model, its prepacked draft head, the head's file) for the EAGLE
     benchmarks."""
     from specsot_mq.draft import DraftHead
@@ -147,7 +159,7 @@ def load_with_draft(model: str | None, draft: str, dtype: torch.dtype):
     draft_path = resolve_draft(draft, folder)
     if draft_path is None:
         raise SpecSotError(f"no draft head for {folder.name}: train one with `specsot train-draft` or pass --draft")
-    ours = load_model(folder, dtype=dtype)
+    ours = load_model(folder, dtype=dtype, quantize=quantize)
     return folder, load_tokenizer(folder), ours, DraftHead.load(draft_path, ours).prepack(), draft_path
 
 
@@ -191,13 +203,22 @@ def run_hf(model, ids: list[int], new_tokens: int, pad_id: int) -> Sample:
 
 def add_dtype_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="auto: bf16 where the CPU has native bf16 (AVX-512 BF16/AMX), else fp32")
+                   help="the activations' dtype; auto: fp32 with quantized weights, else bf16 where the CPU has "
+                        "native bf16 (AVX-512 BF16/AMX), else fp32")  # fmt: skip
+    p.add_argument("--quantize", choices=["auto", "int4", "int8", "none"], default="auto",
+                   help="auto: the weights as the model ships them (the default model: its GGUF's Q4_1/Q8_0); "
+                        "none: dequantized")  # fmt: skip
 
 
 def chosen_dtype(args: argparse.Namespace) -> torch.dtype:
-    """The dtype --dtype names on this CPU; args.dtype becomes what auto chose, for the tables."""
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
+    """The dtype --dtype names on this CPU for the model and --quantize asked for; args.dtype
+    becomes what auto chose, for the tables."""
+    from specsot_mq.loader import is_quantized
+
+    q = args.quantize
+    quantized = q in ("int4", "int8") or (q == "auto" and is_quantized(resolve_model(getattr(args, "model", None))))
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"), quantized)
+    args.dtype = ("bf16" if dtype == torch.bfloat16 else "fp32") + (" (weights quantized)" if quantized else "")
     return dtype
 
 
@@ -238,7 +259,7 @@ def main(argv=None) -> dict:
     folder = resolve_model(args.model)
     tokenizer = load_tokenizer(folder)
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in prompts]
-    ours = load_model(folder, dtype=dtype)
+    ours = load_model(folder, dtype=dtype, quantize=args.quantize)
     gen = Generator(ours, tokenizer, max_len=max(map(len, prompt_ids)) + n)
     hf = load_transformers(folder, dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

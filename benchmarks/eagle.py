@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
     sweep = [parse_tree(t) for t in args.sweep.split(",") if t.strip()]
     n = args.new_tokens
 
-    folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype)
+    folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype, args.quantize)
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in prompts]
     max_len = max(map(len, prompt_ids)) + n + 64
     plain = Generator(model, tokenizer, max_len=max_len)

@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
     dtype = chosen_dtype(args)
     questions, source = load_prompts(args.questions, args.limit, args.per_category)
 
-    folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype)
+    folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype, args.quantize)
     max_len = 2048
     plain_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel)
     eagle_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel, draft=head,

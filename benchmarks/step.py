@@ -6,7 +6,10 @@ slots or in every other one) it times the whole
 forward, then the same forward again with its linear layers (by kind), its attention and its
 KV-cache writes timed call by call (medians over the runs, as for the whole forward); the rest is
 everything else (norms, rope, Python). Next to it, the floor: the weight bytes one forward reads
-over the memory bandwidth measured in the same run; and after it, picking the greedy tokens from
+over the memory bandwidth measured in the same run. A table of all the linear layers alone at
+k = 1, 2, 4, 8, 16 and 32 rows, as loaded (quantized) and widened to fp32 and bf16, beside the
+bandwidth floor and the compute floor (2 k x parameters at the fp32 matmul rate measured here);
+and after the forward table, picking the greedy tokens from
 the logits, by argmax and by torch.max (what the decoders use: sampling.greedy_tokens). A
 second table, once per batch size: drawing a token per row at temperature 1, top-p 0.95 (from
 the logits of the model writing its own answer to an MT-bench question), by sorting the whole
@@ -42,6 +45,7 @@ from specsot_mq import model as model_module  # noqa: E402
 from specsot_mq.kv_cache import KVCache  # noqa: E402
 from specsot_mq.loader import load_model  # noqa: E402
 from specsot_mq.pull import resolve_model  # noqa: E402
+from specsot_mq.quant import QLinear  # noqa: E402
 from specsot_mq.sampling import Sampler, SamplingParams, greedy_tokens  # noqa: E402
 
 # (B, T, slot stride): plain decode, EAGLE verifies of the default 4-node tree and larger ones, SoT
@@ -52,20 +56,26 @@ SHAPES = [(1, 1, 1), (1, 5, 1), (1, 9, 1), (1, 17, 1), (4, 1, 1), (5, 1, 1), (5,
           (8, 1, 2), (32, 1, 1), (32, 1, 2)]
 CONTEXT = 300  # cached tokens before the step (rows at different lengths: 300, 293, 286, ...)
 KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
+LINEARS = (model_module.Linear, QLinear)
+ROWS = (1, 2, 4, 8, 16, 32)  # the linears-alone table: a step, verifies, the points phase, up to prefill-like
 OTHER = ("attention", "cache writes")
 
 
 @contextmanager
 def timed_parts(model, totals: dict):
     """Adds the seconds of each linear (by kind), attention call and cache write to totals while inside."""
-    kind_of = {id(m): name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, model_module.Linear)}
-    linear_forward, attention, write = model_module.Linear.forward, model_module.attention, KVCache.write
+    kind_of = {id(m): name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LINEARS)}
+    forwards = {cls: cls.forward for cls in LINEARS}
+    attention, write = model_module.attention, KVCache.write
 
-    def linear(self, x):
-        start = time.perf_counter()
-        out = linear_forward(self, x)
-        totals[kind_of[id(self)]] += time.perf_counter() - start
-        return out
+    def timed(cls):
+        def linear(self, x, **kwargs):
+            start = time.perf_counter()
+            out = forwards[cls](self, x, **kwargs)
+            totals[kind_of[id(self)]] += time.perf_counter() - start
+            return out
+
+        return linear
 
     def attend(*args):
         start = time.perf_counter()
@@ -78,11 +88,15 @@ def timed_parts(model, totals: dict):
         write(*args)
         totals["cache writes"] += time.perf_counter() - start
 
-    model_module.Linear.forward, model_module.attention, KVCache.write = linear, attend, store
+    for cls in LINEARS:
+        cls.forward = timed(cls)
+    model_module.attention, KVCache.write = attend, store
     try:
         yield
     finally:
-        model_module.Linear.forward, model_module.attention, KVCache.write = linear_forward, attention, write
+        for cls in LINEARS:
+            cls.forward = forwards[cls]
+        model_module.attention, KVCache.write = attention, write
 
 
 def step_inputs(b: int, t: int, vocab: int, gen: torch.Generator):
@@ -129,6 +143,44 @@ def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.
             **{f"{k.replace(' ', '_')}_ms": round(ms[k], 2) for k in OTHER}, "rest_ms": round(rest, 2),
             "argmax_ms": round(ms["argmax"], 2), "greedy_tokens_ms": round(ms["greedy_tokens"], 2),
             "linear_ms_by_kind": {k: round(ms[k], 2) for k in KINDS}}  # fmt: skip
+
+
+def gemm_flops(threads: int) -> float:
+    """The CPU's float32 matrix-multiply rate (flop/s): best of a few 1024^3 products."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    return 2 * 1024**3 / min(_seconds(lambda: a @ b) for _ in range(5))
+
+
+def linear_rows(model, runs: int) -> list[dict]:
+    """ms of all the linear layers one forward runs (each called once on k rows), as the model
+    holds them (quantized or not) and widened to fp32 and bf16 (oneDNN-prepacked), for k in ROWS."""
+    layers = [m for m in model.modules() if isinstance(m, LINEARS)]
+    widened = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        copies = []
+        for m in layers:
+            w = m.dequantized() if isinstance(m, QLinear) else m.weight.float()
+            lin = model_module.Linear(w.shape[1], w.shape[0], bias=False).to(dtype).requires_grad_(False)
+            lin.weight.copy_(w.to(dtype))
+            lin.prepack()
+            copies.append(lin)
+        widened["fp32" if dtype == torch.float32 else "bf16"] = copies
+    out = []
+    for k in ROWS:
+        row = {"k": k}
+        for name, mods in (("ours", layers), *widened.items()):
+            dtype = torch.bfloat16 if name == "bf16" else model.dtype
+            xs = {n: torch.randn(k, n, dtype=dtype) for n in {m.in_features for m in mods}}
+
+            def run():
+                for m in mods:
+                    m(xs[m.in_features])
+
+            run()
+            row[f"{name}_ms"] = round(statistics.median(_seconds(run) for _ in range(max(3, runs // 2))) * 1e3, 2)
+        out.append(row)
+    return out
 
 
 def time_sampling(text: torch.Tensor, b: int, runs: int) -> dict:
@@ -180,7 +232,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = chosen_dtype(args)
-    model = load_model(resolve_model(args.model), dtype=dtype)
+    model = load_model(resolve_model(args.model), dtype=dtype, quantize=args.quantize)
     cache = model.new_cache(max(b * stride for b, _, stride in SHAPES), CONTEXT + 32)
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -192,6 +244,8 @@ def main(argv=None) -> dict:
         with Progress(console=Console(stderr=True), transient=True) as bar:
             for b, t, stride in bar.track(SHAPES, description="shapes"):
                 rows.append(time_shape(model, cache, b, t, stride, args.runs, gen))
+        linears = linear_rows(model, args.runs)
+        flops = gemm_flops(args.threads)
     sizes = sorted({b for b, _, _ in SHAPES})
     text = answer_logits(model, resolve_model(args.model), sizes[-1])
     sampling = [time_sampling(text, b, args.runs) for b in sizes]
@@ -209,6 +263,18 @@ def main(argv=None) -> dict:
         table.add_row(shape, *(f"{v:.2f}" for v in ms), f"{100 * r['linears_ms'] / r['forward_ms']:.0f}%",
                       f"{r['forward_ms'] / floor_ms:.2f}", f"{r['argmax_ms']:.2f}", f"{r['greedy_tokens_ms']:.2f}")  # fmt: skip
     Console(stderr=True, width=150).print(table)
+    params, _ = weight_bytes(model, dtype)
+    lin = Table(title=f"all linear layers of one forward on k rows, ms | weights as loaded: {nbytes / 1e6:.0f} MB, "
+                      f"floor at {bandwidth / 1e9:.1f} GB/s {floor_ms:.2f} ms | compute floor at the fp32 matmul rate "
+                      f"({flops / 1e9:.0f} GFLOP/s): 2 x k x {params / 1e6:.0f}M / rate")  # fmt: skip
+    for col in ("k", "ours (as loaded)", "fp32 widened", "bf16 widened", "bandwidth floor", "compute floor", "ours x floor"):
+        lin.add_column(col, justify="right")
+    for r in linears:
+        compute = 2 * r["k"] * params / flops * 1e3
+        r.update(bandwidth_floor_ms=round(floor_ms, 2), compute_floor_ms=round(compute, 2))
+        lin.add_row(str(r["k"]), f"{r['ours_ms']:.2f}", f"{r['fp32_ms']:.2f}", f"{r['bf16_ms']:.2f}", f"{floor_ms:.2f}",
+                    f"{compute:.2f}", f"{r['ours_ms'] / max(floor_ms, compute):.2f}")  # fmt: skip
+    Console(stderr=True, width=150).print(lin)
     draws = Table(title="sampling one token per row: temperature 1, top-p 0.95, on the model's own answer logits")
     for col in ("rows", "sort + multinomial ms", "Sampler ms", "x"):
         draws.add_column(col, justify="right")
@@ -218,7 +284,7 @@ def main(argv=None) -> dict:
     Console(stderr=True).print(draws)
     result = {"dtype": args.dtype, "threads": args.threads, "cpu": cpu_name(), "weight_mb": round(nbytes / 1e6, 1),
               "bandwidth_gb_s": round(bandwidth / 1e9, 2), "floor_ms": round(floor_ms, 2), "shapes": rows,
-              "sampling": sampling}  # fmt: skip
+              "gemm_gflops": round(flops / 1e9, 1), "linears_by_rows": linears, "sampling": sampling}  # fmt: skip
     print(json.dumps(result))
     return result
 

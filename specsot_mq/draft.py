@@ -30,6 +30,7 @@ from specsot_mq.config import ModelConfig
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.model import DecoderLayer, Linear, LlamaModel, attention_bias
+from specsot_mq.quant import QLinear
 
 FORMAT = "specsot-eagle-1"
 
@@ -102,8 +103,11 @@ class DraftHead(nn.Module):
                 "pass --draft none or train one with `specsot train-draft`"
             )
         object.__setattr__(self, "embed", base.embed)  # not a submodule: not saved, not trained
-        head = Linear(base.cfg.hidden_size, self.cfg.draft_vocab_size, bias=False)
-        head.weight = nn.Parameter(base.lm_head.weight.detach()[self.d2t].clone(), requires_grad=False)
+        if isinstance(base.lm_head, QLinear):
+            head = base.lm_head.select(self.d2t)
+        else:
+            head = Linear(base.cfg.hidden_size, self.cfg.draft_vocab_size, bias=False)
+            head.weight = nn.Parameter(base.lm_head.weight.detach()[self.d2t].clone(), requires_grad=False)
         object.__setattr__(self, "lm_head", head)
         return self
 
@@ -118,7 +122,7 @@ class DraftHead(nn.Module):
     def prepack(self) -> "DraftHead":
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
             for m in (self.fuse, self.fc, self.layer.qkv, self.layer.o, self.layer.gate_up, self.layer.down, self.lm_head):
-                if m is not None:
+                if isinstance(m, Linear):
                     m.prepack()
         return self
 

@@ -1,7 +1,10 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face-format model folder in float32.
+"""Convert a llama-architecture GGUF file into a Hugging Face-format model folder that keeps the
+file's quantized weights.
 
 The folder holds `config.json`, `generation_config.json`, the tokenizer files and one
-`model.safetensors`, so it loads like any local Hugging Face Llama checkpoint.
+`model.safetensors` with Hugging Face tensor names. Float tensors are stored as float32; a quantized
+tensor keeps its GGUF blocks as bytes (uint8 [rows, bytes per row]), its GGUF type and logical
+shape in the file's metadata (`QUANT_METADATA`), read back by `specsot_mq.loader`.
 """
 
 import json
@@ -36,6 +39,8 @@ _GLOBAL_TENSORS = {
     "output": "lm_head",
 }
 _REQUIRED = object()
+QUANT_METADATA = "specsot.quantized"  # safetensors metadata key: {name: [ggml type, rows, cols]}
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -56,10 +61,11 @@ def gguf_architecture(reader: GGUFReader, path: Path) -> str:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
-    """Write a Hugging Face-format float32 Llama folder at `out_dir` from the GGUF at `gguf_path`.
+    """Write a Hugging Face-format Llama folder at `out_dir` from the GGUF at `gguf_path`.
 
-    Quantised weights are dequantised to float32 and llama.cpp's rotary permutation of the q and
-    k projections is undone, so the result matches the original checkpoint's layout.
+    Quantized weights keep their blocks; llama.cpp's rotary permutation of the q and k projections
+    is undone (on rows, which quantization blocks never span), so the layout matches the original
+    checkpoint's.
     """
     gguf_path = Path(gguf_path)
     reader = open_gguf(gguf_path)
@@ -151,22 +157,29 @@ def save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
 def write_weights(
     reader: GGUFReader, path: Path, config: dict, out_path: Path, console: Console
 ) -> None:
-    """Dequantise every tensor to float32 and stream it into one safetensors file at `out_path`.
+    """Stream every tensor into one safetensors file at `out_path`: float ones as float32,
+    quantized ones as their GGUF blocks (see the module docstring).
 
     Tensors are written one at a time, so peak memory scales with the largest tensor, not the
     whole model.
     """
-    plan = []  # (gguf tensor, hf name, hf shape), in file order
+    plan = []  # (gguf tensor, hf name, logical shape, quantized), in file order
     for tensor in reader.tensors:
         # GGUF lists dimensions fastest-first; Hugging Face (and numpy) want them slowest-first.
         shape = [int(d) for d in reversed(tensor.shape.tolist())]
-        plan.append((tensor, hf_tensor_name(tensor.name, path), shape))
+        quantized = tensor.tensor_type.name not in _FLOAT_TYPES and len(shape) == 2
+        plan.append((tensor, hf_tensor_name(tensor.name, path), shape, quantized))
 
+    quant = {name: [t.tensor_type.name, *shape] for t, name, shape, q in plan if q}
     # The metadata marks the file as torch-flavoured; some transformers versions insist on it.
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for _, name, shape in plan:
-        size = 4 * math.prod(shape)
-        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+    header = {"__metadata__": {"format": "pt", QUANT_METADATA: json.dumps(quant)}}
+    offset = 0
+    for tensor, name, shape, quantized in plan:
+        if quantized:
+            stored, dtype, size = [shape[0], tensor.n_bytes // shape[0]], "U8", tensor.n_bytes
+        else:
+            stored, dtype, size = shape, "F32", 4 * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": stored, "data_offsets": [offset, offset + size]}
         offset += size
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # the format wants the data 8-byte aligned
@@ -178,14 +191,17 @@ def write_weights(
         out.write(len(header_bytes).to_bytes(8, "little"))
         out.write(header_bytes)
         task = bar.add_task("weights", total=len(plan))
-        for tensor, name, shape in plan:
-            weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-            weight = weight.reshape(shape)
+        for tensor, name, shape, quantized in plan:
+            if quantized:
+                weight = np.asarray(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
+            else:
+                weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+                weight = weight.reshape(shape)
             if name.endswith("self_attn.q_proj.weight"):
                 weight = unpermute_rope(weight, config["num_attention_heads"])
             elif name.endswith("self_attn.k_proj.weight"):
                 weight = unpermute_rope(weight, config["num_key_value_heads"])
-            out.write(np.ascontiguousarray(weight, dtype="<f4").data)
+            out.write(np.ascontiguousarray(weight).data)
             bar.advance(task)
 
 
@@ -209,7 +225,7 @@ def unpermute_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
     llama.cpp stores `w.reshape(n_head, 2, d/2, in).swapaxes(1, 2)`; swapping the same axes back
     on the `(n_head, d/2, 2, in)` view restores the original row order.
     """
-    out_features, in_features = weight.shape
+    out_features, in_features = weight.shape  # rows: output features; columns: inputs or bytes
     head_dim = out_features // n_head
     return (
         weight.reshape(n_head, head_dim // 2, 2, in_features)

@@ -1,4 +1,5 @@
-"""Load a Hugging Face-format model folder (config.json + safetensors) into our LlamaModel."""
+"""Load a Hugging Face-format model folder (config.json + safetensors) into our LlamaModel, with
+quantized weights (kept from a GGUF by `specsot pull`, or quantized at load) in QLinear layers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from safetensors import safe_open
 
 from specsot_mq.config import ModelConfig
 from specsot_mq.errors import SpecSotError
+from specsot_mq.gguf_convert import QUANT_METADATA
 from specsot_mq.model import LlamaModel
+from specsot_mq import quant
+from specsot_mq.quant import KINDS, Blocks, from_ggml
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -31,21 +35,51 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(folder: Path, dequantize: bool = False) -> dict[str, torch.Tensor | Blocks]:
+    """The folder's weights by Hugging Face name: tensors, and Blocks for the quantized ones
+    (float32 tensors instead with `dequantize`, e.g. for a transformers reference)."""
     state = {}
     for f in weight_files(folder):
         try:
             with safe_open(f, framework="pt") as st:
+                quant = json.loads((st.metadata() or {}).get(QUANT_METADATA, "{}"))
                 for name in st.keys():
                     state[name] = st.get_tensor(name)
+                    if name in quant:
+                        kind, rows, cols = quant[name]
+                        state[name] = from_ggml(state[name].numpy(), kind, (rows, cols))
+                        if dequantize:
+                            state[name] = state[name].dequantize()
         except Exception as e:  # safetensors raises several types for a damaged file
             raise SpecSotError(f"{f} cannot be read ({e}): the file is damaged; re-pull the model") from None
     return state
 
 
-def hf_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def transformers_model(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """transformers' own model of a folder, quantized weights dequantized to `dtype`: the
+    reference that tests and benchmarks compare against."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.load_state_dict(read_state_dict(Path(folder), dequantize=True), strict=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(dtype).eval()
+
+
+def _cat(parts: list) -> torch.Tensor | Blocks:
+    return Blocks.cat(parts) if isinstance(parts[0], Blocks) else torch.cat(parts)
+
+
+def _scaled(w: torch.Tensor | Blocks, s: float) -> torch.Tensor | Blocks:
+    return w.scaled(s) if isinstance(w, Blocks) else w * s
+
+
+def hf_to_ours(state: dict[str, torch.Tensor | Blocks], cfg: ModelConfig) -> dict[str, torch.Tensor | Blocks]:
     """Rename Hugging Face weights to ours, fusing q/k/v and gate/up, and folding the attention
-    scale 1/sqrt(head_dim) into the q projection (or the q norm, which comes after it)."""
+    scale 1/sqrt(head_dim) into the q projection (or the q norm, which comes after it).
+    Quantized weights (Blocks) stay quantized."""
     scale = 1.0 / math.sqrt(cfg.head_dim)
     out = {"embed.weight": state["model.embed_tokens.weight"], "norm.weight": state["model.norm.weight"]}
     out["lm_head.weight"] = state["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
@@ -53,8 +87,8 @@ def hf_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
         p, q = f"model.layers.{i}.", f"layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         q_scale = 1.0 if cfg.qk_norm else scale
-        out[q + "qkv.weight"] = torch.cat(
-            [state[a + "q_proj.weight"] * q_scale, state[a + "k_proj.weight"], state[a + "v_proj.weight"]]
+        out[q + "qkv.weight"] = _cat(
+            [_scaled(state[a + "q_proj.weight"], q_scale), state[a + "k_proj.weight"], state[a + "v_proj.weight"]]
         )
         if cfg.qkv_bias:
             out[q + "qkv.bias"] = torch.cat(
@@ -68,7 +102,7 @@ def hf_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
             out[q + "k_norm.weight"] = state[a + "k_norm.weight"]
         out[q + "input_norm.weight"] = state[p + "input_layernorm.weight"]
         out[q + "post_norm.weight"] = state[p + "post_attention_layernorm.weight"]
-        out[q + "gate_up.weight"] = torch.cat([state[m + "gate_proj.weight"], state[m + "up_proj.weight"]])
+        out[q + "gate_up.weight"] = _cat([state[m + "gate_proj.weight"], state[m + "up_proj.weight"]])
         out[q + "down.weight"] = state[m + "down_proj.weight"]
         if cfg.mlp_bias:
             out[q + "gate_up.bias"] = torch.cat([state[m + "gate_proj.bias"], state[m + "up_proj.bias"]])
@@ -76,24 +110,61 @@ def hf_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     return out
 
 
+_LINEARS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight")
+
+
+def _quantized_as_asked(weights: dict, quantize: str, device: torch.device) -> dict:
+    """'auto' keeps weights as stored; 'none' (and any device but the CPU, where the kernels run)
+    dequantizes them; 'int4' / 'int8' quantize a float model's linear layers (the output layer and
+    embedding to 8 bits either way, as 4-bit GGUF files keep them)."""
+    if quantize not in ("auto", "none", *KINDS):
+        raise SpecSotError(f"unknown --quantize '{quantize}': use auto, int4, int8 or none")
+    if quantize == "none" or device.type != "cpu":
+        return {k: v.dequantize() if isinstance(v, Blocks) else v for k, v in weights.items()}
+    if quantize == "auto":
+        return weights
+    out, done = dict(weights), {}
+    for name, w in weights.items():
+        kind = KINDS[quantize] if name.endswith(_LINEARS) else "q8" if name in ("embed.weight", "lm_head.weight") else None
+        if kind and torch.is_tensor(w) and w.dim() == 2 and w.shape[1] % 32 == 0:
+            if id(w) not in done:  # a tied embedding and output layer stay one matrix
+                done[id(w)] = quant.quantize(w, kind)
+            out[name] = done[id(w)]
+    return out
+
+
+def is_quantized(folder: Path) -> bool:
+    """Whether a folder's weights hold quantized tensors (reads the safetensors headers only)."""
+    for f in weight_files(folder):
+        with safe_open(f, framework="pt") as st:
+            if json.loads((st.metadata() or {}).get(QUANT_METADATA, "{}")):
+                return True
+    return False
+
+
 def load_model(
     folder: str | Path,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     prepack: bool = True,
+    quantize: str = "auto",
 ) -> LlamaModel:
-    """Build the model of a Hugging Face-format folder, in `dtype` on `device`, ready for inference."""
+    """Build the model of a Hugging Face-format folder, activations in `dtype` on `device`, ready
+    for inference; `quantize` as in _quantized_as_asked (quantized weights run in QLinear)."""
     folder = Path(folder)
+    device = torch.device(device)
     cfg = ModelConfig.from_folder(folder)
     try:
         weights = hf_to_ours(read_state_dict(folder), cfg)
     except KeyError as e:
         raise SpecSotError(f"{folder} lacks weight {e} that its config.json implies: re-pull the model") from None
+    weights = _quantized_as_asked(weights, quantize, device)
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    model.load_state_dict(weights, strict=False, assign=True)
-    if cfg.tie_embeddings:
+    model.load_state_dict({k: v for k, v in weights.items() if torch.is_tensor(v)}, strict=False, assign=True)
+    if cfg.tie_embeddings and torch.is_tensor(weights["lm_head.weight"]):
         model.lm_head.weight = model.embed.weight
+    model.use_quantized({k.removesuffix(".weight"): v for k, v in weights.items() if isinstance(v, Blocks)}, dtype)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise SpecSotError(f"{folder} lacks weights {missing[:3]}: re-pull the model")
@@ -103,12 +174,17 @@ def load_model(
     return model.prepack() if prepack else model
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """'auto' is bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 / AMX), fp32 elsewhere."""
+def resolve_dtype(dtype: str, device: torch.device, quantized: bool = False) -> torch.dtype:
+    """The activations' dtype. 'auto': bf16 on CUDA; on a CPU float32 with quantized weights (the
+    kernels take float32), else bf16 where the CPU has native bf16 (AVX-512 BF16 / AMX), fp32
+    elsewhere."""
     names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
     if dtype == "auto":
-        fast_bf16 = device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return torch.bfloat16 if fast_bf16 else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        if quantized:
+            return torch.float32
+        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
     if dtype not in names:
         raise SpecSotError(f"unknown dtype '{dtype}': use auto, bf16 or fp32")
     return names[dtype]
@@ -153,10 +229,11 @@ def load_generator(
     num_slots: int = 1,
     draft: str | None = "auto",
     tree=None,
+    quantize: str = "auto",
 ):
     """The model named or given by path (pulled if it is a known name not yet cached), its
     tokenizer, its EAGLE draft head (see resolve_draft), and a Generator with caches of
-    `max_len` positions for `num_slots` sequences. tree: TreeParams (default TreeParams(), whose
+    `max_len` positions for `num_slots` sequences; quantize: see load_model. tree: TreeParams (default TreeParams(), whose
     prompt lookup also drafts for a model without a head; TreeParams(lookup=0) there decodes
     plainly)."""
     from specsot_mq.draft import DraftHead
@@ -166,9 +243,11 @@ def load_generator(
     from specsot_mq.tokenizer import load_tokenizer
 
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)  # a bad flag fails before a model is pulled
+    resolve_dtype(dtype, dev)  # a bad flag fails before a model is pulled
+    _quantized_as_asked({}, quantize, dev)
     folder = resolve_model(model)
-    net = load_model(folder, dtype=torch_dtype, device=dev)
+    quantized = dev.type == "cpu" and (quantize in KINDS or (quantize == "auto" and is_quantized(folder)))
+    net = load_model(folder, dtype=resolve_dtype(dtype, dev, quantized), device=dev, quantize=quantize)
     draft_path = resolve_draft(draft, folder)
     head = DraftHead.load(draft_path, net).prepack() if draft_path else None
     return Generator(net, load_tokenizer(folder), max_len=max_len, num_slots=num_slots, draft=head,

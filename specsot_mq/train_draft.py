@@ -33,6 +33,7 @@ from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Generator, Job
 from specsot_mq.model import LlamaModel
 from specsot_mq.prompts import load_format
+from specsot_mq.quant import QEmbedding, QLinear
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.speculative import TreeParams
 from specsot_mq.sot.engine import SoTConfig, finished_lines, point_params, point_prompts, skeleton_params
@@ -374,7 +375,7 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
         head = DraftHead(DraftConfig.for_base(base.cfg, len(d2t), layers))
         head.d2t.copy_(d2t)
         # Start the layer from the base's last layer: same shapes, a better start than noise.
-        head.layer.load_state_dict(base.layers[-1].state_dict())
+        head.layer.load_state_dict(_float_state(base.layers[-1]))
         if head.fuse is not None:  # start from the last layer alone, as an EAGLE-1 head reads it
             h = base.cfg.hidden_size
             torch.nn.init.zeros_(head.fuse.weight)
@@ -462,15 +463,28 @@ def feature_layers(base: LlamaModel, cfg: TrainConfig) -> tuple[int, ...]:
     return layers
 
 
+def _float_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's state with quantized layers as float weights (a QLinear's packed blocks become
+    its dequantized `weight`), as a float copy of the module loads it."""
+    state = {k: v for k, v in module.state_dict().items() if not k.endswith(".packed")}
+    for name, m in module.named_modules():
+        if isinstance(m, QLinear) and m.packed is not None:
+            state[f"{name}.weight"] = m.dequantized()
+    return state
+
+
 def _float_view(base: LlamaModel) -> LlamaModel:
-    """The base's embedding and output layer in fp32 for training (the base may run in bf16)."""
-    if base.dtype == torch.float32:
+    """The base's embedding and output layer as fp32 tensors for training (the base may run in
+    bf16, or keep them quantized)."""
+    if base.dtype == torch.float32 and isinstance(base.lm_head, torch.nn.Linear):
         return base
     shim = torch.nn.Module()
     shim.cfg = base.cfg
-    shim.embed = torch.nn.Embedding.from_pretrained(base.embed.weight.float())
+    embed = base.embed.table.dequantized() if isinstance(base.embed, QEmbedding) else base.embed.weight.float()
+    shim.embed = torch.nn.Embedding.from_pretrained(embed)
     shim.lm_head = torch.nn.Linear(base.cfg.hidden_size, base.cfg.vocab_size, bias=False)
-    shim.lm_head.weight = torch.nn.Parameter(base.lm_head.weight.float(), requires_grad=False)
+    head = base.lm_head.dequantized() if isinstance(base.lm_head, QLinear) else base.lm_head.weight.float()
+    shim.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
     return shim
 
 

@@ -199,22 +199,30 @@ def test_pull_builds_the_folder_with_a_manifest(pulled):
 
 @pytest.mark.slow
 def test_weights_equal_transformers_own_gguf_loading(pulled):
+    """The pulled file keeps the GGUF's quantized blocks (the model ships Q4_1 and Q8_0 tensors);
+    dequantized, every tensor equals what transformers reads from the GGUF itself."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
+    from specsot_mq.loader import read_state_dict
+    from specsot_mq.quant import Blocks
+
     reference = AutoModelForCausalLM.from_pretrained(
         str(pulled.gguf.parent), gguf_file=pulled.gguf.name, dtype=torch.float32
     ).state_dict()
-    with safe_open(pulled.folder / "model.safetensors", framework="pt") as ours:
-        names = set(ours.keys())
-        # Tied embeddings: transformers lists lm_head.weight, the file stores it once.
-        assert set(reference) - names == {"lm_head.weight"}
-        assert names <= set(reference)
-        for name in names:
-            tensor = ours.get_tensor(name)
-            assert tensor.dtype == torch.float32 and tensor.is_contiguous()
-            assert torch.equal(tensor, reference[name]), name
+    with safe_open(pulled.folder / "model.safetensors", framework="pt") as f:
+        stored = {name: f.get_tensor(name).dtype for name in f.keys()}
+    quantized = read_state_dict(pulled.folder)
+    ours = read_state_dict(pulled.folder, dequantize=True)
+    # Tied embeddings: transformers lists lm_head.weight, the file stores it once.
+    assert set(reference) - set(ours) == {"lm_head.weight"}
+    assert set(ours) <= set(reference)
+    kinds = {name: w.kind for name, w in quantized.items() if isinstance(w, Blocks)}
+    assert kinds["model.embed_tokens.weight"] == "q8" and kinds["model.layers.0.mlp.down_proj.weight"] == "q4"
+    for name, tensor in ours.items():
+        assert stored[name] == (torch.uint8 if name in kinds else torch.float32), name
+        assert torch.equal(tensor, reference[name]), name
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""The real default model (SmolLM2-135M-Instruct, fp32): our greedy decoding equals transformers'
-`generate` token for token, and streamed text is UTF-8 safe."""
+"""The real default model (SmolLM2-135M-Instruct, its weights dequantized to fp32): our greedy
+decoding equals transformers' `generate` token for token, and streamed text is UTF-8 safe."""
 
 import json
 from pathlib import Path
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specsot_mq.generate import Generator
-from specsot_mq.loader import load_model
+from specsot_mq.loader import load_model, transformers_model
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.tokenizer import Detokenizer, chat_prompt_ids, load_tokenizer
 
@@ -29,10 +29,8 @@ def tokenizer(default_model_dir):
 
 
 def test_greedy_64_tokens_equal_transformers_generate(default_model_dir, tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-    gen = Generator(load_model(default_model_dir, dtype=torch.float32), tokenizer, max_len=1024)
+    hf = transformers_model(default_model_dir, torch.float32)
+    gen = Generator(load_model(default_model_dir, dtype=torch.float32, quantize="none"), tokenizer, max_len=1024)
     for question in mt_bench_first_turns(5):
         ids = chat_prompt_ids(tokenizer, question)
         with torch.no_grad():

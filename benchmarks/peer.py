@@ -1,0 +1,185 @@
+"""The peer comparison: llama.cpp on the same GGUF file beside our plain, EAGLE and SpecSoT decoding.
+
+Every engine answers the same chat prompts (MT-bench first turns by default) greedily, up to
+--max-tokens per phase, with the CLI's loop rule (an output ends when its last --repeat-stop tokens
+already ran earlier in it; the same LoopWatch drives llama.cpp's loop), on --threads threads each.
+llama.cpp is llama-cpp-python (`pip install -e '.[peer]'`, built from source: about 6 minutes),
+fed our chat prompt's token ids, so both read the same prompt. Each answer is timed from the
+question to its last token. Prints a table per question, the medians of the time to a complete
+answer and of tok/s, and ends with one JSON line: `plain_vs_llamacpp`, `eagle_vs_llamacpp`,
+`specsot_vs_llamacpp` and `specsot_vs_llamacpp_sot_routed` (median over questions of llama.cpp's
+seconds over ours: above 1 is faster than llama.cpp), tok/s per engine, and the CPU flags seen.
+
+    python benchmarks/peer.py [--limit 16] [--per-category 2] [--max-tokens 256] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import add_dtype_option, chosen_dtype, cpu_name, load_prompts, load_with_draft, run_script  # noqa: E402
+
+from specsot_mq.generate import Generator, LoopWatch  # noqa: E402
+from specsot_mq.pull import DEFAULT_MODEL, download_gguf, known_model, specsot_home  # noqa: E402
+from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
+from specsot_mq.sot.engine import SoTConfig, SoTEngine  # noqa: E402
+from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
+
+ENGINES = ("llamacpp", "plain", "eagle", "specsot")
+WARM_UP = "Say hello."
+
+
+def cpu_flags() -> dict:
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return {"avx2": "avx2" in flags, "avx512_bf16": "avx512_bf16" in flags, "avx512_vnni": "avx512_vnni" in flags,
+            "amx": any(f.startswith("amx") for f in flags)}  # fmt: skip
+
+
+def gguf_file(name: str) -> Path:
+    """The known model's GGUF, kept under the cache (pull converts it and drops it)."""
+    entry = known_model(name)
+    path = specsot_home() / "gguf" / Path(entry.member).name
+    if not path.exists():
+        download_gguf(name, path.parent)
+    return path
+
+
+def llama_answer(llm, ids: list[int], max_tokens: int, repeat_stop: int, eos: set[int]) -> int:
+    """llama.cpp's greedy answer to prompt ids, ended as ours are; returns its token count."""
+    watch = LoopWatch(repeat_stop) if repeat_stop else None
+    n = 0
+    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        if token in eos:
+            break
+        n += 1
+        if n >= max_tokens or (watch is not None and watch.add(token)):
+            break
+    return n
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--questions", type=Path, default=None)
+    p.add_argument("--limit", type=int, default=16)
+    p.add_argument("--per-category", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeat-stop", type=int, default=REPEAT_STOP)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--draft", default="auto")
+    p.add_argument("--max-parallel", type=int, default=8)
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--json-only", action="store_true")
+    add_dtype_option(p)
+    args = p.parse_args(argv)
+    args.model = None
+    engines = [e for e in ENGINES if e in args.engines.split(",")]
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        sys.exit("benchmarks/peer.py needs llama-cpp-python: pip install -e '.[peer]' (builds llama.cpp, ~6 min)")
+    torch.set_num_threads(args.threads)
+    out = Console(quiet=args.json_only, soft_wrap=True)
+    dtype = chosen_dtype(args)
+    questions, source = load_prompts(args.questions, args.limit, args.per_category)
+    folder, tokenizer, model, head, draft_path = load_with_draft(None, args.draft, dtype, args.quantize)
+    llm = Llama(model_path=str(gguf_file(DEFAULT_MODEL)), n_ctx=4096, n_threads=args.threads,
+                n_threads_batch=args.threads, verbose=False)  # fmt: skip
+    plain = Generator(model, tokenizer, max_len=2048)
+    eagle = Generator(model, tokenizer, max_len=2048, num_slots=args.max_parallel, draft=head)
+    specsot = SoTEngine(eagle, SoTConfig(max_parallel=args.max_parallel))
+    params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
+    eos = set(model.cfg.eos_token_ids)
+
+    def run(engine: str, question: str) -> tuple[float, int, str]:
+        ids = chat_prompt_ids(tokenizer, question)
+        start = time.perf_counter()
+        if engine == "llamacpp":
+            n = llama_answer(llm, ids, args.max_tokens, args.repeat_stop, eos)
+            return time.perf_counter() - start, n, "direct"
+        if engine in ("plain", "eagle"):
+            done = (plain if engine == "plain" else eagle).generate(ids, params)
+            return time.perf_counter() - start, len(done.token_ids), "direct"
+        final = specsot.generate(question, params)
+        return time.perf_counter() - start, final.tokens, final.mode
+
+    flags = cpu_flags()
+    out.print(f"CPU {cpu_name()} | {' '.join(k for k, v in flags.items() if v)} | threads {args.threads} | "
+              f"ours: {args.dtype} | {len(questions)} questions ({source}) | max tokens {args.max_tokens} | "
+              f"repeat stop {args.repeat_stop} | draft {draft_path.name}")  # fmt: skip
+    rows = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True, disable=args.json_only) as bar:  # fmt: skip
+        task = bar.add_task("warm-up", total=1 + len(questions) * len(engines))
+        for engine in engines:
+            run(engine, WARM_UP)
+        bar.advance(task)
+        for i, q in enumerate(questions):
+            row = {"question": q[:60]}
+            for engine in engines:
+                bar.update(task, description=f"question {i + 1}: {engine}")
+                row[engine] = run(engine, q)
+                bar.advance(task)
+            rows.append(row)
+
+    ref = "llamacpp" if "llamacpp" in engines else engines[0]
+    table = Table(title=f"seconds to a complete answer (tokens, tok/s) and speed against {ref}")
+    table.add_column("question", max_width=26, no_wrap=True, overflow="ellipsis")
+    table.add_column("mode")
+    for engine in engines:
+        table.add_column(engine, justify="right")
+    for r in rows:
+        cells = []
+        for e in engines:
+            s, n, _ = r[e]
+            cells.append(f"{s:.2f}s ({n}, {n / s:.0f}/s)" + ("" if e == ref else f" {r[ref][0] / s:.2f}x"))
+        table.add_row(r["question"], r.get("specsot", (0, 0, "-"))[2], *cells)
+    out.print(table)
+
+    def median_vs(engine: str, subset) -> float | None:
+        values = [r[ref][0] / r[engine][0] for r in subset]
+        return round(statistics.median(values), 3) if values else None
+
+    routed = [r for r in rows if r.get("specsot", (0, 0, ""))[2] == "sot"]
+    result = {}
+    for engine in engines:
+        if engine != ref:
+            result[f"{engine}_vs_{ref}"] = median_vs(engine, rows)
+    if "specsot" in engines and ref != "specsot":
+        result[f"specsot_vs_{ref}_sot_routed"] = median_vs("specsot", routed)
+    summary = Table(title="medians over questions")
+    for col in ("engine", "seconds to answer", "tok/s", f"vs {ref} (all)", f"vs {ref} (routed to SoT)"):
+        summary.add_column(col, justify="left" if col == "engine" else "right")
+    result["median_seconds"], result["median_tok_s"] = {}, {}
+    for engine in engines:
+        secs = statistics.median(r[engine][0] for r in rows)
+        rate = statistics.median(r[engine][1] / r[engine][0] for r in rows)
+        result["median_seconds"][engine], result["median_tok_s"][engine] = round(secs, 3), round(rate, 1)
+        vs = "-" if engine == ref else str(result[f"{engine}_vs_{ref}"])
+        vs_routed = str(result.get(f"specsot_vs_{ref}_sot_routed")) if engine == "specsot" else "-"
+        summary.add_row(engine, f"{secs:.2f}", f"{rate:.1f}", vs, vs_routed)
+    out.print(summary)
+    result.update(questions=len(rows), sot_routed=len(routed), cpu=cpu_name(), cpu_flags=flags, threads=args.threads,
+                  dtype=args.dtype, max_tokens=args.max_tokens, repeat_stop=args.repeat_stop, draft=draft_path.name,
+                  per_question=[{"question": r["question"], **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]}
+                                                                for e in engines}} for r in rows])  # fmt: skip
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    run_script(main)

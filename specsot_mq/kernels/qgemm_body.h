@@ -1,0 +1,214 @@
+// Quantized matrix-vector / small-GEMM kernel body, compiled once per instruction set: the file
+// that includes it sets `#pragma GCC target(...)`, `SPECSOT_VNNI` and the namespace.
+//
+// Weights are packed by groups of 8 output columns (see specsot_mq/quant.py, `pack`): for each
+// group and each block of 32 inputs, the 8 columns' values are interleaved 4 inputs at a time, so
+// one 32-bit lane of a vector holds 4 consecutive inputs of one column and a u8 x s8 dot product
+// of 4 bytes (dpbusd, or maddubs + madd on AVX2) yields each column's partial sum in its own lane:
+// no horizontal sums. Activations arrive quantized to int8 per block of 32 with a float scale.
+//
+// Every output element is computed by one thread, over the blocks in order, with exact integer
+// partial sums: its value does not depend on how many rows or threads ran, so a k-row verify
+// computes bit for bit what k one-row steps compute.
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+
+namespace SPECSOT_ISA {
+
+static inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
+#if SPECSOT_VNNI
+    return _mm256_dpbusd_epi32(acc, u8, s8);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), ones));
+#endif
+}
+
+static inline __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+static inline void store_row(float* out, __m256 acc) { _mm256_storeu_ps(out, acc); }
+
+// 4-bit weights, unsigned nibbles with a scale d and an offset m per (column, block):
+// w = d * q + m. Block layout: 4 vectors of 32 bytes (low nibbles: inputs 4v..4v+3, high nibbles:
+// inputs 16+4v..16+4v+3, per column lane), then 8 fp16 d, then 8 fp16 m: 160 bytes.
+template <int R>
+static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
+                           const float* const* xs, float* const* out) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nblocks; ++b, w += 160) {
+        __m256i isum[R];
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+        for (int v = 0; v < 4; ++v) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
+            const __m256i lo = _mm256_and_si256(packed, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* x = xq[r] + 32 * b + 4 * v;
+                isum[r] = dot4(isum[r], lo, bcast4(x));
+                isum[r] = dot4(isum[r], hi, bcast4(x + 16));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 128)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 144)));
+        for (int r = 0; r < R; ++r) {
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r][b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) store_row(out[r], acc[r]);
+}
+
+// 8-bit signed weights with a scale d per (column, block): w = d * q. Block layout: 8 vectors of
+// 32 bytes (inputs 4g..4g+3 per column lane), then 8 fp16 d: 272 bytes. The u8 x s8 product takes
+// |w| and x with w's sign (llama.cpp's trick), which keeps maddubs' int16 pairs from saturating.
+template <int R>
+static inline void q8_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
+                           const float* const*, float* const* out) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nblocks; ++b, w += 272) {
+        __m256i isum[R];
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g));
+            const __m256i mag = _mm256_abs_epi8(q);
+            for (int r = 0; r < R; ++r) isum[r] = dot4(isum[r], mag, _mm256_sign_epi8(bcast4(xq[r] + 32 * b + 4 * g), q));
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 256)));
+        for (int r = 0; r < R; ++r) {
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) store_row(out[r], acc[r]);
+}
+
+// out[m, 8g .. 8g+8] for column groups g in [g0, g1) and every row m < M. Rows go 4 at a time
+// (the weights of one group stay in L1 across row tiles).
+#define SPECSOT_TILE_FN(NAME, TILE)                                                                  \
+    void NAME(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t g0, int64_t g1,        \
+              const int8_t* xq, const float* xd, const float* xs, int64_t M, float* out, int64_t N) { \
+        const int64_t K = 32 * nblocks;                                                              \
+        for (int64_t g = g0; g < g1; ++g) {                                                          \
+            const uint8_t* wg = w + g * nblocks * block_bytes;                                       \
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                  \
+                const int rows = static_cast<int>(M - m0 < 4 ? M - m0 : 4);                          \
+                const int8_t* xr[4];                                                                 \
+                const float *dr[4], *sr[4];                                                          \
+                float* orow[4];                                                                      \
+                for (int r = 0; r < rows; ++r) {                                                     \
+                    xr[r] = xq + (m0 + r) * K;                                                       \
+                    dr[r] = xd + (m0 + r) * nblocks;                                                 \
+                    sr[r] = xs + (m0 + r) * nblocks;                                                 \
+                    orow[r] = out + (m0 + r) * N + 8 * g;                                            \
+                }                                                                                    \
+                switch (rows) {                                                                      \
+                    case 4: TILE<4>(wg, nblocks, xr, dr, sr, orow); break;                           \
+                    case 3: TILE<3>(wg, nblocks, xr, dr, sr, orow); break;                           \
+                    case 2: TILE<2>(wg, nblocks, xr, dr, sr, orow); break;                           \
+                    default: TILE<1>(wg, nblocks, xr, dr, sr, orow); break;                          \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+SPECSOT_TILE_FN(gemm_q4, q4_tile)
+SPECSOT_TILE_FN(gemm_q8, q8_tile)
+
+// exp(x) for 8 floats (Cephes' range reduction and polynomial; max relative error ~2e-7,
+// 0 for x below -87). Deterministic: the same lanes give the same bits on any call.
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365478515625f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f));
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// The 8 sums of 8 vectors' lanes, as one vector: every sum in the same tree, wherever it lands.
+static inline __m256 hsum8x8(const __m256* a) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// One query row of attention: out[D] = softmax(q . keys[i]) . values[i] over the n keys listed in
+// `keys_at` (indices into keys/values rows, each D floats at a stride), D a multiple of 8;
+// scores has room for n + 8 floats. Every sum runs over the listed keys in order (a score is one
+// fixed reduction tree), so a query gets the same bits whatever other queries, masked keys or
+// cache length share its call: what keeps tree verification lossless.
+void attend_row(const float* q, const float* keys, const float* values, int64_t stride, int64_t D,
+                const int32_t* keys_at, int64_t n, float* scores, float* out) {
+    if (n == 0) {
+        for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+        return;
+    }
+    for (int64_t i = 0; i < n; i += 8) {
+        const int m = static_cast<int>(n - i < 8 ? n - i : 8);
+        __m256 acc[8];
+        const float* k[8];
+        for (int j = 0; j < 8; ++j) {
+            acc[j] = _mm256_setzero_ps();
+            k[j] = keys + keys_at[i + (j < m ? j : 0)] * stride;
+        }
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qd = _mm256_loadu_ps(q + d);
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), acc[j]);
+        }
+        _mm256_storeu_ps(scores + i, hsum8x8(acc));
+    }
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)),
+                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        top8 = _mm256_max_ps(top8, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(scores + i),
+                                                     _mm256_castsi256_ps(valid)));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top8);
+    float top = lanes[0];
+    for (int j = 1; j < 8; ++j) top = lanes[j] > top ? lanes[j] : top;
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)),
+                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), _mm256_set1_ps(top))),
+                                       _mm256_castsi256_ps(valid));
+        _mm256_storeu_ps(scores + i, p);
+        total = _mm256_add_ps(total, p);
+    }
+    _mm256_storeu_ps(lanes, total);
+    const float inv = 1.f / (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int chunks = static_cast<int>((D - d0 < 64 ? D - d0 : 64) / 8);
+        __m256 acc[8];
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+            const __m256 p = _mm256_set1_ps(scores[j]);
+            const float* v = values + keys_at[j] * stride + d0;
+            for (int c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+    }
+}
+
+}  // namespace SPECSOT_ISA

@@ -1,0 +1,129 @@
+"""Quantized weights: GGUF blocks read exactly, the packed layout round-trips, the native kernels
+match the dequantized matrix product within the error of int8 activations, and every row's result
+is bit for bit the same whatever the number of rows or threads (what keeps speculative decoding
+lossless on quantized weights)."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from specsot_mq import quant
+from specsot_mq.quant import Blocks, QLinear, from_ggml, pack, unpack
+
+ISAS = ["avx2", "native"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    if quant.native() is None:
+        pytest.skip("the native kernels are not available on this machine")
+    if request.param == "avx2":
+        monkeypatch.setenv("SPECSOT_KERNEL_ISA", "avx2")
+    return request.param
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_native_gguf_types_are_read_exactly(ggml_type):
+    w = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
+    qt = GGMLQuantizationType[ggml_type]
+    raw = quantize(w, qt)
+    blocks = from_ggml(raw, ggml_type, w.shape)
+    assert blocks.kind == ("q8" if ggml_type == "Q8_0" else "q4")
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(raw, qt).reshape(w.shape)))
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K"])
+def test_k_quants_become_8_bit_blocks_within_half_a_step(ggml_type):
+    # gguf cannot quantize K-quants: random bytes with small fp16 super-block scales stand in
+    qt = GGMLQuantizationType[ggml_type]
+    block_bytes = {"Q4_K": 144, "Q6_K": 210}[ggml_type]
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, (8, 2, block_bytes), dtype=np.uint8)
+    scale_at = {"Q4_K": slice(0, 4), "Q6_K": slice(208, 210)}[ggml_type]
+    raw[..., scale_at] = np.tile(np.array([0.01], np.float16).view(np.uint8), (scale_at.stop - scale_at.start) // 2)
+    raw = raw.reshape(8, -1)
+    want = torch.from_numpy(dequantize(raw, qt).reshape(8, 512))
+    blocks = from_ggml(raw, ggml_type, (8, 512))
+    step = want.view(8, 16, 32).abs().amax(-1, keepdim=True) / 127
+    assert blocks.kind == "q8"
+    assert ((blocks.dequantize().view(8, 16, 32) - want.view(8, 16, 32)).abs() <= step * 0.51 + 1e-3 * step).all()
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_pack_unpack_round_trip_and_padding(kind):
+    w = torch.randn(21, 64)  # 21 rows: padded to 24 in the packed layout
+    blocks = quant.quantize(w, kind)
+    packed = pack(blocks)
+    assert packed.shape == (3, 2, quant.BLOCK_BYTES[kind])
+    back = unpack(packed, kind, torch.arange(21), 64)
+    assert torch.equal(back.dequantize(), blocks.dequantize())
+    # quantizing is close to the float matrix: within half a step of each block
+    step = (w.view(21, 2, 32).amax(-1) - w.view(21, 2, 32).amin(-1)) / 15 if kind == "q4" else w.view(21, 2, 32).abs().amax(-1) / 127
+    assert ((blocks.dequantize() - w).view(21, 2, 32).abs() <= step[..., None] * 0.51 + 1e-3).all()
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("shape", [(40, 64), (576, 576), (96, 1536)])
+def test_kernel_matches_dequantized_product(isa, kind, shape):
+    torch.manual_seed(0)
+    blocks = quant.quantize(torch.randn(shape) * 0.05, kind)
+    layer = QLinear(blocks)
+    x = torch.randn(7, shape[1])
+    want = x @ blocks.dequantize().T
+    got = layer(x)
+    # int8 activations per block of 32 (as llama.cpp's Q8_1): relative error of a dot product
+    # stays far below 1%
+    rel = (got - want).norm() / want.norm()
+    assert rel < 0.01, rel
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_rows_are_bit_identical_whatever_the_batch(isa, kind):
+    torch.manual_seed(1)
+    layer = QLinear(quant.quantize(torch.randn(200, 320), kind))
+    x = torch.randn(17, 320)
+    whole = layer(x)
+    one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(17)])
+    assert torch.equal(whole, one_by_one)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x[3:9]), whole[3:9])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_both_instruction_sets_compute_the_same_bits():
+    if quant.native() is None or quant.native().isa() != "avx512-vnni":
+        pytest.skip("needs a CPU with AVX-512 VNNI to compare against its AVX2 path")
+    import os
+
+    layer = QLinear(quant.quantize(torch.randn(64, 256), "q4"))
+    x = torch.randn(5, 256)
+    vnni = layer(x)
+    os.environ["SPECSOT_KERNEL_ISA"] = "avx2"
+    try:
+        assert torch.equal(layer(x), vnni)
+    finally:
+        del os.environ["SPECSOT_KERNEL_ISA"]
+
+
+def test_select_and_rows_keep_the_exact_values(isa):
+    blocks = quant.quantize(torch.randn(50, 64), "q4")
+    layer = QLinear(blocks, bias=None)
+    index = torch.tensor([49, 0, 7, 8, 31])
+    assert torch.equal(layer.rows(index), blocks.dequantize()[index])
+    picked = layer.select(index)
+    x = torch.randn(3, 64)
+    assert torch.equal(picked(x), layer(x)[:, index])
+
+
+def test_without_the_kernels_the_dequantized_weights_run(monkeypatch):
+    monkeypatch.setattr(quant, "_native", False)
+    blocks = quant.quantize(torch.randn(16, 64), "q8")
+    layer = QLinear(blocks, bias=torch.ones(16))
+    x = torch.randn(2, 64)
+    assert layer.packed is None
+    torch.testing.assert_close(layer(x), x @ blocks.dequantize().T + 1)
