@@ -29,7 +29,7 @@ StageOpt = Annotated[Optional[list[str]], typer.Option("--stage", help="Swap a s
 
 
 def _run_file(name: str) -> Path:
-    from specsot_mq.launch import runs_folder
+    from specsot_mq.stages.launch import runs_folder
 
     return Path(name) if name.endswith(".json") else runs_folder() / f"{name}.json"
 
@@ -40,7 +40,7 @@ def start_topology(devices: str, topology: str, model, dtype, draft, tree: dict,
                    threads: int | None = None):  # fmt: skip
     """Plan and start a topology; returns (launcher, spec). tree: TreeParams fields (tree_flags)."""
     from specsot_mq.devices import parse_devices
-    from specsot_mq.launch import Launcher, plan_run
+    from specsot_mq.stages.launch import Launcher, plan_run
     from specsot_mq.sot.engine import SoTConfig
     from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
     from specsot_mq.stages.base import parse_overrides
@@ -111,7 +111,7 @@ def launch(
 ):
     """Start every stage process, show them live, and stop them all on Ctrl-C or SIGTERM."""
     from specsot_mq.client import Client
-    from specsot_mq.launch import wait_ready
+    from specsot_mq.stages.launch import wait_ready
 
     with _sigterm_as_interrupt():
         tree = tree_flags(num_draft_tokens, draft_depth, draft_topk, lookup)
@@ -159,7 +159,7 @@ def launch(
 def _topology(run: str, *start):
     """The client address of the run named `run` if one is live, else of a local one started now
     (and stopped on exit)."""
-    from specsot_mq.launch import read_run_file, wait_ready
+    from specsot_mq.stages.launch import read_run_file, wait_ready
 
     info = read_run_file(_run_file(run))
     if info is not None:

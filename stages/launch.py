@@ -25,6 +25,7 @@ from specsot_mq.errors import SpecSotError
 from specsot_mq.pull import specsot_home
 from specsot_mq.sot.scheduler import DeviceProfile
 from specsot_mq.stages.base import RunSpec
+from specsot_mq.transports import TOPOLOGIES
 
 
 def runs_folder() -> Path:
@@ -37,8 +38,6 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
     A CPU device stage runs `stage_threads` torch threads if given, else its share of the cores of
     the host it runs on (counted there, by the stage itself: a remote host may have more or fewer
     than this one): a stage busy alone takes all of them, busy stages split them (core_share.py)."""
-    from specsot_mq.transports import TOPOLOGIES
-
     if topology not in TOPOLOGIES:
         raise SpecSotError(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {topology!r}")
     if not devices:
