@@ -3,11 +3,8 @@ draft head, one KV cache allocated at start) and runs the generation loop over i
 prompts of any request into the running batch as slots free up. The event loop hands jobs in with
 submit() and gets every delta back on the loop through `emit`.
 
-Every torch call of a stage process runs on that one thread, loading included: each thread that
-starts parallel work gets its own OpenMP thread pool, and once a process holds more OpenMP threads
-than the machine has cores, libgomp makes idle threads sleep almost at once, so every kernel of a
-forward waits for a thread to wake (on a 2-core EPYC a forward of 8 tokens took 20.9 ms where the
-thread that loaded the model took 12.8: `python benchmarks/cores.py`).
+Every torch call of a stage process runs on that one thread, loading included, so the process
+holds one OpenMP thread pool (specsot_mq/openmp.py says why that matters).
 
 Sampling: one decoder samples for its whole batch, so a batch holds greedy jobs of any requests,
 or the jobs of one sampled request (its seed then reproduces). A job that cannot join the running
