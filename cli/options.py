@@ -22,7 +22,6 @@ DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (def
 RepeatOpt = Annotated[int, typer.Option(
     help="End an output (each phase's) when its last N tokens already ran earlier in it: a loop. 0 = off.")]
 FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan) or plan (the model picks [PLAN] or [DIRECT]).")]
-RunOpt = Annotated[str, typer.Option("--run", help="Name of the run (its run file under $SPECSOT_HOME/runs).")]
 
 
 @dataclasses.dataclass(slots=True)
@@ -55,7 +54,7 @@ class ModelOptions:
 class TopologyOptions:
     """The run a client attaches to, and the topology started when none is live (launch, run, chat)."""
 
-    run: RunOpt = "default"
+    run: Annotated[str, typer.Option("--run", help="Name of the run (its run file under $SPECSOT_HOME/runs).")] = "default"
     devices: Annotated[str, typer.Option("--devices", help="Devices as ip#gpu,... (#cpu for a CPU device).")] = "127.0.0.1#cpu"
     topology: Annotated[str, typer.Option("--topology", help="p2p or ring.")] = "p2p"
 

@@ -31,7 +31,8 @@ def _launch_options(topo: TopologyOptions, model: ModelOptions, **launch):
     """The LaunchOptions of these flags (the tree checked now); `launch`: launch's own flags."""
     from specsot_mq.stages.launch import LaunchOptions
 
-    return LaunchOptions(topo.devices, topo.topology, model.model, model.dtype, model.draft, model.tree(), **launch)
+    return LaunchOptions(devices=topo.devices, topology=topo.topology, model=model.model, dtype=model.dtype,
+                         draft=model.draft, tree=model.tree(), **launch)  # fmt: skip
 
 
 def _table(status, launcher) -> Table:
