@@ -30,7 +30,7 @@ from decode import load_prompts, run_script  # noqa: E402  (a sibling script)
 
 from specsot_mq.client import Client  # noqa: E402
 from specsot_mq.devices import parse_devices  # noqa: E402
-from specsot_mq.launch import Launcher, plan_run, wait_ready  # noqa: E402
+from specsot_mq.stages.launch import Launcher, plan_run, wait_ready  # noqa: E402
 from specsot_mq.messages import Answer  # noqa: E402
 from specsot_mq.sampling import SamplingParams  # noqa: E402
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles  # noqa: E402

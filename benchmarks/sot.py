@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import (add_dtype_option, chosen_dtype, cpu_name, load_prompts, load_transformers,  # noqa: E402  (a sibling script)
                     load_with_draft, run_script)
 
-from specsot_mq.generate import Generator, LoopWatch  # noqa: E402
+from specsot_mq.generate import Generator  # noqa: E402
+from specsot_mq.stopping import LoopWatch  # noqa: E402
 from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
 from specsot_mq.sot.engine import SoTConfig, SoTEngine  # noqa: E402
 from specsot_mq.speculative import TreeParams  # noqa: E402

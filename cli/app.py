@@ -1,4 +1,4 @@
-"""`specsot`: pull models, answer questions, train draft heads; serve.py adds launch, chat and run."""
+"""`specsot`: pull models, answer questions, train draft heads; launch, run and chat are in serve.py."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from specsot_mq.cli import serve
+from specsot_mq.cli.options import DeviceOpt, DtypeOpt, FormatOpt, ModelOpt, ModelOptions, RepeatOpt, err, with_options
 from specsot_mq.errors import SpecSotError
 from specsot_mq.sampling import REPEAT_STOP
 
@@ -18,33 +20,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-ModelOpt = Annotated[
-    Optional[str], typer.Option("--model", "-m", help="Known model name or a Hugging Face-format folder.")
-]
-DtypeOpt = Annotated[str, typer.Option(help="auto, bf16 or fp32 (auto: bf16 where the hardware runs it fast).")]
-DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda if present).")]
-
-DraftOpt = Annotated[str, typer.Option(help="EAGLE draft head: auto (the shipped one), none, or a .safetensors path.")]
-NumDraftOpt = Annotated[Optional[int], typer.Option(help="Draft tree nodes verified per step.")]
-DepthOpt = Annotated[Optional[int], typer.Option(help="Deepest level of the draft tree.")]
-TopkOpt = Annotated[Optional[int], typer.Option(help="Children per expanded node in the draft tree.")]
-LookupOpt = Annotated[Optional[int], typer.Option(
-    help="Prompt lookup: up to N tokens copied from earlier in the text join each draft tree (greedy only); 0 = off.")]
-RepeatOpt = Annotated[int, typer.Option(help="End an output (each phase's) when its last N tokens already ran earlier in it: a loop. 0 = off.")]
-FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan) or plan (the model picks [PLAN] or [DIRECT]).")]
-
-
-def tree_flags(num_draft_tokens, depth, topk, lookup=None) -> dict:
-    """The TreeParams fields given by flags (a stage process gets them as they are), checked now:
-    an impossible tree fails here with one clear error."""
-    from specsot_mq.speculative import TreeParams
-
-    given = {"num_draft_tokens": num_draft_tokens, "depth": depth, "topk": topk, "lookup": lookup}
-    given = {k: v for k, v in given.items() if v is not None}
-    TreeParams(**given)  # validates
-    return given
 
 
 @app.command()
@@ -59,10 +34,10 @@ def pull(
 
 
 @app.command()
+@with_options
 def ask(
     question: Annotated[str, typer.Argument(help="The question ('-' reads it from stdin).")],
-    model: ModelOpt = None,
-    dtype: DtypeOpt = "auto",
+    model: ModelOptions,
     device: DeviceOpt = None,
     max_tokens: Annotated[int, typer.Option(help="Most new tokens to generate.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 decodes greedily.")] = 0.0,
@@ -72,11 +47,6 @@ def ask(
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     repeat_stop: RepeatOpt = REPEAT_STOP,
     max_len: Annotated[int, typer.Option(help="KV cache length (prompt + answer).")] = 4096,
-    draft: DraftOpt = "auto",
-    num_draft_tokens: NumDraftOpt = None,
-    draft_depth: DepthOpt = None,
-    draft_topk: TopkOpt = None,
-    lookup: LookupOpt = None,
     sot: Annotated[str, typer.Option(help="Plan and expand in parallel: auto, always or never.")] = "auto",
     max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8,
     max_parallel: Annotated[int, typer.Option(help="Points decoded at once (cache slots).")] = 8,
@@ -88,6 +58,7 @@ def ask(
     from specsot_mq.loader import load_generator
     from specsot_mq.sampling import SamplingParams
     from specsot_mq.sot.engine import SoTConfig, SoTEngine
+    from specsot_mq.speculative import TreeParams
 
     if question == "-":
         question = sys.stdin.read()
@@ -96,11 +67,9 @@ def ask(
         raise SpecSotError("the question is empty: pass it as an argument or on stdin with '-'")
     params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop or ()), repeat_stop=repeat_stop)
     config = SoTConfig(sot=sot, prompt_format=prompt_format, max_points=max_points, max_parallel=max_parallel, layout=layout)
-    from specsot_mq.speculative import TreeParams
-
-    tree = TreeParams(**tree_flags(num_draft_tokens, draft_depth, draft_topk, lookup))
-    gen = load_generator(model, dtype=dtype, device=device, max_len=max_len, num_slots=max_parallel,
-                         draft=draft, tree=tree)  # fmt: skip
+    tree = TreeParams(**model.tree())
+    gen = load_generator(model.model, dtype=model.dtype, device=device, max_len=max_len, num_slots=max_parallel,
+                         draft=model.draft, tree=tree)  # fmt: skip
     engine = SoTEngine(gen, config)
     engine.generate(question, params, on_event=AnswerView(Console(highlight=False, soft_wrap=True), err))
 
@@ -161,7 +130,9 @@ def train_draft(
     print(json.dumps(record))
 
 
-from specsot_mq.cli import serve  # noqa: E402,F401  (registers launch, chat and run)
+app.command()(serve.launch)
+app.command("run")(serve.run_batch)
+app.command()(serve.chat)
 
 
 def main() -> None:

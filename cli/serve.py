@@ -6,7 +6,6 @@ import asyncio
 import json
 import signal
 import sys
-import tempfile
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,44 +16,23 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from specsot_mq.cli.app import (DepthOpt, DraftOpt, DtypeOpt, FormatOpt, LookupOpt, ModelOpt, NumDraftOpt, RepeatOpt,
-                                TopkOpt, app, err, tree_flags)
+from specsot_mq.cli.options import FormatOpt, ModelOptions, RepeatOpt, TopologyOptions, err, with_options
 from specsot_mq.errors import SpecSotError
 from specsot_mq.sampling import REPEAT_STOP
 
-DevicesOpt = Annotated[str, typer.Option("--devices", help="Devices as ip#gpu,... (#cpu for a CPU device).")]
-TopologyOpt = Annotated[str, typer.Option("--topology", help="p2p or ring.")]
-RunOpt = Annotated[str, typer.Option("--run", help="Name of the run (its run file under $SPECSOT_HOME/runs).")]
-StageOpt = Annotated[Optional[list[str]], typer.Option("--stage", help="Swap a stage: KIND=module.path:Class.")]
-
 
 def _run_file(name: str) -> Path:
-    from specsot_mq.launch import runs_folder
+    from specsot_mq.stages.launch import runs_folder
 
     return Path(name) if name.endswith(".json") else runs_folder() / f"{name}.json"
 
 
-def start_topology(devices: str, topology: str, model, dtype, draft, tree: dict, stages=None,
-                   remote: str = "ssh {host} {command}", devices_file=None, max_points: int = 8, point_tokens: int = 160,
-                   skeleton_tokens: int = 128, base_port: int = 5600, restart: bool = True, prompt_format: str = "sot",
-                   threads: int | None = None):  # fmt: skip
-    """Plan and start a topology; returns (launcher, spec). tree: TreeParams fields (tree_flags)."""
-    from specsot_mq.devices import parse_devices
-    from specsot_mq.launch import Launcher, plan_run
-    from specsot_mq.sot.engine import SoTConfig
-    from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
-    from specsot_mq.stages.base import parse_overrides
+def _launch_options(topo: TopologyOptions, model: ModelOptions, **launch):
+    """The LaunchOptions of these flags (the tree checked now); `launch`: launch's own flags."""
+    from specsot_mq.stages.launch import LaunchOptions
 
-    sot = {"max_points": max_points, "point_tokens": point_tokens, "skeleton_tokens": skeleton_tokens,
-           "prompt_format": prompt_format}
-    SoTConfig(**sot)  # validates
-    profiles = load_profiles(devices_file or default_profiles_path())
-    run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
-    spec = plan_run(parse_devices(devices), profiles, topology, run_dir, base_port, threads, model=model, dtype=dtype,
-                    draft=draft, tree=tree, sot=sot, overrides=parse_overrides(stages or []))  # fmt: skip
-    launcher = Launcher(spec, run_dir, remote=remote, restart=restart)
-    launcher.start()
-    return launcher, spec
+    return LaunchOptions(devices=topo.devices, topology=topo.topology, model=model.model, dtype=model.dtype,
+                         draft=model.draft, tree=model.tree(), **launch)  # fmt: skip
 
 
 def _table(status, launcher) -> Table:
@@ -85,19 +63,11 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, old)
 
 
-@app.command()
+@with_options
 def launch(
-    devices: DevicesOpt = "127.0.0.1#cpu",
-    topology: TopologyOpt = "p2p",
-    model: ModelOpt = None,
-    dtype: DtypeOpt = "auto",
-    draft: DraftOpt = "auto",
-    num_draft_tokens: NumDraftOpt = None,
-    draft_depth: DepthOpt = None,
-    draft_topk: TopkOpt = None,
-    lookup: LookupOpt = None,
-    stage: StageOpt = None,
-    run: RunOpt = "default",
+    topo: TopologyOptions,
+    model: ModelOptions,
+    stage: Annotated[Optional[list[str]], typer.Option("--stage", help="Swap a stage: KIND=module.path:Class.")] = None,
     remote: Annotated[str, typer.Option(help="Command that runs {command} on {host}.")] = "ssh {host} {command}",
     devices_file: Annotated[Optional[str], typer.Option(help="Device profiles (default devices.json).")] = None,
     max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8,
@@ -111,19 +81,19 @@ def launch(
 ):
     """Start every stage process, show them live, and stop them all on Ctrl-C or SIGTERM."""
     from specsot_mq.client import Client
-    from specsot_mq.launch import wait_ready
+    from specsot_mq.stages.launch import start_topology, wait_ready
 
     with _sigterm_as_interrupt():
-        tree = tree_flags(num_draft_tokens, draft_depth, draft_topk, lookup)
-        launcher, spec = start_topology(devices, topology, model, dtype, draft, tree, stage, remote, devices_file,
-                                        max_points, point_tokens, skeleton_tokens, base_port, restart,
-                                        prompt_format, threads)  # fmt: skip
-        run_file = _run_file(run)
+        options = _launch_options(topo, model, stages=stage or [], remote=remote, devices_file=devices_file,
+                                  max_points=max_points, point_tokens=point_tokens, skeleton_tokens=skeleton_tokens,
+                                  prompt_format=prompt_format, base_port=base_port, restart=restart, threads=threads)  # fmt: skip
+        launcher, spec = start_topology(options)
+        run_file = _run_file(topo.run)
         tty = sys.stdout.isatty()
         try:
             asyncio.run(wait_ready(launcher))
             launcher.write_run_file(run_file)
-            print(f"ready: {len(spec.kinds)} stages, {topology}; clients attach with --run {run} "
+            print(f"ready: {len(spec.kinds)} stages, {topo.topology}; clients attach with --run {topo.run} "
                   f"(run file {run_file})", flush=True)  # fmt: skip
 
             async def watch(live):
@@ -156,17 +126,17 @@ def launch(
 
 
 @contextmanager
-def _topology(run: str, *start):
+def _topology(run: str, options):
     """The client address of the run named `run` if one is live, else of a local one started now
-    (and stopped on exit)."""
-    from specsot_mq.launch import read_run_file, wait_ready
+    with these LaunchOptions (and stopped on exit)."""
+    from specsot_mq.stages.launch import read_run_file, start_topology, wait_ready
 
     info = read_run_file(_run_file(run))
     if info is not None:
         yield info["client_address"]
         return
     err.print("[dim]no running launch found: starting a local one (specsot launch starts one to share)…[/]")
-    launcher, spec = start_topology(*start)
+    launcher, spec = start_topology(options)
     try:
         with _sigterm_as_interrupt():
             asyncio.run(wait_ready(launcher))
@@ -210,26 +180,18 @@ def parse_batch_line(line: str, number: int) -> tuple[str, str]:
     return rid, question
 
 
-@app.command("run")
+@with_options
 def run_batch(
+    topo: TopologyOptions,
+    model: ModelOptions,
     input: Annotated[str, typer.Option("-i", "--input", help="Questions file, '-' for stdin.")] = "-",
     output: Annotated[str, typer.Option("-o", "--output", help="Answers file (JSONL), '-' for stdout.")] = "-",
     concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 4,
-    run: RunOpt = "default",
     sot: Annotated[str, typer.Option(help="auto, always or never.")] = "auto",
     max_tokens: Annotated[int, typer.Option(help="Most new tokens per phase.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 decodes greedily.")] = 0.0,
     repeat_stop: RepeatOpt = REPEAT_STOP,
     timeout: Annotated[float, typer.Option(help="Seconds a request may stay silent.")] = 600.0,
-    model: ModelOpt = None,
-    dtype: DtypeOpt = "auto",
-    draft: DraftOpt = "auto",
-    num_draft_tokens: NumDraftOpt = None,
-    draft_depth: DepthOpt = None,
-    draft_topk: TopkOpt = None,
-    lookup: LookupOpt = None,
-    devices: DevicesOpt = "127.0.0.1#cpu",
-    topology: TopologyOpt = "p2p",
 ):
     """Answer questions in batch: one line in (plain or JSONL), one JSON line out, in input order."""
     from specsot_mq.client import Client
@@ -239,7 +201,7 @@ def run_batch(
     if concurrency < 1:
         raise SpecSotError(f"--concurrency must be at least 1, got {concurrency}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, repeat_stop=repeat_stop)
-    tree = tree_flags(num_draft_tokens, draft_depth, draft_topk, lookup)
+    options = _launch_options(topo, model)
     src = sys.stdin if input == "-" else open(input, encoding="utf-8")
     lines = [(n, line) for n, line in enumerate(src.read().splitlines(), 1) if line.strip()]
     dst = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")
@@ -271,7 +233,7 @@ def run_batch(
                 dst.flush()
         return failures
 
-    with _topology(run, devices, topology, model, dtype, draft, tree) as address:
+    with _topology(topo.run, options) as address:
         failures = asyncio.run(answer_all(address))
     if failures:
         err.print(f"[yellow]{failures} of {len(lines)} lines failed (see their \"error\")[/]")
@@ -281,27 +243,16 @@ CHAT_HELP = """/? help · /bye or /exit quit · /clear forget the conversation �
 /set temperature T · /set max_tokens N · /set repeat_stop N (0 = off) · Ctrl+C stops an answer · Ctrl+D quits"""
 
 
-@app.command()
-def chat(
-    run: RunOpt = "default",
-    model: ModelOpt = None,
-    dtype: DtypeOpt = "auto",
-    draft: DraftOpt = "auto",
-    num_draft_tokens: NumDraftOpt = None,
-    draft_depth: DepthOpt = None,
-    draft_topk: TopkOpt = None,
-    lookup: LookupOpt = None,
-    devices: DevicesOpt = "127.0.0.1#cpu",
-    topology: TopologyOpt = "p2p",
-):
+@with_options
+def chat(topo: TopologyOptions, model: ModelOptions):
     """Chat in the terminal: the skeleton streams, then one live row per point, then the answer."""
     from specsot_mq.sampling import SamplingParams
 
     console = Console(highlight=False)
     settings = {"mode": "auto", "temperature": 0.0, "max_tokens": 256, "repeat_stop": REPEAT_STOP}
     history: list[tuple[str, str]] = []
-    tree = tree_flags(num_draft_tokens, draft_depth, draft_topk, lookup)
-    with _topology(run, devices, topology, model, dtype, draft, tree) as address:
+    options = _launch_options(topo, model)
+    with _topology(topo.run, options) as address:
         console.print(f"[dim]connected to {address} · {CHAT_HELP}[/]")
         while True:
             try:

@@ -3,15 +3,13 @@
 A launch puts the skeleton stage and one branch stage per CPU device on a host, each a process
 with its own model. A stage busy alone should run on every core; stages busy together should
 split them, because OpenMP threads of two processes on the same cores slow each other down
-several times over (`python benchmarks/cores.py`). So the stages of a host share a small board in
+several times over (benchmarks/HISTORY.md). So the stages of a host share a small board in
 shared memory: for each stage, whether it has work and how many threads it holds. Before each
 model step a stage marks itself busy, works out its share (`cores // busy stages`), and takes it
 once the others hold no more than the rest: a stage still running a step on every core gives
 them back at its next step, so a stage that turns busy waits at most one step of the other
-instead of running beside it on too few cores.
-
-Between the kernels of one forward, OpenMP threads spin (a few microseconds); idle, they sleep
-after a short bounded spin (runner.py sets GOMP_SPINCOUNT), so a waiting stage takes no core.
+instead of running beside it on too few cores. A waiting stage takes no core: runner.py bounds
+how long idle OpenMP threads spin.
 """
 
 from __future__ import annotations

@@ -3,11 +3,10 @@
 Each thread that starts torch's parallel work (a forward, loading weights) gets its own OpenMP
 thread pool. Once a process holds more OpenMP threads than the machine has cores, libgomp (the
 OpenMP of pip's torch on Linux) makes idle threads sleep almost at once, so every kernel of a
-forward waits for a thread to wake: on a 2-core EPYC a forward on a thread other than the one
-that loaded the model took 1.6x as long (`python benchmarks/cores.py`). So the model should run on
-one thread per process, and a thread that hands the model over to another frees its own pool
-first (release_pool): the stage processes load and decode on their worker thread
-(stages/worker.py); the async APIs step on one model thread per Generator.
+forward waits for a thread to wake. So the model runs on one thread per process, and a thread
+that hands the model over to another frees its own pool first (release_pool): the stage
+processes load and decode on their worker thread (stages/worker.py); the async APIs step on one
+model thread per Generator. What a second pool costs: benchmarks/HISTORY.md (benchmarks/cores.py).
 """
 
 from __future__ import annotations

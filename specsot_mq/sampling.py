@@ -56,8 +56,8 @@ class SamplingParams:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The argmax over the last dimension (the first index on a tie, as argmax), through
-    torch.max: on CPU, over a 49k vocabulary in bf16, argmax takes 4-5x as long
-    (`benchmarks/step.py`: 0.18 against 0.83 ms for a 9-token verify's logits)."""
+    torch.max: on CPU, over a large vocabulary in bf16, argmax is several times slower
+    (benchmarks/HISTORY.md)."""
     return logits.max(dim=-1).indices
 
 

@@ -44,13 +44,11 @@ from specsot_mq.verify import Acceptance, SpecStats, accept_greedy, accept_sampl
 class TreeParams:
     """The shape of the draft trees.
 
-    Defaults are what measures fastest on this 2-core CPU with the shipped head (`benchmarks/
-    eagle.py --limit 8 --new-tokens 128 --sweep 4x2x2,3x2x2,2x2x1,6x2x3,5x2x3`, and the default
-    sweep for deeper trees): 4 nodes over 2 levels, 2 children each. The head's first guess is
-    right ~40% of the time on MT-bench and a second guess in a row far less often, so a depth-2
-    tree with a second candidate at each level gains more per draft forward than a deeper chain
-    or a wider tree, whose extra draft steps and verify rows cost more than they are accepted.
-    A stronger head wants `--num-draft-tokens 12 --draft-depth 5 --draft-topk 4`.
+    The defaults suit the shipped head: its first guess is often right, a second guess in a row far
+    less often, so a depth-2 tree with a second candidate at each level gains more per draft
+    forward than a deeper chain or a wider tree, whose extra draft steps and verify rows cost more
+    than they are accepted. A stronger head wants `--num-draft-tokens 12 --draft-depth 5
+    --draft-topk 4`. The sweeps behind every default here: benchmarks/HISTORY.md.
     """
 
     num_draft_tokens: int = 4  # tree nodes verified besides the root (--num-draft-tokens)
@@ -59,15 +57,11 @@ class TreeParams:
     # Tokens of one batched verify, all sequences together (the root is one per sequence; at
     # least one full tree, so a sequence decoding alone always gets its whole tree): with
     # many sequences (SoT branches, several requests) a CPU is compute-bound, so each tree shrinks
-    # to fit, down to no draft at all, where speculation would cost more than it gains
-    # (`benchmarks/pipeline.py --clients 4` on 2 cores: 24 tokens gave 21.7 answers/min, 12 gave
-    # 27.8, 8 gave 30.3; in-process, 8 also beat both and `--draft none`).
+    # to fit, down to no draft at all, where speculation would cost more than it gains.
     max_batch_tokens: int = 8
     # Prompt lookup (lookup.py): up to this many tokens copied from earlier in the sequence join
     # each tree as one more path (--lookup; greedy decoding only; 0 = off). They cost no draft
     # forward; in a batch each row gets its share of max_batch_tokens of them (graft_lookup).
-    # `benchmarks/eagle.py --limit 5 --new-tokens 128 --sweep 4x2x2,4x2x2+2,4x2x2+4,...`: 8 ran
-    # fastest of 0, 2, 4, 6, 8, 12 and 16.
     lookup: int = 8
 
     def __post_init__(self):
@@ -290,9 +284,8 @@ class EagleDecoder:
     def graft_lookup(self, seqs: list[int], trees: list[DraftTree]) -> list[DraftTree]:
         """Each tree with its sequence's prompt-lookup guess grafted on (tree.graft): up to
         tree.lookup tokens alone, fewer as more sequences share the forward (max_batch_tokens
-        split between them, as for the draft nodes: in a one-off trial on the 8 writing
-        questions of `benchmarks/sot.py`, SpecSoT ran fastest so, against no split and splits
-        of 4, 12 and 16 tokens), and as long as the base cache has room."""
+        split between them, as for the draft nodes; see benchmarks/HISTORY.md), and as long as
+        the base cache has room."""
         room = self.layout.room(seqs)
         cap = min(self.tree.lookup, max(self.tree.max_batch_tokens, self.tree.lookup) // len(seqs))
         return [graft(t, self.index[s].propose(min(cap, room - t.size))) for s, t in zip(seqs, trees)]

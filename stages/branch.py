@@ -7,7 +7,7 @@ import time
 
 from specsot_mq.generate import Job
 from specsot_mq.messages import BranchTask, PointEnd, PointText, ids
-from specsot_mq.stages.worker import DeviceStage, batch_key
+from specsot_mq.stages.worker import DeviceStage, Progress, batch_key
 
 
 class BranchStage(DeviceStage):
@@ -16,12 +16,12 @@ class BranchStage(DeviceStage):
     async def start(self) -> None:
         self.slots = int(self.spec.profiles[self.name]["max_parallel"])
         self.merge = self.spec.named("merge")[0]
-        await super().start()  # self.running: rid -> index -> [tokens, steps, started]
+        await super().start()  # self.running: rid -> {point index: its Progress}
 
     def accept(self, msg: BranchTask, params) -> None:
         prefix = msg.prefix.tolist()
         now = time.monotonic()
-        self.running[msg.rid] = {i: [0, 0, now] for i in msg.indices}
+        self.running[msg.rid] = {i: Progress(now) for i in msg.indices}
         jobs = [Job((msg.rid, i), prefix + s.tolist(), params, len(prefix), msg.rid) for i, s in zip(msg.indices, msg.suffixes)]
         self.worker.submit(jobs, batch_key(msg.rid, params))
 
@@ -30,14 +30,14 @@ class BranchStage(DeviceStage):
         points = self.running.get(rid)
         if points is None or index not in points:
             return
-        count = points[index]
+        progress = points[index]
         self.tokens += len(delta.token_ids)
-        count[0] += len(delta.token_ids)
-        count[1] += 1
+        progress.add(delta)
         if delta.text:
             self.post(self.merge, PointText(rid, index, delta.text, ids(delta.token_ids)))
         if delta.finish_reason:
             del points[index]
             if not points:
                 del self.running[rid]
-            self.post(self.merge, PointEnd(rid, index, delta.finish_reason, count[0], count[1], time.monotonic() - count[2]))
+            self.post(self.merge, PointEnd(rid, index, delta.finish_reason, progress.tokens, progress.steps,
+                                           progress.seconds()))  # fmt: skip

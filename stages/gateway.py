@@ -31,6 +31,29 @@ LINEAR = ("skeleton", "parse", "schedule", "merge")  # kinds every request passe
 
 
 @dataclass(slots=True)
+class _Health:
+    """What the gateway last heard from one stage."""
+
+    kind: str
+    host: str
+    device: str
+    up: bool  # heard from within dead_after_s
+    ever_up: bool  # has been up since the launch (a stage that never was is starting, not down)
+    seen: float  # time.monotonic() when it was last heard from
+    pid: int | None = None  # from its Ready
+    beat: Heartbeat | None = None  # its latest
+
+    def row(self, name: str, now: float) -> dict:
+        """As a Status sends it: the latest Heartbeat's fields once one came, kind, host, device,
+        up, ever_up, and `age` (seconds since it was last heard from)."""
+        row = {"stage": name, "kind": self.kind, "host": self.host, "device": self.device, "up": self.up,
+               "ever_up": self.ever_up, "age": now - self.seen}  # fmt: skip
+        if self.pid is not None:
+            row["pid"] = self.pid
+        return row | (dataclasses.asdict(self.beat) if self.beat else {})
+
+
+@dataclass(slots=True)
 class _Request:
     client: bytes  # the client's ROUTER identity
     started: float
@@ -44,9 +67,8 @@ class Gateway(Stage):
         self.clients.bind(self.spec.client_address)
         self.requests: dict[str, _Request] = {}
         now = time.monotonic()
-        self.health = {name: {"stage": name, "kind": kind, "host": self.spec.hosts.get(name, ""),
-                              "device": self.spec.devices.get(name, ""), "up": name == self.name,
-                              "ever_up": name == self.name, "seen": now}
+        self.health = {name: _Health(kind, self.spec.hosts.get(name, ""), self.spec.devices.get(name, ""),
+                                     name == self.name, name == self.name, now)
                        for name, kind in self.spec.kinds.items()}  # fmt: skip
         self.linear = [n for n, kind in self.spec.kinds.items() if kind in LINEAR]
         self.branches = self.spec.named("branch")
@@ -85,14 +107,15 @@ class Gateway(Stage):
         entry = self.health.get(msg.stage)
         if entry is None:
             return
-        was_up = entry["up"]
-        entry.update(up=True, ever_up=True, seen=time.monotonic())
+        was_up = entry.up
+        entry.up = entry.ever_up = True
+        entry.seen = time.monotonic()
         if isinstance(msg, Heartbeat):
-            entry.update({f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)})
+            entry.beat = msg
         else:
-            entry.update(pid=msg.pid, host=msg.host, device=msg.device)
+            entry.pid, entry.host, entry.device = msg.pid, msg.host, msg.device
             log.info("%s is ready (pid %d on %s)", msg.stage, msg.pid, msg.host)
-        if not was_up and entry["kind"] == "branch":
+        if not was_up and entry.kind == "branch":
             await self._membership()
 
     # -- health --------------------------------------------------------------------------------
@@ -102,9 +125,9 @@ class Gateway(Stage):
             await asyncio.sleep(self.spec.heartbeat_s)
             now = time.monotonic()
             for name, entry in self.health.items():
-                silent = now - entry["seen"]
-                if name != self.name and entry["up"] and silent > self.spec.dead_after_s:
-                    entry["up"] = False
+                silent = now - entry.seen
+                if name != self.name and entry.up and silent > self.spec.dead_after_s:
+                    entry.up = False
                     log.error("%s is down (no heartbeat for %.1f s)", name, silent)
                     await self._stage_down(name, silent)
 
@@ -118,7 +141,7 @@ class Gateway(Stage):
             await self._membership()
 
     async def _membership(self) -> None:
-        alive = [n for n in self.branches if self.health[n]["up"]]
+        alive = [n for n in self.branches if self.health[n].up]
         for name in self.spec.named("schedule"):
             await self.send(name, Membership(alive))
 
@@ -140,18 +163,18 @@ class Gateway(Stage):
 
     async def _from_client(self, client: bytes, msg) -> None:
         if isinstance(msg, StatusQuery):
-            stages = [{k: v for k, v in e.items() if k != "seen"} | {"age": time.monotonic() - e["seen"]}
-                      for e in self.health.values()]  # fmt: skip
-            ready = all(e["up"] for e in self.health.values())
+            now = time.monotonic()
+            stages = [entry.row(name, now) for name, entry in self.health.items()]
+            ready = all(e.up for e in self.health.values())
             await self._send_client(client, Status(ready, stages))
         elif isinstance(msg, Ask):
-            down = [n for n in self.linear if not self.health[n]["up"]]
-            if not any(self.health[n]["up"] for n in self.branches):
+            down = [n for n in self.linear if not self.health[n].up]
+            if not any(self.health[n].up for n in self.branches):
                 down += self.branches
             if msg.rid in self.requests:
                 await self._send_client(client, Failed(msg.rid, f"request id {msg.rid} is already in flight"))
             elif down:
-                state = "is not up yet" if not all(self.health[n]["ever_up"] for n in down) else "is down"
+                state = "is not up yet" if not all(self.health[n].ever_up for n in down) else "is down"
                 await self._send_client(client, Failed(msg.rid, f"stage {down[0]} {state}: retry in a moment"))
             else:
                 self.requests[msg.rid] = _Request(client, time.monotonic(), set(self.linear))

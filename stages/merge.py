@@ -3,17 +3,28 @@ as it grows, and assembles the answer in plan order once the last point ends."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from specsot_mq.messages import Answer, MergePlan, PointEnd, PointText
 from specsot_mq.prompts import load_format
 from specsot_mq.sot.engine import SoTConfig
 from specsot_mq.stages.base import Stage
 
 
+@dataclass(slots=True)
+class _Merging:
+    """A request's pieces as they arrive (a point's first text can overtake the plan: they come
+    from different stages)."""
+
+    plan: MergePlan | None = None
+    texts: dict[int, list[str]] = field(default_factory=dict)  # point index -> its text so far, in pieces
+    ends: dict[int, PointEnd] = field(default_factory=dict)  # point index -> how it ended
+
+
 class MergeStage(Stage):
     async def start(self) -> None:
         self.format = load_format(SoTConfig(**self.spec.sot).prompt_format)
-        # rid -> {"plan": MergePlan | None, "texts": {index: [str]}, "ends": {index: PointEnd}}
-        self.requests: dict[str, dict] = {}
+        self.requests: dict[str, _Merging] = {}
         self.aborted: dict[str, bool] = {}  # recent aborts, so late points of one are ignored (bounded)
 
     def inflight(self) -> int:
@@ -29,25 +40,24 @@ class MergeStage(Stage):
         msg = env.msg
         if not isinstance(msg, (MergePlan, PointText, PointEnd)) or msg.rid in self.aborted:
             return
-        # A point's first text can overtake the plan (they come from different stages): keep both.
-        state = self.requests.setdefault(msg.rid, {"plan": None, "texts": {}, "ends": {}})
+        state = self.requests.setdefault(msg.rid, _Merging())
         if isinstance(msg, MergePlan):
-            state["plan"] = msg
+            state.plan = msg
             await self.send("gateway", msg)
         elif isinstance(msg, PointText):
-            state["texts"].setdefault(msg.index, []).append(msg.text)
+            state.texts.setdefault(msg.index, []).append(msg.text)
             await self.send("gateway", msg)
         else:
-            state["ends"][msg.index] = msg
+            state.ends[msg.index] = msg
         await self._maybe_done(msg.rid, state)
 
-    async def _maybe_done(self, rid: str, state: dict) -> None:
-        plan: MergePlan | None = state["plan"]
-        if plan is None or len(state["ends"]) < sum(len(v) for v in plan.branches.values()):
+    async def _maybe_done(self, rid: str, state: _Merging) -> None:
+        plan = state.plan
+        if plan is None or len(state.ends) < sum(len(v) for v in plan.branches.values()):
             return
         del self.requests[rid]
-        texts = {i: "".join(parts) for i, parts in state["texts"].items()}
-        ends = state["ends"].values()
+        texts = {i: "".join(parts) for i, parts in state.texts.items()}
+        ends = state.ends.values()
         phase = "points" if plan.mode == "sot" else "direct"
         stats = dict(plan.stats)
         stats[phase] = {"tokens": sum(e.tokens for e in ends), "steps": sum(e.steps for e in ends),

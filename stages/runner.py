@@ -19,9 +19,9 @@ import time
 
 # Set before torch loads OpenMP (libgomp): an idle OpenMP thread spins about 0.1 ms, then sleeps.
 # Within a forward, the gaps between kernels are shorter, so a stage's threads stay awake while it
-# decodes (threads that sleep at once made a lone forward 1.7x slower on a 2-core EPYC); a stage
-# waiting for work, or running on fewer threads while its host's cores are shared
-# (core_share.py), takes no core. `python benchmarks/cores.py` times these policies.
+# decodes (threads that sleep at once slow every kernel down); a stage waiting for work, or running
+# on fewer threads while its host's cores are shared (core_share.py), takes no core. The policies
+# compared: benchmarks/HISTORY.md (benchmarks/cores.py).
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from specsot_mq.messages import Abort, Heartbeat, Ready  # noqa: E402

@@ -4,6 +4,7 @@ questions that go the SoT way, several requests' skeletons in one running batch.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Job
@@ -11,7 +12,17 @@ from specsot_mq.messages import Ask, Failed, Skeleton, SkeletonText, ids
 from specsot_mq.prompts import load_format
 from specsot_mq.sot.engine import SoTConfig, skeleton_params, skeleton_text
 from specsot_mq.sot.router import route
-from specsot_mq.stages.worker import DeviceStage, batch_key
+from specsot_mq.stages.worker import DeviceStage, Progress, batch_key
+
+
+@dataclass(slots=True)
+class _Skeleton:
+    """A request whose skeleton is being decoded."""
+
+    ask: Ask
+    reason: str  # why the router sent it the SoT way
+    text: str  # the skeleton so far, its prefilled beginning included
+    progress: Progress
 
 
 class SkeletonStage(DeviceStage):
@@ -22,7 +33,7 @@ class SkeletonStage(DeviceStage):
         self.config = SoTConfig(**self.spec.sot)
         self.format = load_format(self.config.prompt_format)
         self.parse = self.spec.named("parse")[0]
-        await super().start()  # self.running: rid -> the Ask, its text so far, counts
+        await super().start()  # self.running: rid -> its _Skeleton
 
     def build(self):
         gen = super().build()
@@ -40,8 +51,7 @@ class SkeletonStage(DeviceStage):
             self.post(self.parse, Skeleton(msg.rid, msg.question, msg.params, "direct", decision.reason, "", {}))
             return
         prompt = self.format.skeleton_ids(self.gen.tokenizer, msg.question)
-        self.running[msg.rid] = {"ask": msg, "reason": decision.reason, "text": self.format.skeleton_prefix,
-                                 "tokens": 0, "steps": 0, "started": time.monotonic()}  # fmt: skip
+        self.running[msg.rid] = _Skeleton(msg, decision.reason, self.format.skeleton_prefix, Progress(time.monotonic()))
         self.post("gateway", SkeletonText(msg.rid, self.format.skeleton_prefix, ids([])))
         self.worker.submit([Job((msg.rid, 0), prompt, skeleton_params(self.config, params))],
                            batch_key(msg.rid, params))  # fmt: skip
@@ -52,19 +62,17 @@ class SkeletonStage(DeviceStage):
         if state is None:
             return
         self.tokens += len(delta.token_ids)
-        state["tokens"] += len(delta.token_ids)
-        state["steps"] += 1
+        state.progress.add(delta)
         text = skeleton_text(self.format, delta)
-        state["text"] += text
+        state.text += text
         if text:
             self.post("gateway", SkeletonText(rid, text, ids(delta.token_ids)))
         if delta.finish_reason:
             del self.running[rid]
             if delta.finish_reason == "abort":
                 return
-            ask = state["ask"]
-            stats = {"skeleton": {"tokens": state["tokens"], "steps": state["steps"],
-                                  "seconds": time.monotonic() - state["started"]}}  # fmt: skip
-            self.post(self.parse, Skeleton(rid, ask.question, ask.params, "sot", state["reason"], state["text"], stats,
+            ask, progress = state.ask, state.progress
+            stats = {"skeleton": {"tokens": progress.tokens, "steps": progress.steps, "seconds": progress.seconds()}}
+            self.post(self.parse, Skeleton(rid, ask.question, ask.params, "sot", state.reason, state.text, stats,
                                            delta.finish_reason))  # fmt: skip
 

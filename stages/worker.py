@@ -3,11 +3,8 @@ draft head, one KV cache allocated at start) and runs the generation loop over i
 prompts of any request into the running batch as slots free up. The event loop hands jobs in with
 submit() and gets every delta back on the loop through `emit`.
 
-Every torch call of a stage process runs on that one thread, loading included: each thread that
-starts parallel work gets its own OpenMP thread pool, and once a process holds more OpenMP threads
-than the machine has cores, libgomp makes idle threads sleep almost at once, so every kernel of a
-forward waits for a thread to wake (on a 2-core EPYC a forward of 8 tokens took 20.9 ms where the
-thread that loaded the model took 12.8: `python benchmarks/cores.py`).
+Every torch call of a stage process runs on that one thread, loading included, so the process
+holds one OpenMP thread pool (specsot_mq/openmp.py says why that matters).
 
 Sampling: one decoder samples for its whole batch, so a batch holds greedy jobs of any requests,
 or the jobs of one sampled request (its seed then reproduces). A job that cannot join the running
@@ -21,7 +18,9 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -172,6 +171,22 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+@dataclass(slots=True)
+class Progress:
+    """One decoding job's counts so far (a skeleton, a point), for its request's stats."""
+
+    started: float  # time.monotonic() when it was queued
+    tokens: int = 0
+    steps: int = 0  # deltas it got: decoder steps that gave it tokens
+
+    def add(self, delta: Delta) -> None:
+        self.tokens += len(delta.token_ids)
+        self.steps += 1
+
+    def seconds(self) -> float:
+        return time.monotonic() - self.started
 
 
 class DeviceStage(Stage):

@@ -51,7 +51,7 @@ def launched(spec, run_dir, remote: str = "ssh {host} {command}"):
     import asyncio
     import os
 
-    from specsot_mq.launch import Launcher, wait_ready
+    from specsot_mq.stages.launch import Launcher, wait_ready
 
     tests = str(Path(__file__).parent)  # stage processes import FixedPlanParse from here
     if tests not in os.environ.get("PYTHONPATH", "").split(os.pathsep):

@@ -9,9 +9,9 @@ import pytest
 
 from specsot_mq.devices import Device, parse_devices
 from specsot_mq.errors import SpecSotError
-from specsot_mq.launch import plan_run
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
 from specsot_mq.stages.base import parse_overrides
+from specsot_mq.stages.launch import plan_run
 
 
 def test_devices_parse_in_order():

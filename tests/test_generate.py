@@ -9,8 +9,9 @@ import torch
 
 from conftest import ours_from_hf, tiny_hf
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import Generator, LineWatch, _Output, _StopState
+from specsot_mq.generate import Generator, _Output
 from specsot_mq.sampling import Sampler, SamplingParams, greedy_tokens
+from specsot_mq.stopping import LineWatch, StopStrings
 
 
 class CharTokenizer:
@@ -349,7 +350,7 @@ def test_bad_sampling_params_are_named(kwargs, message):
     ],
 )
 def test_stop_state_holds_back_only_what_could_start_a_stop(pieces, stops, released, stopped):
-    state = _StopState(stops)
+    state = StopStrings(stops)
     out, hit = [], None
     for i, piece in enumerate(pieces):
         text, hit = state.feed(piece, final=i == len(pieces) - 1)
@@ -369,7 +370,7 @@ def test_stop_state_holds_back_only_what_could_start_a_stop(pieces, stops, relea
     ],
 )
 def test_stop_after_text_skips_stops_in_the_leading_whitespace(pieces, stops, released, stopped):
-    state = _StopState(stops, after_text=True)
+    state = StopStrings(stops, after_text=True)
     out, hit = "", None
     for i, piece in enumerate(pieces):
         text, hit = state.feed(piece, final=i == len(pieces) - 1)
@@ -378,7 +379,7 @@ def test_stop_after_text_skips_stops_in_the_leading_whitespace(pieces, stops, re
             break
     assert out == released and hit == stopped
     whole = "".join(pieces)  # without after_text, every case stops at its first match
-    assert _StopState(stops).feed(whole, final=True) == (whole[: whole.find(stops[0])], stops[0])
+    assert StopStrings(stops).feed(whole, final=True) == (whole[: whole.find(stops[0])], stops[0])
 
 
 class WordTokenizer:

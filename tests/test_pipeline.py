@@ -19,10 +19,10 @@ import zmq.asyncio
 from pipeline_helpers import PLAN, launched, make_tiny_model
 from specsot_mq.client import Client
 from specsot_mq.devices import parse_devices
-from specsot_mq.launch import plan_run
 from specsot_mq.messages import BROADCAST, Abort, Answer, Failed, Membership, encode
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
+from specsot_mq.stages.launch import plan_run
 from specsot_mq.transports import make_transport
 
 NAMES = ["gateway", "skeleton", "parse", "branch@a", "merge"]
@@ -255,9 +255,9 @@ from pathlib import Path
 from pipeline_helpers import launched
 from specsot_mq.client import Client
 from specsot_mq.devices import parse_devices
-from specsot_mq.launch import plan_run
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
+from specsot_mq.stages.launch import plan_run
 import tempfile
 
 model, draft = sys.argv[1], sys.argv[2]

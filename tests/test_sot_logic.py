@@ -9,7 +9,7 @@ import pytest
 
 from specsot_mq.devices import device_profiles, parse_devices
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import Delta, LineWatch
+from specsot_mq.generate import Delta
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.engine import SoTConfig, finished_lines, point_params, skeleton_params, skeleton_text
@@ -21,6 +21,7 @@ from specsot_mq.sot.scheduler import (
     load_profiles,
     schedule,
 )
+from specsot_mq.stopping import LineWatch
 
 FIFTY = "\n".join(f"{n}. Point number {n}" for n in range(1, 51))
 LONG_TITLE = ("1. Introduction: explain what quantum superposition is and why it matters for computing "

@@ -8,7 +8,7 @@ from functools import cache
 from pathlib import Path
 
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import without_repeated_last_line
+from specsot_mq.stopping import without_repeated_last_line
 from specsot_mq.sot.parser import Plan, parse_plan_direct, parse_skeleton
 from specsot_mq.tokenizer import chat_prompt_ids
 

@@ -16,19 +16,60 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specsot_mq.devices import Device, device_profiles, is_local
+from specsot_mq.devices import Device, device_profiles, is_local, parse_devices
 from specsot_mq.errors import SpecSotError
 from specsot_mq.pull import specsot_home
-from specsot_mq.sot.scheduler import DeviceProfile
-from specsot_mq.stages.base import RunSpec
+from specsot_mq.sot.scheduler import DeviceProfile, default_profiles_path, load_profiles
+from specsot_mq.stages.base import RunSpec, parse_overrides
+from specsot_mq.transports import TOPOLOGIES
 
 
 def runs_folder() -> Path:
     return specsot_home() / "runs"
+
+
+@dataclass(slots=True)
+class LaunchOptions:
+    """What to start: where the stages run, what they decode with, and the SoT limits."""
+
+    devices: str = "127.0.0.1#cpu"  # ip#gpu,... (#cpu for a CPU device); the skeleton runs on the first
+    topology: str = "p2p"  # or "ring"
+    model: str | None = None  # name or path (None: the default model)
+    dtype: str = "auto"
+    draft: str | None = "auto"
+    tree: dict = field(default_factory=dict)  # TreeParams fields given (the rest default)
+    stages: list[str] = field(default_factory=list)  # stage swaps, "KIND=module.path:Class"
+    remote: str = "ssh {host} {command}"  # runs {command} on another {host}
+    devices_file: str | None = None  # device profiles (None: devices.json)
+    max_points: int = 8
+    point_tokens: int = 160
+    skeleton_tokens: int = 128
+    prompt_format: str = "sot"
+    base_port: int = 5600  # first tcp port (multi-host runs)
+    restart: bool = True  # restart a stage that dies
+    threads: int | None = None  # torch threads of each CPU device stage (None: its share of its host's cores)
+
+
+def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
+    """Plan a topology in a new run folder and start every stage; SpecSotError on a bad option."""
+    from specsot_mq.sot.engine import SoTConfig
+
+    sot = {"max_points": options.max_points, "point_tokens": options.point_tokens,
+           "skeleton_tokens": options.skeleton_tokens, "prompt_format": options.prompt_format}  # fmt: skip
+    SoTConfig(**sot)  # validates
+    profiles = load_profiles(options.devices_file or default_profiles_path())
+    run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
+    spec = plan_run(parse_devices(options.devices), profiles, options.topology, run_dir, options.base_port,
+                    options.threads, model=options.model, dtype=options.dtype, draft=options.draft, tree=options.tree,
+                    sot=sot, overrides=parse_overrides(options.stages))  # fmt: skip
+    launcher = Launcher(spec, run_dir, remote=options.remote, restart=options.restart)
+    launcher.start()
+    return launcher, spec
 
 
 def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology: str, run_dir: Path,
@@ -37,8 +78,6 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
     A CPU device stage runs `stage_threads` torch threads if given, else its share of the cores of
     the host it runs on (counted there, by the stage itself: a remote host may have more or fewer
     than this one): a stage busy alone takes all of them, busy stages split them (core_share.py)."""
-    from specsot_mq.transports import TOPOLOGIES
-
     if topology not in TOPOLOGIES:
         raise SpecSotError(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {topology!r}")
     if not devices:

@@ -1,0 +1,84 @@
+"""What the commands share: flags declared once, and the console their messages go to.
+
+A group of flags is a dataclass whose fields carry their typer declarations; a command takes the
+group as one parameter (`opts: ModelOptions`) and `@with_options` spreads its fields into flags.
+"""
+
+import dataclasses
+import functools
+import inspect
+from typing import Annotated, Optional, get_type_hints
+
+import typer
+from rich.console import Console
+
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # progress and errors; stdout is the answer's
+
+ModelOpt = Annotated[
+    Optional[str], typer.Option("--model", "-m", help="Known model name or a Hugging Face-format folder.")
+]
+DtypeOpt = Annotated[str, typer.Option(help="auto, bf16 or fp32 (auto: bf16 where the hardware runs it fast).")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda if present).")]
+RepeatOpt = Annotated[int, typer.Option(
+    help="End an output (each phase's) when its last N tokens already ran earlier in it: a loop. 0 = off.")]
+FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan) or plan (the model picks [PLAN] or [DIRECT]).")]
+
+
+@dataclasses.dataclass(slots=True)
+class ModelOptions:
+    """The model, its dtype and its draft head with the shape of its trees (ask, launch, run, chat)."""
+
+    model: ModelOpt = None
+    dtype: DtypeOpt = "auto"
+    draft: Annotated[str, typer.Option(
+        help="EAGLE draft head: auto (the shipped one), none, or a .safetensors path.")] = "auto"
+    num_draft_tokens: Annotated[Optional[int], typer.Option(help="Draft tree nodes verified per step.")] = None
+    draft_depth: Annotated[Optional[int], typer.Option(help="Deepest level of the draft tree.")] = None
+    draft_topk: Annotated[Optional[int], typer.Option(help="Children per expanded node in the draft tree.")] = None
+    lookup: Annotated[Optional[int], typer.Option(
+        help="Prompt lookup: up to N tokens copied from earlier in the text join each draft tree (greedy only); 0 = off.")] = None
+
+    def tree(self) -> dict:
+        """The TreeParams fields given by flags (a stage process gets them as they are), checked
+        now: an impossible tree fails here with one clear error."""
+        from specsot_mq.speculative import TreeParams
+
+        given = {"num_draft_tokens": self.num_draft_tokens, "depth": self.draft_depth, "topk": self.draft_topk,
+                 "lookup": self.lookup}  # fmt: skip
+        given = {k: v for k, v in given.items() if v is not None}
+        TreeParams(**given)  # validates
+        return given
+
+
+@dataclasses.dataclass(slots=True)
+class TopologyOptions:
+    """The run a client attaches to, and the topology started when none is live (launch, run, chat)."""
+
+    run: Annotated[str, typer.Option("--run", help="Name of the run (its run file under $SPECSOT_HOME/runs).")] = "default"
+    devices: Annotated[str, typer.Option("--devices", help="Devices as ip#gpu,... (#cpu for a CPU device).")] = "127.0.0.1#cpu"
+    topology: Annotated[str, typer.Option("--topology", help="p2p or ring.")] = "p2p"
+
+
+def with_options(command):
+    """Spread each parameter of `command` annotated with an options dataclass into that
+    dataclass's flags (in its place), and hand `command` the dataclass built from them."""
+    signature = inspect.signature(command, eval_str=True)
+    groups = {name: p.annotation for name, p in signature.parameters.items() if dataclasses.is_dataclass(p.annotation)}
+    params = []
+    for name, p in signature.parameters.items():
+        if name not in groups:
+            params.append(p)
+            continue
+        hints = get_type_hints(groups[name], include_extras=True)
+        params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+                   for f in dataclasses.fields(groups[name])]  # fmt: skip
+
+    @functools.wraps(command)
+    def wrapper(**flags):
+        for name, cls in groups.items():
+            flags[name] = cls(**{f.name: flags.pop(f.name) for f in dataclasses.fields(cls)})
+        return command(**flags)
+
+    wrapper.__signature__ = signature.replace(parameters=[p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params])
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper

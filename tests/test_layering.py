@@ -1,0 +1,54 @@
+"""The library (the specsot_mq/ folder) never imports the app layer: stages/, transports/ and cli/,
+installed as specsot_mq.stages, specsot_mq.transports and specsot_mq.cli."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+LIBRARY = Path(__file__).parent.parent / "specsot_mq"
+APP = ("stages", "transports", "cli")
+
+
+def app_imports(source: str) -> list[str]:
+    """The modules of the app layer that `source` imports (at any depth: in functions too)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            # `from specsot_mq import cli` and `from . import stages` name the package in the aliases.
+            names = [module] + [f"{module}.{alias.name}" for alias in node.names]
+            if node.level:
+                names += [alias.name for alias in node.names] + [module]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if (parts[0] == "specsot_mq" and len(parts) > 1 and parts[1] in APP) or parts[0] in APP:
+                found.append(name)
+    return found
+
+
+@pytest.mark.parametrize(
+    "source, bad",
+    [
+        ("from specsot_mq.stages.base import RunSpec", True),
+        ("def f():\n    from specsot_mq.transports import TOPOLOGIES", True),
+        ("import specsot_mq.cli.app", True),
+        ("from specsot_mq import stages", True),
+        ("from .stages import base", True),
+        ("from specsot_mq.sot.engine import SoTEngine", False),
+        ("from specsot_mq import messages", False),
+    ],
+)
+def test_app_imports_are_found_in_any_form(source, bad):
+    assert bool(app_imports(source)) == bad
+
+
+def test_the_library_never_imports_the_app_layer():
+    files = sorted(LIBRARY.rglob("*.py"))
+    assert files
+    offenders = {str(p.relative_to(LIBRARY)): found for p in files if (found := app_imports(p.read_text()))}
+    assert offenders == {}
