@@ -30,7 +30,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import add_dtype_option, chosen_dtype, cpu_name, load_prompts, load_with_draft, run_script  # noqa: E402
 
-from specsot_mq.generate import Generator, LoopWatch  # noqa: E402
+from specsot_mq.generate import Generator  # noqa: E402
+from specsot_mq.stopping import LoopWatch  # noqa: E402
 from specsot_mq.pull import DEFAULT_MODEL, download_gguf, known_model, specsot_home  # noqa: E402
 from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
 from specsot_mq.sot.engine import SoTConfig, SoTEngine  # noqa: E402

@@ -69,7 +69,7 @@ def ask(
     config = SoTConfig(sot=sot, prompt_format=prompt_format, max_points=max_points, max_parallel=max_parallel, layout=layout)
     tree = TreeParams(**model.tree())
     gen = load_generator(model.model, dtype=model.dtype, device=device, max_len=max_len, num_slots=max_parallel,
-                         draft=model.draft, tree=tree)  # fmt: skip
+                         draft=model.draft, tree=tree, quantize=model.quantize)  # fmt: skip
     engine = SoTEngine(gen, config)
     engine.generate(question, params, on_event=AnswerView(Console(highlight=False, soft_wrap=True), err))
 
@@ -101,7 +101,7 @@ def train_draft(
     from pathlib import Path
 
     from specsot_mq import train_draft as recipe
-    from specsot_mq.loader import load_model, resolve_device, resolve_dtype
+    from specsot_mq.loader import is_quantized, load_model, resolve_device, resolve_dtype
     from specsot_mq.pull import resolve_model, specsot_home
     from specsot_mq.tokenizer import load_tokenizer
 
@@ -116,10 +116,10 @@ def train_draft(
     if not 0 <= feature_noise < 1:
         raise SpecSotError(f"--feature-noise {feature_noise}: give a fraction of the features' size from 0 (none) to below 1, e.g. 0.1")
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)  # a bad flag fails before a model is pulled
+    resolve_dtype(dtype, dev)  # a bad flag fails before a model is pulled
     folder = resolve_model(model)
     name = folder.name
-    base = load_model(folder, dtype=torch_dtype, device=dev)
+    base = load_model(folder, dtype=resolve_dtype(dtype, dev, dev.type == "cpu" and is_quantized(folder)), device=dev)
     cfg = recipe.TrainConfig(questions=questions, epochs=epochs, batch=batch, draft_vocab=draft_vocab, feature_layers=layers,
                              feature_noise=feature_noise, seed=seed, lr=lr, init=init)
     recipe.feature_layers(base, cfg)  # a wrong list fails now, not after the data is written

@@ -17,7 +17,10 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)  # progress and erro
 ModelOpt = Annotated[
     Optional[str], typer.Option("--model", "-m", help="Known model name or a Hugging Face-format folder.")
 ]
-DtypeOpt = Annotated[str, typer.Option(help="auto, bf16 or fp32 (auto: bf16 where the hardware runs it fast).")]
+DtypeOpt = Annotated[str, typer.Option(
+    help="Activations: auto, bf16 or fp32 (auto: fp32 with quantized weights on a CPU, else bf16 where the hardware runs it fast).")]
+QuantizeOpt = Annotated[str, typer.Option(
+    help="Weights: auto (as the model ships them: the default model's own 4/8-bit GGUF blocks), int4, int8 (quantize a float model at load) or none (dequantized).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda if present).")]
 RepeatOpt = Annotated[int, typer.Option(
     help="End an output (each phase's) when its last N tokens already ran earlier in it: a loop. 0 = off.")]
@@ -30,6 +33,7 @@ class ModelOptions:
 
     model: ModelOpt = None
     dtype: DtypeOpt = "auto"
+    quantize: QuantizeOpt = "auto"
     draft: Annotated[str, typer.Option(
         help="EAGLE draft head: auto (the shipped one), none, or a .safetensors path.")] = "auto"
     num_draft_tokens: Annotated[Optional[int], typer.Option(help="Draft tree nodes verified per step.")] = None
@@ -37,6 +41,12 @@ class ModelOptions:
     draft_topk: Annotated[Optional[int], typer.Option(help="Children per expanded node in the draft tree.")] = None
     lookup: Annotated[Optional[int], typer.Option(
         help="Prompt lookup: up to N tokens copied from earlier in the text join each draft tree (greedy only); 0 = off.")] = None
+
+    def __post_init__(self):
+        from specsot_mq.errors import SpecSotError
+
+        if self.quantize not in ("auto", "int4", "int8", "none"):  # before any model is pulled or stage started
+            raise SpecSotError(f"unknown --quantize '{self.quantize}': use auto, int4, int8 or none")
 
     def tree(self) -> dict:
         """The TreeParams fields given by flags (a stage process gets them as they are), checked

@@ -31,7 +31,7 @@ def _launch_options(topo: TopologyOptions, model: ModelOptions, **launch):
     """The LaunchOptions of these flags (the tree checked now); `launch`: launch's own flags."""
     from specsot_mq.stages.launch import LaunchOptions
 
-    return LaunchOptions(devices=topo.devices, topology=topo.topology, model=model.model, dtype=model.dtype,
+    return LaunchOptions(devices=topo.devices, topology=topo.topology, model=model.model, dtype=model.dtype, quantize=model.quantize,
                          draft=model.draft, tree=model.tree(), **launch)  # fmt: skip
 
 

@@ -44,6 +44,7 @@ class RunSpec:
     overrides: dict[str, str] = field(default_factory=dict)  # kind -> "module:Class"
     model: str | None = None  # name or path (None: the default model)
     dtype: str = "auto"
+    quantize: str = "auto"  # the weights: as shipped, int4, int8 or none (loader.load_model)
     draft: str | None = "auto"
     tree: dict = field(default_factory=dict)  # TreeParams fields given on the command line (the rest default)
     sot: dict = field(default_factory=dict)  # SoTConfig fields (max_points, skeleton_tokens, ...)

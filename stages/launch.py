@@ -41,6 +41,7 @@ class LaunchOptions:
     topology: str = "p2p"  # or "ring"
     model: str | None = None  # name or path (None: the default model)
     dtype: str = "auto"
+    quantize: str = "auto"  # the weights: as shipped, int4, int8 or none (loader.load_model)
     draft: str | None = "auto"
     tree: dict = field(default_factory=dict)  # TreeParams fields given (the rest default)
     stages: list[str] = field(default_factory=list)  # stage swaps, "KIND=module.path:Class"
@@ -65,7 +66,7 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
     profiles = load_profiles(options.devices_file or default_profiles_path())
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
     spec = plan_run(parse_devices(options.devices), profiles, options.topology, run_dir, options.base_port,
-                    options.threads, model=options.model, dtype=options.dtype, draft=options.draft, tree=options.tree,
+                    options.threads, model=options.model, dtype=options.dtype, quantize=options.quantize, draft=options.draft, tree=options.tree,
                     sot=sot, overrides=parse_overrides(options.stages))  # fmt: skip
     launcher = Launcher(spec, run_dir, remote=options.remote, restart=options.restart)
     launcher.start()

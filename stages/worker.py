@@ -216,7 +216,7 @@ class DeviceStage(Stage):
         from specsot_mq.speculative import TreeParams
 
         return load_generator(self.spec.model, self.spec.dtype, self.device, self.spec.max_len, self.slots,
-                              self.spec.draft, TreeParams(**self.spec.tree))  # fmt: skip
+                              self.spec.draft, TreeParams(**self.spec.tree), self.spec.quantize)  # fmt: skip
 
     async def _drain(self) -> None:
         while True:

@@ -19,6 +19,8 @@ def specsot(*args, stdin=None, home=None):
     [
         (["ask", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["ask", "hi", "--dtype", "fp8"], "unknown dtype 'fp8'"),
+        (["ask", "hi", "--quantize", "int3"], "unknown --quantize 'int3'"),
+        (["launch", "--quantize", "q4"], "unknown --quantize 'q4'"),
         (["ask", "hi", "--temperature", "-1"], "temperature must be >= 0"),
         (["ask", "  "], "the question is empty"),
         (["ask", "hi", "--lookup", "-1"], "--lookup must be a whole number of at least 0"),
