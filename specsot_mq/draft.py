@@ -30,7 +30,7 @@ from specsot_mq.config import ModelConfig
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.model import DecoderLayer, Linear, LlamaModel, attention_bias
-from specsot_mq.quant import QLinear
+from specsot_mq.quant import QLinear, quantize
 
 FORMAT = "specsot-eagle-1"
 
@@ -113,17 +113,30 @@ class DraftHead(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.fc.weight.device
+        return self.layer.input_norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        """The activations' dtype (quantized layers keep their own)."""
+        return self.layer.input_norm.weight.dtype
 
     def prepack(self) -> "DraftHead":
-        if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            for m in (self.fuse, self.fc, self.layer.qkv, self.layer.o, self.layer.gate_up, self.layer.down, self.lm_head):
-                if isinstance(m, Linear):
-                    m.prepack()
+        """Ready for CPU inference: beside a base whose output layer runs the quantized kernels,
+        the head's own linears are quantized to 8 bits too (a draft step reads a quarter of the
+        bytes: benchmarks/HISTORY.md; drafts are only proposals, verified by the base), else
+        reordered for oneDNN."""
+        quantized = isinstance(self.lm_head, QLinear) and self.lm_head.packed is not None
+        if self.device.type != "cpu":
+            return self
+        for owner, name in ((self, "fuse"), (self, "fc"), (self.layer, "qkv"), (self.layer, "o"),
+                            (self.layer, "gate_up"), (self.layer, "down"), (self, "lm_head")):  # fmt: skip
+            m = getattr(owner, name)
+            if not isinstance(m, Linear):
+                continue
+            if quantized and m.in_features % 32 == 0:
+                setattr(owner, name, QLinear(quantize(m.weight.float(), "q8"), m.bias))
+            elif torch.backends.mkldnn.is_available():
+                m.prepack()
         return self
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:

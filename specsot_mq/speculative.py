@@ -44,15 +44,17 @@ from specsot_mq.verify import Acceptance, SpecStats, accept_greedy, accept_sampl
 class TreeParams:
     """The shape of the draft trees.
 
-    The defaults suit the shipped head: its first guess is often right, a second guess in a row far
-    less often, so a depth-2 tree with a second candidate at each level gains more per draft
-    forward than a deeper chain or a wider tree, whose extra draft steps and verify rows cost more
-    than they are accepted. A stronger head wants `--num-draft-tokens 12 --draft-depth 5
-    --draft-topk 4`. The sweeps behind every default here: benchmarks/HISTORY.md.
+    The defaults suit the shipped head on the default model's quantized weights: its first guess
+    is right about half the time and a second guess in a row far less often, while a one-token
+    step of the quantized base is so cheap that every draft forward and every extra verify row
+    must pay for itself: one draft level with two candidates, and a short prompt-lookup path. A
+    stronger head (or a model whose one-token step costs about as much as a few rows, as a
+    widened float model's does) wants more: `--num-draft-tokens 4 --draft-depth 2 --lookup 8`, or
+    `12 / 5 / 4` with a strong head. The sweeps behind every default here: benchmarks/HISTORY.md.
     """
 
-    num_draft_tokens: int = 4  # tree nodes verified besides the root (--num-draft-tokens)
-    depth: int = 2  # deepest level of the tree (--draft-depth)
+    num_draft_tokens: int = 2  # tree nodes verified besides the root (--num-draft-tokens)
+    depth: int = 1  # deepest level of the tree (--draft-depth)
     topk: int = 2  # children per expanded node and nodes expanded per level (--draft-topk)
     # Tokens of one batched verify, all sequences together (the root is one per sequence; at
     # least one full tree, so a sequence decoding alone always gets its whole tree): with
@@ -62,7 +64,7 @@ class TreeParams:
     # Prompt lookup (lookup.py): up to this many tokens copied from earlier in the sequence join
     # each tree as one more path (--lookup; greedy decoding only; 0 = off). They cost no draft
     # forward; in a batch each row gets its share of max_batch_tokens of them (graft_lookup).
-    lookup: int = 8
+    lookup: int = 2
 
     def __post_init__(self):
         flags = {"--num-draft-tokens": self.num_draft_tokens, "--draft-depth": self.depth, "--draft-topk": self.topk}
