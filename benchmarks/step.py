@@ -5,7 +5,8 @@ when T > 1, as a draft chain has, rows at different lengths when B > 1, in conse
 slots or in every other one) it times the whole
 forward, then the same forward again with its linear layers (by kind), its attention and its
 KV-cache writes timed call by call (medians over the runs, as for the whole forward); the rest is
-everything else (norms, rope, Python). Next to it, the floor: the weight bytes one forward reads
+everything else (norms, rope, Python; with the native kernels, the attention column holds the
+one call that also rotates q and k and writes the cache, and cache writes are 0). Next to it, the floor: the weight bytes one forward reads
 over the memory bandwidth measured in the same run. A table of all the linear layers alone at
 k = 1, 2, 4, 8, 16 and 32 rows, as loaded (quantized) and widened to fp32 and bf16, beside the
 bandwidth floor and the compute floor (2 k x parameters at the fp32 matmul rate measured here);
@@ -83,6 +84,27 @@ def timed_parts(model, totals: dict):
         totals["attention"] += time.perf_counter() - start
         return out
 
+    class TimedKernels:
+        """The native kernels, their attention calls timed (with the fused rope and cache write)."""
+
+        def __init__(self, kernels):
+            self.kernels = kernels
+
+        def attend_cached(self, *args):
+            start = time.perf_counter()
+            out = self.kernels.attend_cached(*args)
+            totals["attention"] += time.perf_counter() - start
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self.kernels, name)
+
+    native_for = model_module._native_for
+
+    def timed_native_for(x):
+        kernels = native_for(x)
+        return None if kernels is None else TimedKernels(kernels)
+
     def store(*args):
         start = time.perf_counter()
         write(*args)
@@ -90,13 +112,13 @@ def timed_parts(model, totals: dict):
 
     for cls in LINEARS:
         cls.forward = timed(cls)
-    model_module.attention, KVCache.write = attend, store
+    model_module.attention, KVCache.write, model_module._native_for = attend, store, timed_native_for
     try:
         yield
     finally:
         for cls in LINEARS:
             cls.forward = forwards[cls]
-        model_module.attention, KVCache.write = attention, write
+        model_module.attention, KVCache.write, model_module._native_for = attention, write, native_for
 
 
 def step_inputs(b: int, t: int, vocab: int, gen: torch.Generator):
