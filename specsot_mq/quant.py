@@ -59,9 +59,6 @@ class Blocks:
         """w * s (exact for a power of two, as the attention scale 1/sqrt(head_dim) usually is)."""
         return Blocks(self.kind, self.q, self.d * s, None if self.m is None else self.m * s)
 
-    def rows(self, index: torch.Tensor) -> "Blocks":
-        return Blocks(self.kind, self.q[index], self.d[index], None if self.m is None else self.m[index])
-
     @staticmethod
     def cat(parts: list["Blocks"]) -> "Blocks":
         """Rows of several matrices of one kind stacked (a fused q/k/v or gate/up projection)."""
