@@ -28,7 +28,7 @@ from rich.table import Table
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Generator
-from specsot_mq.loader import load_model, resolve_dtype
+from specsot_mq.loader import QUANTIZE, load_model, resolve_dtype, runs_quantized
 from specsot_mq.pull import resolve_model
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
@@ -205,7 +205,7 @@ def add_dtype_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="the activations' dtype; auto: fp32 with quantized weights, else bf16 where the CPU has "
                         "native bf16 (AVX-512 BF16/AMX), else fp32")  # fmt: skip
-    p.add_argument("--quantize", choices=["auto", "int4", "int8", "none"], default="auto",
+    p.add_argument("--quantize", choices=QUANTIZE, default="auto",
                    help="auto: the weights as the model ships them (the default model: its GGUF's Q4_1/Q8_0); "
                         "none: dequantized")  # fmt: skip
 
@@ -213,11 +213,9 @@ def add_dtype_option(p: argparse.ArgumentParser) -> None:
 def chosen_dtype(args: argparse.Namespace) -> torch.dtype:
     """The dtype --dtype names on this CPU for the model and --quantize asked for; args.dtype
     becomes what auto chose, for the tables."""
-    from specsot_mq.loader import is_quantized
-
-    q = args.quantize
-    quantized = q in ("int4", "int8") or (q == "auto" and is_quantized(resolve_model(getattr(args, "model", None))))
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"), quantized)
+    cpu = torch.device("cpu")
+    quantized = runs_quantized(resolve_model(getattr(args, "model", None)), args.quantize, cpu)
+    dtype = resolve_dtype(args.dtype, cpu, quantized)
     args.dtype = ("bf16" if dtype == torch.bfloat16 else "fp32") + (" (weights quantized)" if quantized else "")
     return dtype
 

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import add_dtype_option, chosen_dtype, cpu_name, load_prompts, load_with_draft, run_script  # noqa: E402
+from sot import time_answers  # noqa: E402
 
 from specsot_mq.generate import Generator  # noqa: E402
 from specsot_mq.stopping import LoopWatch  # noqa: E402
@@ -38,7 +38,6 @@ from specsot_mq.sot.engine import SoTConfig, SoTEngine  # noqa: E402
 from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
 
 ENGINES = ("llamacpp", "plain", "eagle", "specsot")
-WARM_UP = "Say hello."
 
 
 def cpu_flags() -> dict:
@@ -122,20 +121,7 @@ def main(argv=None) -> dict:
     out.print(f"CPU {cpu_name()} | {' '.join(k for k, v in flags.items() if v)} | threads {args.threads} | "
               f"ours: {args.dtype} | {len(questions)} questions ({source}) | max tokens {args.max_tokens} | "
               f"repeat stop {args.repeat_stop} | draft {draft_path.name}")  # fmt: skip
-    rows = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True, disable=args.json_only) as bar:  # fmt: skip
-        task = bar.add_task("warm-up", total=1 + len(questions) * len(engines))
-        for engine in engines:
-            run(engine, WARM_UP)
-        bar.advance(task)
-        for i, q in enumerate(questions):
-            row = {"question": q[:60]}
-            for engine in engines:
-                bar.update(task, description=f"question {i + 1}: {engine}")
-                row[engine] = run(engine, q)
-                bar.advance(task)
-            rows.append(row)
+    rows = time_answers(engines, questions, run, args.json_only)
 
     ref = "llamacpp" if "llamacpp" in engines else engines[0]
     table = Table(title=f"seconds to a complete answer (tokens, tok/s) and speed against {ref}")

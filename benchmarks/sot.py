@@ -115,20 +115,7 @@ def main(argv=None) -> dict:
         f"| layout {args.layout} | prompt format {args.prompt_format} | repeat stop {args.repeat_stop} "
         f"| verify budget {args.verify_budget}"
     )
-    rows = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True, disable=args.json_only) as bar:  # fmt: skip
-        task = bar.add_task("warm-up", total=1 + len(questions) * len(engines))
-        for engine in engines:
-            run(engine, WARM_UP)
-        bar.advance(task)
-        for i, q in enumerate(questions):
-            row = {"question": q[:60], "routed_sot": route(q, args.sot).use_sot}
-            for engine in engines:
-                bar.update(task, description=f"question {i + 1}: {engine}")
-                row[engine] = run(engine, q)
-                bar.advance(task)
-            rows.append(row)
+    rows = time_answers(engines, questions, run, args.json_only, lambda q: {"routed_sot": route(q, args.sot).use_sot})
 
     table = Table(title="seconds to a complete answer (tokens) and speedup over transformers generate")
     table.add_column("question", max_width=24, no_wrap=True, overflow="ellipsis")
@@ -178,6 +165,27 @@ def main(argv=None) -> dict:
 
 
 WARM_UP = "Say hello."
+
+
+def time_answers(engines, questions, run, quiet: bool, row_of=lambda q: {}) -> list[dict]:
+    """Every engine answers WARM_UP once, then each question in turn, with a progress bar: one row
+    per question, {"question": its first 60 characters, **row_of(question), engine: run(engine,
+    question)}."""
+    rows = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True, disable=quiet) as bar:  # fmt: skip
+        task = bar.add_task("warm-up", total=1 + len(questions) * len(engines))
+        for engine in engines:
+            run(engine, WARM_UP)
+        bar.advance(task)
+        for i, q in enumerate(questions):
+            row = {"question": q[:60], **row_of(q)}
+            for engine in engines:
+                bar.update(task, description=f"question {i + 1}: {engine}")
+                row[engine] = run(engine, q)
+                bar.advance(task)
+            rows.append(row)
+    return rows
 
 
 def phase_table(phases: dict[str, list], out: Console) -> dict:

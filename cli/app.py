@@ -101,7 +101,7 @@ def train_draft(
     from pathlib import Path
 
     from specsot_mq import train_draft as recipe
-    from specsot_mq.loader import is_quantized, load_model, resolve_device, resolve_dtype
+    from specsot_mq.loader import load_model, resolve_device, resolve_dtype, runs_quantized
     from specsot_mq.pull import resolve_model, specsot_home
     from specsot_mq.tokenizer import load_tokenizer
 
@@ -119,7 +119,7 @@ def train_draft(
     resolve_dtype(dtype, dev)  # a bad flag fails before a model is pulled
     folder = resolve_model(model)
     name = folder.name
-    base = load_model(folder, dtype=resolve_dtype(dtype, dev, dev.type == "cpu" and is_quantized(folder)), device=dev)
+    base = load_model(folder, dtype=resolve_dtype(dtype, dev, runs_quantized(folder, "auto", dev)), device=dev)
     cfg = recipe.TrainConfig(questions=questions, epochs=epochs, batch=batch, draft_vocab=draft_vocab, feature_layers=layers,
                              feature_noise=feature_noise, seed=seed, lr=lr, init=init)
     recipe.feature_layers(base, cfg)  # a wrong list fails now, not after the data is written

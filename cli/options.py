@@ -43,10 +43,9 @@ class ModelOptions:
         help="Prompt lookup: up to N tokens copied from earlier in the text join each draft tree (greedy only); 0 = off.")] = None
 
     def __post_init__(self):
-        from specsot_mq.errors import SpecSotError
+        from specsot_mq.loader import check_quantize
 
-        if self.quantize not in ("auto", "int4", "int8", "none"):  # before any model is pulled or stage started
-            raise SpecSotError(f"unknown --quantize '{self.quantize}': use auto, int4, int8 or none")
+        check_quantize(self.quantize)  # before any model is pulled or stage started
 
     def tree(self) -> dict:
         """The TreeParams fields given by flags (a stage process gets them as they are), checked

@@ -103,9 +103,9 @@ class DraftHead(nn.Module):
                 "pass --draft none or train one with `specsot train-draft`"
             )
         object.__setattr__(self, "embed", base.embed)  # not a submodule: not saved, not trained
-        if isinstance(base.lm_head, QLinear):
+        if isinstance(base.lm_head, QLinear) and base.lm_head.packed is not None:
             head = base.lm_head.select(self.d2t)
-        else:
+        else:  # a float layer, or a QLinear without the kernels (its weight dequantized)
             head = Linear(base.cfg.hidden_size, self.cfg.draft_vocab_size, bias=False)
             head.weight = nn.Parameter(base.lm_head.weight.detach()[self.d2t].clone(), requires_grad=False)
         object.__setattr__(self, "lm_head", head)

@@ -42,11 +42,11 @@ def read_state_dict(folder: Path, dequantize: bool = False) -> dict[str, torch.T
     for f in weight_files(folder):
         try:
             with safe_open(f, framework="pt") as st:
-                quant = json.loads((st.metadata() or {}).get(QUANT_METADATA, "{}"))
+                quantized = json.loads((st.metadata() or {}).get(QUANT_METADATA, "{}"))
                 for name in st.keys():
                     state[name] = st.get_tensor(name)
-                    if name in quant:
-                        kind, rows, cols = quant[name]
+                    if name in quantized:
+                        kind, rows, cols = quantized[name]
                         state[name] = from_ggml(state[name].numpy(), kind, (rows, cols))
                         if dequantize:
                             state[name] = state[name].dequantize()
@@ -111,14 +111,24 @@ def hf_to_ours(state: dict[str, torch.Tensor | Blocks], cfg: ModelConfig) -> dic
 
 
 _LINEARS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight")
+QUANTIZE = ("auto", "int4", "int8", "none")  # --quantize
+
+
+def check_quantize(quantize: str) -> None:
+    if quantize not in QUANTIZE:
+        raise SpecSotError(f"unknown --quantize '{quantize}': use {', '.join(QUANTIZE)}")
+
+
+def runs_quantized(folder: Path, quantize: str, device: torch.device) -> bool:
+    """Whether load_model(folder, quantize=quantize) on `device` runs quantized weights."""
+    return device.type == "cpu" and (quantize in KINDS or (quantize == "auto" and is_quantized(folder)))
 
 
 def _quantized_as_asked(weights: dict, quantize: str, device: torch.device) -> dict:
     """'auto' keeps weights as stored; 'none' (and any device but the CPU, where the kernels run)
     dequantizes them; 'int4' / 'int8' quantize a float model's linear layers (the output layer and
     embedding to 8 bits either way, as 4-bit GGUF files keep them)."""
-    if quantize not in ("auto", "none", *KINDS):
-        raise SpecSotError(f"unknown --quantize '{quantize}': use auto, int4, int8 or none")
+    check_quantize(quantize)
     if quantize == "none" or device.type != "cpu":
         return {k: v.dequantize() if isinstance(v, Blocks) else v for k, v in weights.items()}
     if quantize == "auto":
@@ -244,10 +254,10 @@ def load_generator(
 
     dev = resolve_device(device)
     resolve_dtype(dtype, dev)  # a bad flag fails before a model is pulled
-    _quantized_as_asked({}, quantize, dev)
+    check_quantize(quantize)
     folder = resolve_model(model)
-    quantized = dev.type == "cpu" and (quantize in KINDS or (quantize == "auto" and is_quantized(folder)))
-    net = load_model(folder, dtype=resolve_dtype(dtype, dev, quantized), device=dev, quantize=quantize)
+    net = load_model(folder, dtype=resolve_dtype(dtype, dev, runs_quantized(folder, quantize, dev)), device=dev,
+                     quantize=quantize)  # fmt: skip
     draft_path = resolve_draft(draft, folder)
     head = DraftHead.load(draft_path, net).prepack() if draft_path else None
     return Generator(net, load_tokenizer(folder), max_len=max_len, num_slots=num_slots, draft=head,

@@ -267,16 +267,9 @@ class QLinear(nn.Module):
         return self.rows(torch.arange(self.out_features, device=(self.packed if self.weight is None else self.weight).device))
 
     def select(self, index: torch.Tensor) -> "QLinear":
-        """A QLinear of the rows at `index` (a draft head's reduced output layer)."""
-        out = QLinear.__new__(QLinear)
-        nn.Module.__init__(out)
-        out.out_features, out.in_features, out.kind, out.bias, out.kernel = len(index), self.in_features, self.kind, None, self.kernel
-        if self.packed is None:
-            out.packed, out.weight = None, nn.Parameter(self.weight[index].clone(), requires_grad=False)
-        else:
-            out.register_buffer("packed", pack(unpack(self.packed, self.kind, index, self.in_features)))
-            out.weight = None
-        return out
+        """A QLinear of the rows at `index`, packed as they are (a draft head's reduced output
+        layer); kernel path only."""
+        return QLinear(unpack(self.packed, self.kind, index, self.in_features))
 
 
 def linear_forward(layer, x, norm, glu, residual):
