@@ -129,8 +129,8 @@ def test_without_the_kernels_the_dequantized_weights_run(monkeypatch):
 def test_real_model_logits_match_the_dequantized_reference(default_model_dir):
     """The default model on its own Q4_1/Q8_0 blocks against the same weights dequantized to fp32
     (the reference): the logits' relative L2 error is under 7% on average over the positions and
-    under 35% at any one (int8 activations, as llama.cpp's; measured 4.9% and 27%, the largest at
-    the first tokens, whose activations are the largest), and the greedy token is the reference's at 90% of positions or
+    under 35% at any one (int8 activations, as llama.cpp's; the first tokens, whose activations are
+    the largest, err the most), and the greedy token is the reference's at 90% of positions or
     more, the others being near-ties of the reference."""
     from specsot_mq.loader import load_model
     from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
