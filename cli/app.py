@@ -1,4 +1,5 @@
-"""`specsot`: pull models, answer questions, train draft heads; launch, run and chat are in serve.py."""
+"""`specsot`: pull models, answer questions, train draft heads; launch, run and chat are in serve.py,
+the HTTP server's command in http.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from specsot_mq.cli import serve
+from specsot_mq.cli import http, serve
 from specsot_mq.cli.options import DeviceOpt, DtypeOpt, FormatOpt, ModelOpt, ModelOptions, RepeatOpt, err, with_options
 from specsot_mq.errors import SpecSotError
 from specsot_mq.sampling import REPEAT_STOP
@@ -133,6 +134,7 @@ def train_draft(
 app.command()(serve.launch)
 app.command("run")(serve.run_batch)
 app.command()(serve.chat)
+app.command("serve")(http.serve)
 
 
 def main() -> None:

@@ -15,11 +15,11 @@ from rich.console import Console
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # progress and errors; stdout is the answer's
 
 ModelOpt = Annotated[
-    Optional[str], typer.Option("--model", "-m", help="Known model name or a Hugging Face-format folder.")
+    Optional[str], typer.Option("--model", "-m", envvar="SPECSOT_MODEL", help="Known model name or a Hugging Face-format folder.")
 ]
-DtypeOpt = Annotated[str, typer.Option(
+DtypeOpt = Annotated[str, typer.Option(envvar="SPECSOT_DTYPE",
     help="Activations: auto, bf16 or fp32 (auto: fp32 with quantized weights on a CPU, else bf16 where the hardware runs it fast).")]
-QuantizeOpt = Annotated[str, typer.Option(
+QuantizeOpt = Annotated[str, typer.Option(envvar="SPECSOT_QUANTIZE",
     help="Weights: auto (as the model ships them: the default model's own 4/8-bit GGUF blocks), int4, int8 (quantize a float model at load) or none (dequantized).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda if present).")]
 RepeatOpt = Annotated[int, typer.Option(
@@ -34,7 +34,7 @@ class ModelOptions:
     model: ModelOpt = None
     dtype: DtypeOpt = "auto"
     quantize: QuantizeOpt = "auto"
-    draft: Annotated[str, typer.Option(
+    draft: Annotated[str, typer.Option(envvar="SPECSOT_DRAFT",
         help="EAGLE draft head: auto (the shipped one), none, or a .safetensors path.")] = "auto"
     num_draft_tokens: Annotated[Optional[int], typer.Option(help="Draft tree nodes verified per step.")] = None
     draft_depth: Annotated[Optional[int], typer.Option(help="Deepest level of the draft tree.")] = None
@@ -63,9 +63,9 @@ class ModelOptions:
 class TopologyOptions:
     """The run a client attaches to, and the topology started when none is live (launch, run, chat)."""
 
-    run: Annotated[str, typer.Option("--run", help="Name of the run (its run file under $SPECSOT_HOME/runs).")] = "default"
-    devices: Annotated[str, typer.Option("--devices", help="Devices as ip#gpu,... (#cpu for a CPU device).")] = "127.0.0.1#cpu"
-    topology: Annotated[str, typer.Option("--topology", help="p2p or ring.")] = "p2p"
+    run: Annotated[str, typer.Option("--run", envvar="SPECSOT_RUN", help="Name of the run (its run file under $SPECSOT_HOME/runs).")] = "default"
+    devices: Annotated[str, typer.Option("--devices", envvar="SPECSOT_DEVICES", help="Devices as ip#gpu,... (#cpu for a CPU device).")] = "127.0.0.1#cpu"
+    topology: Annotated[str, typer.Option("--topology", envvar="SPECSOT_TOPOLOGY", help="p2p or ring.")] = "p2p"
 
 
 def with_options(command):

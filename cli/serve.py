@@ -273,8 +273,8 @@ def chat(topo: TopologyOptions, model: ModelOptions):
                                     repeat_stop=settings["repeat_stop"])  # fmt: skip
             rid = uuid.uuid4().hex[:12]
             try:
-                answer = asyncio.run(_chat_turn(address, _with_history(line, history), params, settings["mode"],
-                                                rid, console))  # fmt: skip
+                answer = asyncio.run(_chat_turn(address, line, _turns(history), params, settings["mode"], rid,
+                                                console))  # fmt: skip
             except KeyboardInterrupt:
                 asyncio.run(_cancel(address, rid))
                 console.print("[yellow]stopped[/]")
@@ -309,12 +309,10 @@ def _slash(line: str, settings: dict, history: list, console: Console) -> None:
         console.print(f"[red]unknown command {line!r}[/]: {CHAT_HELP}")
 
 
-def _with_history(question: str, history: list[tuple[str, str]]) -> str:
-    """The question with the last two turns as context (the stages answer one question at a time)."""
-    if not history:
-        return question
-    turns = "\n".join(f"Q: {q}\nA: {a[:600]}" for q, a in history[-2:])
-    return f"Earlier in this conversation:\n{turns}\n\nNow answer: {question}"
+def _turns(history: list[tuple[str, str]], keep: int = 3) -> list[dict]:
+    """The last `keep` turns as chat messages: every phase's prompt shows them as earlier turns
+    of the conversation, before its own request (prompts/__init__.py)."""
+    return [{"role": role, "content": text} for q, a in history[-keep:] for role, text in (("user", q), ("assistant", a))]
 
 
 async def _cancel(address: str, rid: str) -> None:
@@ -325,7 +323,7 @@ async def _cancel(address: str, rid: str) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _chat_turn(address, question, params, mode, rid, console: Console) -> str | None:
+async def _chat_turn(address, question, history, params, mode, rid, console: Console) -> str | None:
     from specsot_mq.client import Client
     from specsot_mq.messages import Answer, Failed, MergePlan, PointText, SkeletonText
 
@@ -342,7 +340,7 @@ async def _chat_turn(address, question, params, mode, rid, console: Console) -> 
     async with Client(address) as client:
         live = None
         try:
-            async for msg in client.ask(question, params, mode, rid=rid, timeout=600):
+            async for msg in client.ask(question, params, mode, rid=rid, timeout=600, history=history):
                 if isinstance(msg, SkeletonText):
                     console.print(msg.text, end="", style="dim")
                 elif isinstance(msg, MergePlan):

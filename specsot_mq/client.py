@@ -1,5 +1,6 @@
 """A client of a running topology: connects to the gateway, sends questions, and gets each
-request's messages (SkeletonText, MergePlan, PointText, then Answer or Failed) as they come.
+request's messages (SkeletonText, MergePlan, PointText and AnswerText, then Answer or Failed) as
+they come.
 
     async with Client(address) as client:
         async for msg in client.ask("How do I start running?"):
@@ -74,16 +75,17 @@ class Client:
             raise SpecSotError(f"no gateway answers at {self.address}: is `specsot launch` running?") from None
 
     async def ask(self, question: str, params: SamplingParams | None = None, sot: str = "auto",
-                  rid: str | None = None, timeout: float | None = None) -> AsyncIterator:  # fmt: skip
+                  rid: str | None = None, timeout: float | None = None, history: list[dict] = ()) -> AsyncIterator:  # fmt: skip
         """Send a question; yield its messages up to and including the Answer or Failed. With
-        `timeout`, a request silent that long ends with a Failed (the gateway may be gone)."""
+        `timeout`, a request silent that long ends with a Failed (the gateway may be gone).
+        `history`: the conversation's earlier turns, [{"role", "content"}] (a system message first)."""
         self._ensure_reader()
         rid = rid or uuid.uuid4().hex[:12]
         queue = self.queues[rid] = asyncio.Queue()
         done = False
         try:
-            await self.sock.send_multipart(encode(Ask(rid, question, params_to_wire(params or SamplingParams()), sot),
-                                                  "gateway", "client"))  # fmt: skip
+            ask = Ask(rid, question, params_to_wire(params or SamplingParams()), sot, list(history))
+            await self.sock.send_multipart(encode(ask, "gateway", "client"))
             while True:
                 try:
                     msg = await asyncio.wait_for(queue.get(), timeout)
@@ -103,8 +105,8 @@ class Client:
         await self.sock.send_multipart(encode(Cancel(rid), "gateway", "client"))
 
     async def answer(self, question: str, params: SamplingParams | None = None, sot: str = "auto",
-                     timeout: float | None = None) -> Answer | Failed:  # fmt: skip
+                     timeout: float | None = None, history: list[dict] = ()) -> Answer | Failed:  # fmt: skip
         """Only the last message of a request: its Answer or Failed."""
-        async for msg in self.ask(question, params, sot, timeout=timeout):
+        async for msg in self.ask(question, params, sot, timeout=timeout, history=history):
             last = msg
         return last

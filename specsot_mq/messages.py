@@ -61,6 +61,11 @@ class Heartbeat:
     tokens_per_s: float  # tokens it produced per second, over the last few seconds
     rss_mb: float  # resident memory now
     peak_rss_mb: float  # the most resident memory so far
+    slots: int = 0  # cache slots (device stages; 0 elsewhere)
+    slots_used: int = 0  # of those, sequences decoding now
+    drafts: int = 0  # since start: sequence-steps verified by speculative decoding
+    draft_tokens: int = 0  # since start: draft tree nodes verified (roots excluded)
+    accepted_tokens: int = 0  # since start: of those, accepted
 
 
 @dataclass(slots=True)
@@ -89,6 +94,7 @@ class Ask:
     question: str
     params: dict  # SamplingParams fields (see params_to_wire)
     sot: str = "auto"  # auto | always | never
+    history: list = field(default_factory=list)  # earlier turns, [{"role", "content"}] (system first)
 
 
 @dataclass(slots=True)
@@ -113,6 +119,7 @@ class Skeleton:
     text: str  # the whole skeleton, starting with the prefilled "1."
     stats: dict  # {"tokens", "steps", "seconds"} of the skeleton phase
     finish: str = "stop"  # how the skeleton's decoding ended ("length" or "repeat": its last line is unfinished)
+    history: list = field(default_factory=list)  # Ask.history
 
 
 @dataclass(slots=True)
@@ -127,6 +134,7 @@ class Planned:
     skeleton: str
     points: list  # [index, title, predicted tokens or 0] per point
     stats: dict  # phase name -> {"tokens", "steps", "seconds"}
+    history: list = field(default_factory=list)  # Ask.history
 
 
 @dataclass(slots=True)
@@ -178,6 +186,16 @@ class PointEnd:
 
 
 @dataclass(slots=True)
+class AnswerText:
+    """New text of the merged answer, in order (merge -> gateway -> client): its pieces joined are
+    exactly Answer.answer. A planned answer's points decode together, but this streams them one
+    after another, each as soon as the points before it have ended (see sot/ordered.py)."""
+
+    rid: str
+    text: str
+
+
+@dataclass(slots=True)
 class Answer:
     """The merged answer, the last message of a request (merge -> gateway -> client)."""
 
@@ -187,7 +205,8 @@ class Answer:
     reason: str
     skeleton: str
     points: list  # [index, title, expansion] in plan order
-    stats: dict  # phase -> {"tokens", "steps", "seconds"}, plus "seconds" end to end
+    stats: dict  # phase -> {"tokens", "steps", "seconds"}, "seconds" end to end, "prompt_tokens"
+    finish: str = "stop"  # "length" when an output hit its token cap, else "stop"
 
 
 @dataclass(slots=True)
@@ -223,7 +242,7 @@ class Status:
 
 KINDS: dict[str, type] = {cls.__name__: cls for cls in (
     Ready, Heartbeat, Membership, Abort, Ask, SkeletonText, Skeleton, Planned, BranchTask, MergePlan,
-    PointText, PointEnd, Answer, Failed, Cancel, StatusQuery, Status)}  # fmt: skip
+    PointText, PointEnd, AnswerText, Answer, Failed, Cancel, StatusQuery, Status)}  # fmt: skip
 _FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls)) for name, cls in KINDS.items()}
 
 

@@ -89,6 +89,11 @@ class Stage:
         """Requests this stage holds now."""
         return 0
 
+    def counters(self) -> dict:
+        """Heartbeat fields beyond the common ones (a device stage's cache slots and speculative
+        decoding counters; see messages.Heartbeat)."""
+        return {}
+
 
 def stage_class(kind: str, overrides: dict[str, str] | None = None) -> type:
     """The class for a stage kind: an override "module:Class" if given, else the built-in one."""

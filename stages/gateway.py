@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from specsot_mq.messages import (
-    BROADCAST, Abort, Answer, Ask, Cancel, Failed, Heartbeat, Membership, MergePlan, PointText, Ready,
+    BROADCAST, Abort, Answer, AnswerText, Ask, Cancel, Failed, Heartbeat, Membership, MergePlan, PointText, Ready,
     SkeletonText, Status, StatusQuery, WireError, decode, encode,
 )  # fmt: skip
 from specsot_mq.stages.base import Stage
@@ -88,7 +88,7 @@ class Gateway(Stage):
         msg = env.msg
         if isinstance(msg, (Ready, Heartbeat)):
             await self.handle_local(msg)
-        elif isinstance(msg, (SkeletonText, PointText)):
+        elif isinstance(msg, (SkeletonText, PointText, AnswerText)):
             await self._to_client(msg.rid, msg)
         elif isinstance(msg, MergePlan):
             if msg.rid in self.requests:
@@ -173,6 +173,8 @@ class Gateway(Stage):
                 down += self.branches
             if msg.rid in self.requests:
                 await self._send_client(client, Failed(msg.rid, f"request id {msg.rid} is already in flight"))
+            elif bad := _bad_ask(msg):
+                await self._send_client(client, Failed(msg.rid, bad))
             elif down:
                 state = "is not up yet" if not all(self.health[n].ever_up for n in down) else "is down"
                 await self._send_client(client, Failed(msg.rid, f"stage {down[0]} {state}: retry in a moment"))
@@ -196,3 +198,17 @@ class Gateway(Stage):
 
     async def _send_client(self, client: bytes, msg) -> None:
         await self.clients.send_multipart([client, *encode(msg, "client", self.name)], copy=False)
+
+
+def _bad_ask(msg: Ask) -> str | None:
+    """What is wrong with a question as a client sent it (the stages after take it as checked)."""
+    from specsot_mq.errors import SpecSotError
+    from specsot_mq.prompts import check_history
+
+    if not isinstance(msg.question, str) or not msg.question.strip():
+        return "the question must be a non-empty string"
+    try:
+        check_history(msg.history)
+    except SpecSotError as exc:
+        return str(exc)
+    return None

@@ -167,7 +167,7 @@ class Launcher:
     def write_run_file(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         info = {"client_address": self.spec.client_address, "launcher_pid": os.getpid(), "run_dir": str(self.run_dir),
-                "topology": self.spec.topology, "stages": self.pids()}  # fmt: skip
+                "topology": self.spec.topology, "model": model_id(self.spec.model), "stages": self.pids()}  # fmt: skip
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(info, indent=1))
         tmp.replace(path)
@@ -212,6 +212,14 @@ async def wait_ready(launcher: Launcher, timeout: float = 300.0) -> None:
                                        f"{launcher.tail(stage.name)}")  # fmt: skip
             await asyncio.sleep(0.5)
     raise SpecSotError(f"the stages were not ready after {timeout:.0f} s; logs are in {launcher.run_dir}")
+
+
+def model_id(model: str | None) -> str:
+    """The name a run's model goes by (the HTTP API's model id): a known name as it is, a
+    folder by its own name."""
+    from specsot_mq.pull import DEFAULT_MODEL
+
+    return Path(model).name if model and os.sep in model else (model or DEFAULT_MODEL)
 
 
 def read_run_file(path: Path) -> dict | None:

@@ -1,13 +1,15 @@
 """The merge stage: collects every point of a request, streams each point's text on to the gateway
-as it grows, and assembles the answer in plan order once the last point ends."""
+as it grows, streams the merged answer in plan order as far as it is certain (AnswerText, see
+sot/ordered.py), and sends the whole answer once the last point ends."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specsot_mq.messages import Answer, MergePlan, PointEnd, PointText
+from specsot_mq.messages import Answer, AnswerText, MergePlan, PointEnd, PointText
 from specsot_mq.prompts import load_format
 from specsot_mq.sot.engine import SoTConfig
+from specsot_mq.sot.ordered import OrderedAnswer
 from specsot_mq.stages.base import Stage
 
 
@@ -19,6 +21,7 @@ class _Merging:
     plan: MergePlan | None = None
     texts: dict[int, list[str]] = field(default_factory=dict)  # point index -> its text so far, in pieces
     ends: dict[int, PointEnd] = field(default_factory=dict)  # point index -> how it ended
+    ordered: OrderedAnswer | None = None  # the merged answer's text released so far (a planned answer)
 
 
 class MergeStage(Stage):
@@ -26,6 +29,8 @@ class MergeStage(Stage):
         self.format = load_format(SoTConfig(**self.spec.sot).prompt_format)
         self.requests: dict[str, _Merging] = {}
         self.aborted: dict[str, bool] = {}  # recent aborts, so late points of one are ignored (bounded)
+        # A replacement merger (merge() overridden) gets its answer streamed whole, at the end.
+        self.streams = type(self).merge is MergeStage.merge
 
     def inflight(self) -> int:
         return len(self.requests)
@@ -44,12 +49,28 @@ class MergeStage(Stage):
         if isinstance(msg, MergePlan):
             state.plan = msg
             await self.send("gateway", msg)
+            if self.streams and msg.mode == "sot":  # what arrived before the plan is released now
+                state.ordered = OrderedAnswer(self.format, [(i, t) for i, t in msg.points])
+                for index, parts in state.texts.items():
+                    await self._answer_text(msg.rid, state.ordered.add(index, "".join(parts)))
+                for index in state.ends:
+                    await self._answer_text(msg.rid, state.ordered.end(index))
+            elif self.streams:
+                await self._answer_text(msg.rid, "".join(state.texts.get(0, [])))
         elif isinstance(msg, PointText):
             state.texts.setdefault(msg.index, []).append(msg.text)
             await self.send("gateway", msg)
+            if state.plan is not None and self.streams:
+                await self._answer_text(msg.rid, state.ordered.add(msg.index, msg.text) if state.ordered else msg.text)
         else:
             state.ends[msg.index] = msg
+            if state.ordered is not None:
+                await self._answer_text(msg.rid, state.ordered.end(msg.index))
         await self._maybe_done(msg.rid, state)
+
+    async def _answer_text(self, rid: str, text: str) -> None:
+        if text:
+            await self.send("gateway", AnswerText(rid, text))
 
     async def _maybe_done(self, rid: str, state: _Merging) -> None:
         plan = state.plan
@@ -63,8 +84,12 @@ class MergeStage(Stage):
         stats[phase] = {"tokens": sum(e.tokens for e in ends), "steps": sum(e.steps for e in ends),
                         "seconds": max((e.seconds for e in ends), default=0.0)}  # fmt: skip
         points = [[i, title, texts.get(i, "")] for i, title in plan.points] if plan.mode == "sot" else []
-        await self.send("gateway", Answer(rid, self.merge(plan, texts), plan.mode, plan.reason, plan.skeleton, points,
-                                          stats))  # fmt: skip
+        finish = "length" if any(e.finish == "length" for e in ends) else "stop"
+        answer = self.merge(plan, texts)
+        if not self.streams:
+            await self._answer_text(rid, answer)
+        await self.send("gateway", Answer(rid, answer, plan.mode, plan.reason, plan.skeleton, points,
+                                          stats, finish))  # fmt: skip
 
     async def abort(self, rid: str) -> None:
         self.requests.pop(rid, None)

@@ -33,4 +33,4 @@ class ParseStage(Stage):
             else:
                 mode, reason = "direct", f"skeleton says direct: {plan.reason}"
         await self.send(self.schedule, Planned(msg.rid, msg.question, msg.params, mode, reason, msg.text, points,
-                                               msg.stats))  # fmt: skip
+                                               msg.stats, msg.history))  # fmt: skip

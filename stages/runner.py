@@ -87,7 +87,8 @@ async def serve(name: str, spec: RunSpec, ctx=None) -> None:
             # The peak is sampled here: ru_maxrss would count the launcher's memory from before exec.
             now_mb = rss_mb()
             peak = max(peak, now_mb)
-            beat = Heartbeat(name, os.getpid(), "busy" if inflight else "idle", inflight, rate, now_mb, peak)
+            beat = Heartbeat(name, os.getpid(), "busy" if inflight else "idle", inflight, rate, now_mb, peak,
+                             **stage.counters())  # fmt: skip
             if name == "gateway":
                 await stage.handle_local(beat)
             else:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.messages import BranchTask, Failed, Membership, MergePlan, Planned, ids, params_from_wire, params_to_wire
-from specsot_mq.prompts import load_format
+from specsot_mq.prompts import direct_ids, load_format
 from specsot_mq.sot.engine import SoTConfig, point_params, point_prompts
 from specsot_mq.sot.parser import Plan, Point
 from specsot_mq.sot.scheduler import DeviceProfile, schedule
 from specsot_mq.stages.base import Stage
-from specsot_mq.tokenizer import chat_prompt_ids
 
 
 class ScheduleStage(Stage):
@@ -47,12 +46,12 @@ class ScheduleStage(Stage):
         order = self.alive[k:] + self.alive[:k]
         if msg.mode != "sot":
             branch = order[0]
-            prompt = chat_prompt_ids(self.tokenizer, msg.question)
+            prompt = direct_ids(self.tokenizer, msg.question, msg.history)
             await self.send(self.merge, MergePlan(msg.rid, "direct", msg.reason, "", [[0, ""]], {branch: [0]}, msg.stats))
             await self.send(branch, BranchTask(msg.rid, msg.params, ids([]), [0], [ids(prompt)]))
             return
         plan = Plan("plan", [Point(i, title, predicted or None) for i, title, predicted in msg.points])
-        prefix, suffixes = point_prompts(self.tokenizer, self.format, msg.question, plan)
+        prefix, suffixes = point_prompts(self.tokenizer, self.format, msg.question, plan, msg.history)
         devices = [DeviceProfile(name, **self.spec.profiles[name]) for name in order]
         assignments = [a for a in schedule(plan.points, devices) if a.point_indices]
         branches = {a.device: a.point_indices for a in assignments}

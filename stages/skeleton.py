@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Job
 from specsot_mq.messages import Ask, Failed, Skeleton, SkeletonText, ids
-from specsot_mq.prompts import load_format
+from specsot_mq.prompts import direct_ids, load_format
 from specsot_mq.sot.engine import SoTConfig, skeleton_params, skeleton_text
 from specsot_mq.sot.router import route
 from specsot_mq.stages.worker import DeviceStage, Progress, batch_key
@@ -48,9 +48,10 @@ class SkeletonStage(DeviceStage):
             self.post("gateway", Failed(msg.rid, str(exc)))
             return
         if not decision.use_sot:
-            self.post(self.parse, Skeleton(msg.rid, msg.question, msg.params, "direct", decision.reason, "", {}))
+            self.post(self.parse, Skeleton(msg.rid, msg.question, msg.params, "direct", decision.reason, "",
+                                           self._prompt_stats(msg), history=msg.history))  # fmt: skip
             return
-        prompt = self.format.skeleton_ids(self.gen.tokenizer, msg.question)
+        prompt = self.format.skeleton_ids(self.gen.tokenizer, msg.question, msg.history)
         self.running[msg.rid] = _Skeleton(msg, decision.reason, self.format.skeleton_prefix, Progress(time.monotonic()))
         self.post("gateway", SkeletonText(msg.rid, self.format.skeleton_prefix, ids([])))
         self.worker.submit([Job((msg.rid, 0), prompt, skeleton_params(self.config, params))],
@@ -72,7 +73,13 @@ class SkeletonStage(DeviceStage):
             if delta.finish_reason == "abort":
                 return
             ask, progress = state.ask, state.progress
-            stats = {"skeleton": {"tokens": progress.tokens, "steps": progress.steps, "seconds": progress.seconds()}}
+            stats = self._prompt_stats(ask) | {
+                "skeleton": {"tokens": progress.tokens, "steps": progress.steps, "seconds": progress.seconds()}}
             self.post(self.parse, Skeleton(rid, ask.question, ask.params, "sot", state.reason, state.text, stats,
-                                           delta.finish_reason))  # fmt: skip
+                                           delta.finish_reason, ask.history))  # fmt: skip
+
+    def _prompt_stats(self, ask: Ask) -> dict:
+        """The request's prompt size as a plain chat server counts it: the conversation with the
+        question, as one chat prompt (what the API reports as usage.prompt_tokens)."""
+        return {"prompt_tokens": len(direct_ids(self.gen.tokenizer, ask.question, ask.history))}
 

@@ -49,6 +49,9 @@ class DeviceWorker:
         self.ready: asyncio.Future = loop.create_future()
         self.inbox: queue.Queue = queue.Queue()
         self.cancelled: dict = {}  # request ids whose jobs stop (job keys are (rid, index)); the newest kept
+        self.active: set = set()  # keys of the jobs decoding now
+        self.decoder = None  # the running batch's decoder
+        self.done_counts = [0, 0, 0]  # speculative decoding's steps, drafted and accepted tokens of finished batches
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._main, args=(load,), name="device-worker", daemon=True)
         self.thread.start()
@@ -114,9 +117,9 @@ class DeviceWorker:
 
             if not pending:
                 continue
-            active: set = set()
+            active = self.active = set()
             try:
-                decoder = self.gen.new_decoder(pending[0].params)
+                decoder = self.decoder = self.gen.new_decoder(pending[0].params)
                 for job_key, delta in self.gen.run(self._tracking(admit, active), decoder,
                                                    cancelled=lambda k: k[0] in self.cancelled,
                                                    before_step=self._fit_threads):  # fmt: skip
@@ -129,8 +132,18 @@ class DeviceWorker:
                 log.exception("decoding failed")
                 for job_key in active | {job.key for job in pending}:
                     self.loop.call_soon_threadsafe(self.on_error, job_key, f"{type(exc).__name__}: {exc}")
+            self.done_counts = self.spec_counts()
+            self.decoder = None
+            active.clear()
             if not held:  # held jobs start the next batch at once
                 self._idle()
+
+    def spec_counts(self) -> list[int]:
+        """Speculative decoding since start: [sequence-steps verified, draft tokens verified,
+        draft tokens accepted] (read from the event loop: plain ints, a step late at worst)."""
+        stats = getattr(self.decoder, "stats", None)
+        now = [stats.steps, stats.drafted, stats.accepted] if stats is not None else [0, 0, 0]
+        return [a + b for a, b in zip(self.done_counts, now)]
 
     def _idle(self) -> None:
         if self.share is not None:
@@ -251,6 +264,11 @@ class DeviceStage(Stage):
 
     def inflight(self) -> int:
         return len(self.running)
+
+    def counters(self) -> dict:
+        drafts, drafted, accepted = self.worker.spec_counts()
+        return {"slots": self.slots, "slots_used": len(self.worker.active), "drafts": drafts,
+                "draft_tokens": drafted, "accepted_tokens": accepted}  # fmt: skip
 
     async def abort(self, rid: str) -> None:
         self.running.pop(rid, None)

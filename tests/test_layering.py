@@ -1,5 +1,5 @@
-"""The library (the specsot_mq/ folder) never imports the app layer: stages/, transports/ and cli/,
-installed as specsot_mq.stages, specsot_mq.transports and specsot_mq.cli."""
+"""The library (the specsot_mq/ folder) never imports the app layer: stages/, transports/, cli/ and
+server/, installed as specsot_mq.stages, specsot_mq.transports, specsot_mq.cli and specsot_mq.server."""
 
 import ast
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 LIBRARY = Path(__file__).parent.parent / "specsot_mq"
-APP = ("stages", "transports", "cli")
+APP = ("stages", "transports", "cli", "server")
 
 
 def app_imports(source: str) -> list[str]:

@@ -422,3 +422,33 @@ def test_the_shipped_devices_file_loads_and_covers_cpu_and_cuda():
     assert {"cpu", "cuda", "h100", "h200"} <= set(profiles)
     assert profile_of("127.0.0.1#cpu", profiles).max_parallel == 8
     assert profile_of("127.0.0.1#0", profiles).compute == 200
+
+
+@pytest.mark.parametrize("name", ["sot", "plan"])
+def test_the_ordered_answer_streams_exactly_the_merged_answer(name):
+    """Points growing and ending in any order, with blank lines, repeated lines and trailing
+    space: what is released is never taken back (it only grows), and the pieces joined are the
+    format's merge."""
+    from specsot_mq.sot.ordered import OrderedAnswer
+
+    fmt = load_format(name)
+    rng = random.Random(0)
+    pieces = ["a", "b", " ", "\n", "x y", "\n\n", "A", "  ", "1. a"]
+    for _ in range(2000):
+        points = [(i + 1, rng.choice(["T", "Two words", ""])) for i in range(rng.randint(1, 4))]
+        ordered, texts, released = OrderedAnswer(fmt, points), {i: "" for i, _ in points}, ""
+        live = [i for i, _ in points]
+        while live:
+            index = rng.choice(live)
+            if rng.random() < 0.2:
+                live.remove(index)
+                released += ordered.end(index)
+            else:
+                text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 3)))
+                texts[index] += text
+                released += ordered.add(index, text)
+        assert released == fmt.merge([(i, t, texts[i]) for i, t in points]), (points, texts)
+    # Nothing of a later point comes before the points ahead of it end.
+    ordered = OrderedAnswer(fmt, [(1, "One"), (2, "Two")])
+    assert ordered.add(2, " second") == "" and ordered.add(1, " first") == fmt.point_prefix.format(index=1, title="One") + " first"
+    assert ordered.end(1) == "\n" + fmt.point_prefix.format(index=2, title="Two") + " second"

@@ -45,13 +45,16 @@ class PromptFormat:
         return "\n".join((self.point_prefix.format(index=i, title=title) + without_repeated_last_line(text)).rstrip()
                          for i, title, text in points)  # fmt: skip
 
-    def skeleton_ids(self, tokenizer, question: str) -> list[int]:
-        """Chat prompt for the skeleton, ending inside the assistant turn after the prefix."""
-        turns = []
-        for q, skeleton in (*self.examples, (question, None)):
-            turns.append({"role": "user", "content": self.skeleton_user.format(question=q)})
-            if skeleton is not None:
-                turns.append({"role": "assistant", "content": skeleton})
+    def skeleton_ids(self, tokenizer, question: str, history: list[dict] = ()) -> list[int]:
+        """Chat prompt for the skeleton, ending inside the assistant turn after the prefix: the
+        worked examples, the conversation's earlier turns, then the planning request for the
+        question (a system message of the conversation comes first)."""
+        system, earlier = split_system(history)
+        turns = list(system)
+        for q, skeleton in self.examples:
+            turns += [{"role": "user", "content": self.skeleton_user.format(question=q)},
+                      {"role": "assistant", "content": skeleton}]  # fmt: skip
+        turns += [*earlier, {"role": "user", "content": self.skeleton_user.format(question=question)}]
         ids = chat_prompt_ids(tokenizer, turns)
         return ids + tokenizer.encode(self.skeleton_prefix, add_special_tokens=False)
 
@@ -60,11 +63,39 @@ class PromptFormat:
         instructions, worked examples): worth computing once (Generator.keep_prefix)."""
         return common_prefix([self.skeleton_ids(tokenizer, q) for q in ("Why?", "List three colours.")])
 
-    def point_ids(self, tokenizer, question: str, skeleton: str, index: int, title: str) -> list[int]:
-        """Chat prompt that expands one point, prefilled with the point's number and title."""
+    def point_ids(self, tokenizer, question: str, skeleton: str, index: int, title: str,
+                  history: list[dict] = ()) -> list[int]:  # fmt: skip
+        """Chat prompt that expands one point, prefilled with the point's number and title: the
+        conversation's earlier turns, then the request for this point."""
         fields = {"question": question, "skeleton": skeleton, "index": index, "title": title}
-        ids = chat_prompt_ids(tokenizer, self.point_user.format(**fields))
+        ids = chat_prompt_ids(tokenizer, [*history, {"role": "user", "content": self.point_user.format(**fields)}])
         return ids + tokenizer.encode(self.point_prefix.format(**fields), add_special_tokens=False)
+
+
+def direct_ids(tokenizer, question: str, history: list[dict] = ()) -> list[int]:
+    """Chat prompt of a direct answer: the conversation's earlier turns, then the question."""
+    return chat_prompt_ids(tokenizer, [*history, {"role": "user", "content": question}])
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def check_history(history) -> list[dict]:
+    """A conversation's earlier turns as the prompts take them, [{"role", "content"}], or
+    SpecSotError naming what is wrong."""
+    if not isinstance(history, list):
+        raise SpecSotError(f"the earlier turns must be a list of {{'role', 'content'}} messages, not {type(history).__name__}")
+    for n, m in enumerate(history):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise SpecSotError(f"earlier turn {n} must be {{'role': ..., 'content': ...}} and nothing else")
+        if m["role"] not in ROLES or not isinstance(m["content"], str):
+            raise SpecSotError(f"earlier turn {n}: role must be one of {', '.join(ROLES)} and content a string")
+    return history
+
+
+def split_system(history: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the system messages, the other turns) of a conversation's earlier turns."""
+    return [m for m in history if m["role"] == "system"], [m for m in history if m["role"] != "system"]
 
 
 def common_prefix(prompts: list[list[int]]) -> list[int]:

@@ -20,12 +20,11 @@ from dataclasses import dataclass, field, replace
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator
 from specsot_mq.layout import check_layout
-from specsot_mq.prompts import common_prefix, load_format
+from specsot_mq.prompts import common_prefix, direct_ids, load_format
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.parser import Plan, item_starts
 from specsot_mq.sot.router import MODES, route
 from specsot_mq.sot.scheduler import DeviceProfile, schedule
-from specsot_mq.tokenizer import chat_prompt_ids
 
 
 @dataclass(slots=True)
@@ -138,20 +137,21 @@ class SoTEngine:
         self.device = device or DeviceProfile("local", 1.0, 1.0, 1.0, self.config.max_parallel)
         gen.keep_prefix(self.format.skeleton_head(gen.tokenizer))  # the same for every question
 
-    def stream(self, question: str, params: SamplingParams | None = None) -> Iterator[Event]:
-        """Answer one question, yielding events as the skeleton and the points grow."""
+    def stream(self, question: str, params: SamplingParams | None = None, history: list[dict] = ()) -> Iterator[Event]:
+        """Answer one question, yielding events as the skeleton and the points grow; `history`:
+        the conversation's earlier turns ({"role", "content"}), which every phase's prompt shows."""
         params = params or SamplingParams()
         start = time.perf_counter()
         decision = route(question, self.config.sot)
         if not decision.use_sot:
-            yield from self._direct(question, params, decision.reason, start, {})
+            yield from self._direct(question, params, decision.reason, start, {}, history)
             return
         phases: dict[str, PhaseStats] = {}
         skeleton = self.format.skeleton_prefix
         yield SkeletonDelta(skeleton)
         sk_params = skeleton_params(self.config, params)
         sk_ids, finish = [], None
-        for _, delta in self._run("skeleton", [self.format.skeleton_ids(self.gen.tokenizer, question)], sk_params, phases):
+        for _, delta in self._run("skeleton", [self.format.skeleton_ids(self.gen.tokenizer, question, history)], sk_params, phases):
             text = skeleton_text(self.format, delta)
             skeleton += text
             sk_ids += delta.token_ids
@@ -159,12 +159,12 @@ class SoTEngine:
             yield SkeletonDelta(text)
         plan = self.format.plan(finished_lines(skeleton, finish), self.config.max_points)
         if plan.kind != "plan":
-            yield from self._direct(question, params, f"skeleton says direct: {plan.reason}", start, phases)
+            yield from self._direct(question, params, f"skeleton says direct: {plan.reason}", start, phases, history)
             return
-        yield from self._points(question, skeleton, sk_ids, plan, params, phases, start)
+        yield from self._points(question, skeleton, sk_ids, plan, params, phases, start, history)
 
-    def _points(self, question, skeleton, sk_ids, plan: Plan, params, phases, start) -> Iterator[Event]:
-        prefix, suffixes = point_prompts(self.gen.tokenizer, self.format, question, plan)
+    def _points(self, question, skeleton, sk_ids, plan: Plan, params, phases, start, history=()) -> Iterator[Event]:
+        prefix, suffixes = point_prompts(self.gen.tokenizer, self.format, question, plan, history)
         # Longest predicted first, so the long points start early (LPT over the one local device).
         order = schedule(plan.points, [self.device])[0].point_indices
         points = [next(p for p in plan.points if p.index == i) for i in order]
@@ -188,9 +188,9 @@ class SoTEngine:
         """Only the branch phase: expand a given plan's points (all together), then merge."""
         yield from self._points(question, "", [], plan, params or SamplingParams(), {}, time.perf_counter())
 
-    def _direct(self, question, params, reason, start, phases) -> Iterator[Event]:
+    def _direct(self, question, params, reason, start, phases, history=()) -> Iterator[Event]:
         text = ""
-        for _, delta in self._run("direct", [chat_prompt_ids(self.gen.tokenizer, question)], params, phases):
+        for _, delta in self._run("direct", [direct_ids(self.gen.tokenizer, question, history)], params, phases):
             text += delta.text
             if delta.text:
                 yield AnswerDelta(delta.text)
@@ -210,19 +210,20 @@ class SoTEngine:
         stats.steps = spec.steps if spec is not None else 0
 
     def generate(self, question: str, params: SamplingParams | None = None,
-                 on_event: Callable[[Event], None] | None = None) -> Final:  # fmt: skip
+                 on_event: Callable[[Event], None] | None = None, history: list[dict] = ()) -> Final:  # fmt: skip
         """Run to the end, calling on_event for every event; return the Final one."""
         final = None
-        for event in self.stream(question, params):
+        for event in self.stream(question, params, history):
             if on_event is not None:
                 on_event(event)
             if isinstance(event, Final):
                 final = event
         return final
 
-    async def astream(self, question: str, params: SamplingParams | None = None) -> AsyncIterator[Event]:
+    async def astream(self, question: str, params: SamplingParams | None = None,
+                      history: list[dict] = ()) -> AsyncIterator[Event]:  # fmt: skip
         """The same stream as an async generator; model steps run on the generator's model thread."""
-        async for event in self.gen.on_model_thread(self.stream(question, params)):
+        async for event in self.gen.on_model_thread(self.stream(question, params, history)):
             yield event
 
 
@@ -265,12 +266,12 @@ def point_params(config: SoTConfig, params: SamplingParams, plan: Plan) -> Sampl
     return replace(bounded, stop_after_text=True, stop_repeated_line=True)
 
 
-def point_prompts(tokenizer, fmt, question: str, plan: Plan) -> tuple[list[int], dict[int, list[int]]]:
-    """The points' shared prefix (instructions, question, the plan as a clean list: the longest
-    beginning all their prompts have in common) and each point's suffix; a point's full prompt,
-    prefix + suffix, is exactly `fmt.point_ids` of that point."""
+def point_prompts(tokenizer, fmt, question: str, plan: Plan, history: list[dict] = ()) -> tuple[list[int], dict[int, list[int]]]:
+    """The points' shared prefix (earlier turns, instructions, question, the plan as a clean
+    list: the longest beginning all their prompts have in common) and each point's suffix; a
+    point's full prompt, prefix + suffix, is exactly `fmt.point_ids` of that point."""
     outline = "\n".join(f"{p.index}. {p.title}" for p in plan.points)
-    prompts = {p.index: fmt.point_ids(tokenizer, question, outline, p.index, p.title) for p in plan.points}
+    prompts = {p.index: fmt.point_ids(tokenizer, question, outline, p.index, p.title, history) for p in plan.points}
     # Every suffix keeps at least one token.
     shared = min(len(common_prefix(list(prompts.values()))), min(map(len, prompts.values())) - 1)
     return next(iter(prompts.values()))[:shared], {index: p[shared:] for index, p in prompts.items()}

@@ -1,0 +1,74 @@
+"""`specsot serve`: the OpenAI-compatible HTTP API and the web chat over a stage topology (a
+running launch, or a local one started here and stopped on exit)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Optional
+
+import typer
+
+from specsot_mq.cli.options import ModelOptions, RepeatOpt, TopologyOptions, err, with_options
+from specsot_mq.errors import SpecSotError
+from specsot_mq.sampling import REPEAT_STOP
+
+
+def parse_budget(text: str | None) -> int | None:
+    """`--budget 20000` or `--budget 20000/hour` as tokens per hour."""
+    if text is None:
+        return None
+    number = text.strip().lower().removesuffix("/hour").removesuffix("/h")
+    if not number.isdigit() or int(number) < 1:
+        raise SpecSotError(f"--budget {text!r}: give tokens per hour per API key, e.g. 20000/hour")
+    return int(number)
+
+
+@with_options
+def serve(
+    topo: TopologyOptions,
+    model: ModelOptions,
+    host: Annotated[str, typer.Option(envvar="SPECSOT_HOST", help="Address to listen on (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar="SPECSOT_PORT", help="HTTP port.")] = 8000,
+    api_key: Annotated[Optional[list[str]], typer.Option(
+        envvar="SPECSOT_API_KEY", help="Require 'Authorization: Bearer KEY' (repeatable; the variable may hold several, comma-separated).")] = None,
+    max_concurrency: Annotated[int, typer.Option(help="Requests in the pipeline at once.")] = 8,
+    max_queue: Annotated[int, typer.Option(help="Requests waiting beyond those; more get 429.")] = 64,
+    timeout: Annotated[float, typer.Option(help="Seconds a request may take (a request's own \"timeout\" overrides it).")] = 600.0,
+    budget: Annotated[Optional[str], typer.Option(help="Tokens per hour per API key, e.g. 20000/hour (default: no limit).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Most new tokens per phase when a request does not say.")] = 256,
+    repeat_stop: RepeatOpt = REPEAT_STOP,
+):
+    """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
+    /health, /metrics and a web chat at /."""
+    import uvicorn
+
+    from specsot_mq.cli.serve import _launch_options, _run_file
+    from specsot_mq.server.app import ServerConfig, create_app
+    from specsot_mq.stages.launch import model_id, read_run_file, start_topology
+
+    keys = [k.strip() for item in (api_key or []) for k in item.split(",") if k.strip()]
+    for flag, value in (("--max-concurrency", max_concurrency), ("--max-queue", max_queue + 1), ("--max-tokens", max_tokens)):
+        if value < 1:
+            raise SpecSotError(f"{flag} must be at least {1 if flag != '--max-queue' else 0}")
+    if timeout <= 0:
+        raise SpecSotError("--timeout must be above 0 seconds")
+    per_hour = parse_budget(budget)
+    info = read_run_file(_run_file(topo.run))
+    launcher = None
+    if info is not None:
+        address, served = info["client_address"], info.get("model") or model_id(model.model)
+        err.print(f"[dim]attached to the running launch {topo.run!r} ({address})[/]")
+    else:
+        err.print("[dim]no running launch found: starting a local one; /health says 503 until it is ready…[/]")
+        launcher, spec = start_topology(_launch_options(topo, model))
+        address, served = spec.client_address, model_id(model.model)
+    config = ServerConfig(address, served, keys, max_concurrency, max_queue, timeout, per_hour, max_tokens, repeat_stop,
+                          watch=launcher.check if launcher else None)  # fmt: skip
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    err.print(f"serving {served} at http://{host}:{port}/ (API at /v1, web chat at /)"
+              + (" · API key required" if keys else ""))  # fmt: skip
+    try:
+        uvicorn.run(create_app(config), host=host, port=port, log_level="info", loop="auto")
+    finally:
+        if launcher is not None:
+            launcher.stop()

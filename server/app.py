@@ -1,0 +1,366 @@
+"""The OpenAI-compatible HTTP server: one more client of the gateway (no engine of its own).
+
+    app = create_app(ServerConfig(client_address, model="smollm2-135m-instruct"))
+    uvicorn.run(app)
+
+Routes: GET /v1/models, POST /v1/chat/completions and /v1/completions (streamed as SSE when
+"stream": true), GET /health (503 until every stage is ready), GET /metrics (Prometheus), and the
+web chat at /. Every response carries x-request-id (the client's own if it sent a usable one);
+the same id names the request in the pipeline and in the logs.
+
+Admission: at most `max_concurrency` requests are in the pipeline; up to `max_queue` more wait for
+a place; beyond that a request gets 429 with Retry-After. A request ends at its `timeout` (body
+field, else the server's); a client that goes away cancels its request in every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from specsot_mq.client import Client
+from specsot_mq.errors import SpecSotError
+from specsot_mq.messages import Answer, AnswerText, Failed
+from specsot_mq.sampling import REPEAT_STOP, SamplingParams
+from specsot_mq.server import api
+from specsot_mq.server.api import ApiError
+from specsot_mq.server.metrics import Metrics
+
+log = logging.getLogger("specsot.server")
+STATIC = Path(__file__).parent / "static"
+_RID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    client_address: str  # the gateway's
+    model: str  # the id clients name in "model"
+    api_keys: list[str] = field(default_factory=list)  # none: no authentication
+    max_concurrency: int = 8  # requests in the pipeline at once
+    max_queue: int = 64  # requests waiting beyond those
+    timeout: float = 600.0  # seconds a request may take (a body's "timeout" overrides it)
+    budget: int | None = None  # tokens per hour per API key (per client address without keys)
+    max_tokens: int = 256  # default per phase
+    repeat_stop: int = REPEAT_STOP
+    watch: Callable[[], list[str]] | None = None  # called every second: a local launch restarting dead stages
+
+
+class Admission:
+    """At most `limit` requests run; `queue` more wait; the next one is refused (429)."""
+
+    def __init__(self, limit: int, queue: int, metrics: Metrics):
+        self.sem, self.queue, self.metrics = asyncio.Semaphore(limit), queue, metrics
+        self.waiting = 0
+
+    async def enter(self) -> None:
+        if self.sem.locked() and self.waiting >= self.queue:
+            raise ApiError(429, f"the server is busy ({self.queue} requests already wait): retry shortly",
+                           code="queue_full", kind="rate_limit_error", headers={"Retry-After": "2"})  # fmt: skip
+        self.waiting += 1
+        self.metrics.queue.set(self.waiting)
+        try:
+            await self.sem.acquire()
+        finally:
+            self.waiting -= 1
+            self.metrics.queue.set(self.waiting)
+        self.metrics.running.inc()
+
+    def leave(self) -> None:
+        self.sem.release()
+        self.metrics.running.dec()
+
+
+class Budget:
+    """Tokens per hour per key, over a sliding hour."""
+
+    def __init__(self, per_hour: int | None):
+        self.per_hour = per_hour
+        self.spent: dict[str, deque] = {}
+
+    def check(self, key: str) -> None:
+        if self.per_hour is None:
+            return
+        spent = self.spent.setdefault(key, deque())
+        now = time.monotonic()
+        while spent and now - spent[0][0] > 3600:
+            spent.popleft()
+        if sum(n for _, n in spent) >= self.per_hour:
+            wait = int(3600 - (now - spent[0][0])) + 1
+            raise ApiError(429, f"this key used its {self.per_hour} tokens for the hour: retry in {wait} s",
+                           code="budget_exceeded", kind="rate_limit_error", headers={"Retry-After": str(wait)})  # fmt: skip
+
+    def add(self, key: str, tokens: int) -> None:
+        if self.per_hour is not None and tokens:
+            self.spent.setdefault(key, deque()).append((time.monotonic(), tokens))
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    metrics = Metrics()
+    admission = Admission(config.max_concurrency, config.max_queue, metrics)
+    budget = Budget(config.budget)
+    defaults = SamplingParams(max_tokens=config.max_tokens, repeat_stop=config.repeat_stop)
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state["client"] = Client(config.client_address)
+        state["ready"] = False
+        watcher = asyncio.create_task(_watch(config.watch)) if config.watch else None
+        yield
+        if watcher is not None:
+            watcher.cancel()
+        state["client"].close()
+
+    async def ready() -> None:
+        """503 until every stage has been ready once (then a stage that goes down fails the
+        requests it needs with the gateway's own message)."""
+        if state["ready"]:
+            return
+        try:
+            state["ready"] = (await state["client"].status(timeout=2.0)).ready
+        except SpecSotError:
+            pass
+        if not state["ready"]:
+            raise ApiError(503, "the stages are still starting: retry shortly (GET /health says when)",
+                           code="starting", kind="server_error", headers={"Retry-After": "5"})  # fmt: skip
+
+    app = FastAPI(title="SpecSoT-MQ", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def request_id(request: Request, call_next):
+        given = request.headers.get("x-request-id", "")
+        request.state.rid = given if _RID.fullmatch(given) else uuid.uuid4().hex[:24]
+        response = await call_next(request)
+        response.headers["x-request-id"] = request.state.rid
+        return response
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+    def authorize(request: Request) -> str:
+        """The caller's budget key; 401 when keys are set and the request has none of them."""
+        if not config.api_keys:
+            return request.client.host if request.client else "-"
+        header = request.headers.get("authorization", "")
+        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if token not in config.api_keys:
+            why = "no API key given" if not token else "wrong API key"
+            raise ApiError(401, f"{why}: send the header 'Authorization: Bearer <key>'", code="invalid_api_key",
+                           kind="authentication_error")  # fmt: skip
+        return token
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{"id": config.model, "object": "model", "created": 0, "owned_by": "specsot"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    async def complete(request: Request, chat: bool):
+        route = "chat" if chat else "completions"
+        try:
+            key = authorize(request)
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ApiError(400, "the request body is not valid JSON") from None
+            req = api.parse(body, chat, config.model, defaults)
+            await ready()
+            budget.check(key)
+            await admission.enter()
+        except ApiError as exc:
+            metrics.requests.labels(route, "rejected").inc()
+            log.info("%s %s rejected %d: %s", request.state.rid, route, exc.status, exc.message)
+            raise
+        rid = request.state.rid
+        run = Run(state["client"], req, rid, time.monotonic() + (req.timeout or config.timeout))
+        try:
+            first = await run.next()  # a request that fails at once fails as an HTTP error
+            if isinstance(first, Failed):
+                raise _http_error(first.error, run.timed_out)
+        except BaseException as exc:
+            admission.leave()
+            await run.close()
+            status = "timeout" if run.timed_out else "failed"
+            metrics.requests.labels(route, status).inc()
+            log.info("%s %s %s: %s", rid, route, status, exc)
+            raise
+
+        def finished(outcome: str, answer: Answer | None) -> None:
+            admission.leave()
+            metrics.requests.labels(route, outcome).inc()
+            if answer is not None:
+                use = api.usage(answer)
+                metrics.answered(answer, use)
+                metrics.latency.observe(time.monotonic() - run.started)
+                budget.add(key, use["completion_tokens"])
+                log.info("%s %s %s: mode %s, %d points, %d+%d tokens, %.2f s", rid, route, outcome, answer.mode,
+                         len(answer.points), use["prompt_tokens"], use["completion_tokens"], time.monotonic() - run.started)  # fmt: skip
+            else:
+                log.info("%s %s %s after %.2f s", rid, route, outcome, time.monotonic() - run.started)
+
+        if req.stream:
+            return StreamingResponse(_sse(run, first, finished, metrics), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        outcome, answer = "cancelled", None
+        try:
+            msg = first
+            watch = asyncio.create_task(_disconnected(request))
+            while not isinstance(msg, (Answer, Failed)):
+                step = asyncio.create_task(run.next())
+                await asyncio.wait({step, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    return Response(status_code=499)  # nobody reads it
+                msg = step.result()
+            watch.cancel()
+            if isinstance(msg, Failed):
+                outcome = "timeout" if run.timed_out else "failed"
+                raise _http_error(msg.error, run.timed_out)
+            outcome, answer = "completed", msg
+            return api.body(req, _response_id(req, rid), msg)
+        finally:
+            await run.close()
+            finished(outcome, answer)
+
+    @app.get("/health")
+    async def health():
+        try:
+            status = await state["client"].status(timeout=2.0)
+        except SpecSotError as exc:
+            return JSONResponse({"status": "unreachable", "error": str(exc)}, 503)
+        down = [s["stage"] for s in status.stages if not s.get("up")]
+        if status.ready:
+            return {"status": "ok", "stages": len(status.stages)}
+        return JSONResponse({"status": "starting" if status.stages else "unreachable", "not_ready": down}, 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        try:
+            metrics.stages.status = await state["client"].status(timeout=1.0)
+        except SpecSotError:
+            metrics.stages.status = None
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/")
+    async def index():
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+class Run:
+    """One request's messages from the gateway, each awaited within the request's deadline."""
+
+    def __init__(self, client: Client, req: api.Request, rid: str, deadline: float):
+        self.req, self.rid, self.deadline = req, rid, deadline
+        self.started = time.monotonic()
+        self.first_text: float | None = None
+        self.timed_out = False
+        self.done = False
+        self.messages = client.ask(req.question, req.params, req.sot, rid=rid, history=req.history)
+
+    async def next(self):
+        """The next message; a Failed when the deadline passes (the request is cancelled then)."""
+        try:
+            msg = await asyncio.wait_for(anext(self.messages), max(0.0, self.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            self.timed_out = self.done = True
+            await self.messages.aclose()  # cancels the request in every stage
+            return Failed(self.rid, "the request timed out: raise its \"timeout\" (seconds) or the server's --timeout")
+        if isinstance(msg, AnswerText) and self.first_text is None:
+            self.first_text = time.monotonic()
+        self.done = isinstance(msg, (Answer, Failed))
+        return msg
+
+    async def close(self) -> None:
+        """Stop reading; a request still running is cancelled in every stage."""
+        await self.messages.aclose()
+
+
+async def _watch(check: Callable[[], list[str]]) -> None:
+    while True:
+        for report in check():
+            log.warning(report)
+        await asyncio.sleep(1.0)
+
+
+async def _disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+async def _sse(run: Run, first, finished, metrics: Metrics) -> AsyncIterator[str]:
+    """The stream: answer text as content, the pipeline's progress in `specsot`, the finish
+    chunk with the whole `specsot` record, usage if asked, then [DONE]. An error after the first
+    chunk is an `error` event (OpenAI's shape), then [DONE]."""
+    req, rid = run.req, _response_id(run.req, run.rid)
+    outcome, answer = "cancelled", None
+    try:
+        yield _event(api.chunk(req, rid, role=True))
+        msg = first
+        while True:
+            if isinstance(msg, Answer):
+                outcome, answer = "completed", msg
+                yield _event(api.chunk(req, rid, finish=api.FINISH.get(msg.finish, "stop"), ext=api.how(msg)))
+                if req.include_usage:
+                    yield _event(api.usage_chunk(req, rid, msg))
+                break
+            if isinstance(msg, Failed):
+                outcome = "timeout" if run.timed_out else "failed"
+                error = _http_error(msg.error, run.timed_out)
+                yield _event(error.body())
+                break
+            if isinstance(msg, AnswerText):
+                yield _event(api.chunk(req, rid, text=msg.text))
+            elif (ext := api.progress(msg)) is not None:
+                yield _event(api.chunk(req, rid, ext=ext))
+            msg = await run.next()
+        yield "data: [DONE]\n\n"
+    finally:
+        if run.first_text is not None:
+            metrics.ttft.observe(run.first_text - run.started)
+        await run.close()
+        finished(outcome, answer)
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _response_id(req: api.Request, rid: str) -> str:
+    return f"{'chatcmpl' if req.chat else 'cmpl'}-{rid}"
+
+
+def _http_error(error: str, timed_out: bool) -> ApiError:
+    """A pipeline failure as an HTTP error: a timeout 504, a stage down 503, a request the model
+    cannot take (too long, a duplicate id) 400, anything else 500."""
+    if timed_out:
+        return ApiError(504, error, code="timeout", kind="timeout_error")
+    if any(s in error for s in ("not up yet", "is down", "stopped answering", "no branch stage", "no answer from the gateway")):
+        return ApiError(503, error, code="unavailable", kind="server_error", headers={"Retry-After": "5"})
+    if any(s in error for s in ("KV cache holds", "already in flight", "must be", "earlier turn", "unknown sampling")):
+        return ApiError(400, error, code="invalid_request")
+    return ApiError(500, error, code="internal_error", kind="server_error")

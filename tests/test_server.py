@@ -1,0 +1,280 @@
+"""`specsot serve`: the OpenAI API over a launched topology of a tiny random model (the answers'
+content does not matter; that the HTTP layer carries exactly what the pipeline answers does),
+driven by the official `openai` client and by raw HTTP where the framing itself is checked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from pipeline_helpers import launched, make_tiny_model
+from specsot_mq.client import Client
+from specsot_mq.devices import parse_devices
+from specsot_mq.messages import Answer
+from specsot_mq.sampling import SamplingParams
+from specsot_mq.server.api import ApiError, parse
+from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
+from specsot_mq.stages.launch import plan_run
+
+KEY = "sk-test"
+MODEL = "tiny"
+LONG = {"max_tokens": 400, "repeat_stop": 0, "sot": "never"}  # a random model rarely ends by itself
+
+
+# -- request parsing (no server) ---------------------------------------------------------------
+
+
+def test_a_body_becomes_the_pipelines_request_and_every_bad_field_is_named():
+    defaults = SamplingParams(max_tokens=256, repeat_stop=16)
+    req = parse({"model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "Hi"},
+                                              {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]},
+                                              {"role": "user", "content": " Name two colors. "}],
+                 "max_completion_tokens": 40, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": "END",
+                 "sot": "always", "stream": True, "stream_options": {"include_usage": True}}, True, MODEL, defaults)  # fmt: skip
+    assert req.question == "Name two colors."
+    assert req.history == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": "Hello."}]  # fmt: skip
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop, p.repeat_stop) == (40, 0.5, 0.9, 3, ("END",), 16)
+    assert req.sot == "always" and req.stream and req.include_usage
+    assert parse({"model": MODEL, "prompt": ["Why?"]}, False, MODEL, defaults).question == "Why?"
+    bad = [
+        ({"logprobs": True}, 400, "logprobs"),
+        ({"n": 2}, 400, "n=2"),
+        ({"temperature": 3}, 400, "temperature"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"sot": "maybe"}, 400, "sot"),
+        ({"model": "gpt-4"}, 404, "not served"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}, 400, "last message"),
+        ({"stream_options": {"include_usage": True}}, 400, "stream true"),
+    ]
+    for change, status, words in bad:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]} | change
+        with pytest.raises(ApiError) as caught:
+            parse(body, True, MODEL, defaults)
+        assert caught.value.status == status and words in caught.value.message, (change, caught.value.message)
+
+
+# -- the server over a topology ----------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, default_model_dir):
+    """A launched one-device topology of a tiny model, and the HTTP server over it in a thread:
+    (base URL, gateway address)."""
+    import tempfile
+    from pathlib import Path
+
+    import uvicorn
+
+    from specsot_mq.server.app import ServerConfig, create_app
+
+    model, draft = make_tiny_model(tmp_path_factory.mktemp("tiny"), default_model_dir)
+    run_dir = Path(tempfile.mkdtemp(prefix="specsot-srv-"))
+    spec = plan_run(parse_devices("127.0.0.1#cpu"), load_profiles(default_profiles_path()), "p2p", run_dir,
+                    model=str(model), dtype="fp32", draft=str(draft), max_len=1024,
+                    sot={"point_tokens": 12, "skeleton_tokens": 16}, heartbeat_s=0.25, dead_after_s=5.0,
+                    overrides={"parse": "pipeline_helpers:FixedPlanParse"})  # fmt: skip
+    with launched(spec, run_dir):
+        config = ServerConfig(spec.client_address, MODEL, [KEY], max_concurrency=2, max_queue=1, timeout=120,
+                              max_tokens=12)  # fmt: skip
+        port = _free_port()
+        server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.started
+        try:
+            yield f"http://127.0.0.1:{port}", spec.client_address
+        finally:
+            server.should_exit = True
+            thread.join(10)
+
+
+def _client(base: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _direct(address: str, question: str, params: SamplingParams, sot: str, history=()) -> Answer:
+    async def go():
+        async with Client(address) as client:
+            return await client.answer(question, params, sot, timeout=120, history=history)
+
+    return asyncio.run(go())
+
+
+def _events(response: httpx.Response) -> list[str]:
+    """The SSE payloads of a streamed response, checking the framing: every event one `data:` line."""
+    text = response.read().decode()
+    assert text.endswith("\n\n")
+    blocks = text[:-2].split("\n\n")
+    assert all(b.startswith("data: ") and "\n" not in b for b in blocks), blocks
+    return [b[6:] for b in blocks]
+
+
+def test_the_openai_client_gets_what_the_gateway_answers(served):
+    base, address = served
+    client = _client(base)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    want = _direct(address, "How do I start running?", SamplingParams(max_tokens=12, repeat_stop=16), "always")
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "How do I start running?"}],
+                                         extra_body={"sot": "always"})  # fmt: skip
+    assert got.choices[0].message.content == want.answer
+    assert got.choices[0].finish_reason in ("stop", "length")
+    how = got.model_extra["specsot"]
+    assert how["mode"] == "sot" and [p["index"] for p in how["points"]] == [1, 2, 3, 4, 5]
+    assert [p["text"] for p in how["points"]] == [p[2] for p in want.points]
+    assert set(how["phases"]) == {"skeleton", "points"}
+    assert got.usage.completion_tokens == sum(p["tokens"] for p in how["phases"].values()) > 0
+    assert got.usage.prompt_tokens > 0 and got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+    text = client.completions.create(model=MODEL, prompt="What is 17 * 23?")
+    want = _direct(address, "What is 17 * 23?", SamplingParams(max_tokens=12, repeat_stop=16), "auto")
+    assert text.choices[0].text == want.answer and text.model_extra["specsot"]["mode"] == "direct"
+
+
+def test_a_stream_is_sse_chunks_whose_text_is_the_answer_then_usage_then_done(served):
+    base, _ = served
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "How do I start running?"}], "sot": "always"}
+    whole = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120).json()
+    with httpx.stream("POST", f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                      json=body | {"stream": True, "stream_options": {"include_usage": True}}) as response:  # fmt: skip
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = _events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage = chunks.pop()
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert content == whole["choices"][0]["message"]["content"]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert finishes[-1] == whole["choices"][0]["finish_reason"] and not any(finishes[:-1])
+    assert chunks[-1]["specsot"] == whole["specsot"] | {"phases": chunks[-1]["specsot"]["phases"],
+                                                         "seconds": chunks[-1]["specsot"]["seconds"]}  # fmt: skip
+    ext = [c.get("specsot", {}) for c in chunks[:-1]]
+    skeleton = "".join(e.get("skeleton", "") for e in ext)
+    assert skeleton == whole["specsot"]["skeleton"]
+    assert [e["plan"]["points"] for e in ext if "plan" in e] == [[{"index": p["index"], "title": p["title"]}
+                                                                  for p in whole["specsot"]["points"]]]  # fmt: skip
+    for point in whole["specsot"]["points"]:
+        assert "".join(e["point"]["text"] for e in ext if e.get("point", {}).get("index") == point["index"]) == point["text"]
+    # The official client reads the same stream.
+    streamed = _client(base).chat.completions.create(model=MODEL, stream=True, extra_body={"sot": "always"},
+                                                     messages=body["messages"])  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == content
+
+
+def test_keys_fields_and_ids_are_checked_with_openai_shaped_errors(served):
+    base, _ = served
+    with pytest.raises(openai.AuthenticationError) as caught:
+        _client(base, "sk-wrong").models.list()
+    assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
+    r = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=30)
+    assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        _client(base).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], logprobs=True)
+    assert "'logprobs' is not supported" in caught.value.body["message"] and caught.value.body["param"] == "logprobs"
+    r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}", "x-request-id": "my-id-1"})
+    assert r.headers["x-request-id"] == "my-id-1"
+    assert len(httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).headers["x-request-id"]) >= 12
+
+
+def _stage_slots(base: str) -> float:
+    """Cache slots decoding now over every device stage, from /metrics."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    lines = [line for line in text.splitlines() if line.startswith("specsot_stage_cache_slots_used{")]
+    assert lines, text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def _wait_slots_free(base: str, timeout: float = 30) -> float:
+    deadline = time.monotonic() + timeout
+    while (used := _stage_slots(base)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return used
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_slots_and_a_timeout_is_504(served):
+    base, _ = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "stream": True} | LONG
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120) as response:
+        lines = response.iter_lines()
+        seen = [next(lines) for _ in range(8)]  # the answer is under way
+    assert any('"content"' in line for line in seen), seen
+    assert _wait_slots_free(base) == 0
+    metrics = httpx.get(f"{base}/metrics").text
+    assert 'specsot_requests_total{route="chat",status="cancelled"}' in metrics
+    r = httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=120,
+                   json={"model": MODEL, "messages": body["messages"], "timeout": 0.3} | LONG)  # fmt: skip
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    assert _wait_slots_free(base) == 0
+
+
+def test_beyond_the_queue_a_request_gets_429_with_retry_after(served):
+    base, _ = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}]} | LONG
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120, headers=headers) as http:
+            return await asyncio.gather(*(http.post(f"{base}/v1/chat/completions", json=body) for _ in range(5)))
+
+    codes = sorted(r.status_code for r in asyncio.run(burst()))
+    assert codes == [200, 200, 200, 429, 429], codes  # 2 run, 1 waits, 2 are refused
+    refused = next(r for r in asyncio.run(burst()) if r.status_code == 429)
+    assert refused.headers["retry-after"] and refused.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_two_users_with_different_conversations_get_their_own_answers(served):
+    base, address = served
+    a = [{"role": "user", "content": "Tell me about Rome."}, {"role": "assistant", "content": "Rome is in Italy."},
+         {"role": "user", "content": "Name two colors."}]  # fmt: skip
+    b = [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Name two colors."}]
+    alone = [_direct(address, m[-1]["content"], SamplingParams(max_tokens=12, repeat_stop=16), "never", m[:-1]).answer
+             for m in (a, b)]  # fmt: skip
+    assert alone[0] != alone[1]  # the earlier turns reach the prompt
+
+    async def both():
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+        return await asyncio.gather(*(client.chat.completions.create(model=MODEL, messages=m, extra_body={"sot": "never"})
+                                      for m in (a, b)))  # fmt: skip
+
+    assert [r.choices[0].message.content for r in asyncio.run(both())] == alone
+
+
+def test_health_and_metrics(served):
+    base, _ = served
+    r = httpx.get(f"{base}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    text = httpx.get(f"{base}/metrics").text
+    for name in ("specsot_requests_total", "specsot_request_seconds_bucket", "specsot_time_to_first_token_seconds_bucket",
+                 "specsot_prompt_tokens_total", "specsot_completion_tokens_total", "specsot_queue_depth",
+                 "specsot_stage_cache_slots_used", "specsot_stage_resident_memory_bytes", "specsot_spec_drafts_total",
+                 "specsot_spec_draft_tokens_total", "specsot_spec_accepted_tokens_total", "specsot_sot_routed_total",
+                 "specsot_sot_planned_total", "specsot_sot_fell_back_total", "specsot_sot_points_total"):  # fmt: skip
+        assert name in text, name
+    drafted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("specsot_spec_drafts_total{")]
+    assert sum(drafted) > 0  # the tests before decoded with the draft head
