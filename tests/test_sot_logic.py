@@ -450,5 +450,6 @@ def test_the_ordered_answer_streams_exactly_the_merged_answer(name):
         assert released == fmt.merge([(i, t, texts[i]) for i, t in points]), (points, texts)
     # Nothing of a later point comes before the points ahead of it end.
     ordered = OrderedAnswer(fmt, [(1, "One"), (2, "Two")])
-    assert ordered.add(2, " second") == "" and ordered.add(1, " first") == fmt.point_prefix.format(index=1, title="One") + " first"
+    assert ordered.add(2, " second") == fmt.point_prefix.format(index=1, title="One")  # point 1's head, not point 2
+    assert ordered.add(1, " first") == " first"
     assert ordered.end(1) == "\n" + fmt.point_prefix.format(index=2, title="Two") + " second"
