@@ -25,7 +25,8 @@ from specsot_mq.stages.launch import plan_run
 
 KEY = "sk-test"
 MODEL = "tiny"
-LONG = {"max_tokens": 400, "repeat_stop": 0, "sot": "never"}  # a random model rarely ends by itself
+LONG = {"max_tokens": 400, "sot": "never"}  # a random model rarely ends by itself
+PARAMS = SamplingParams(max_tokens=12)  # the server's defaults: 12 tokens per phase, no loop stop
 
 
 # -- request parsing (no server) ---------------------------------------------------------------
@@ -94,7 +95,7 @@ def served(tmp_path_factory, default_model_dir):
                     overrides={"parse": "pipeline_helpers:FixedPlanParse"})  # fmt: skip
     with launched(spec, run_dir):
         config = ServerConfig(spec.client_address, MODEL, [KEY], max_concurrency=2, max_queue=1, timeout=120,
-                              max_tokens=12)  # fmt: skip
+                              max_tokens=12, repeat_stop=0)  # fmt: skip
         port = _free_port()
         server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
@@ -135,7 +136,7 @@ def test_the_openai_client_gets_what_the_gateway_answers(served):
     base, address = served
     client = _client(base)
     assert [m.id for m in client.models.list().data] == [MODEL]
-    want = _direct(address, "How do I start running?", SamplingParams(max_tokens=12, repeat_stop=16), "always")
+    want = _direct(address, "How do I start running?", PARAMS, "always")
     got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "How do I start running?"}],
                                          extra_body={"sot": "always"})  # fmt: skip
     assert got.choices[0].message.content == want.answer
@@ -147,7 +148,7 @@ def test_the_openai_client_gets_what_the_gateway_answers(served):
     assert got.usage.completion_tokens == sum(p["tokens"] for p in how["phases"].values()) > 0
     assert got.usage.prompt_tokens > 0 and got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
     text = client.completions.create(model=MODEL, prompt="What is 17 * 23?")
-    want = _direct(address, "What is 17 * 23?", SamplingParams(max_tokens=12, repeat_stop=16), "auto")
+    want = _direct(address, "What is 17 * 23?", PARAMS, "auto")
     assert text.choices[0].text == want.answer and text.model_extra["specsot"]["mode"] == "direct"
 
 
@@ -253,7 +254,7 @@ def test_two_users_with_different_conversations_get_their_own_answers(served):
     a = [{"role": "user", "content": "Tell me about Rome."}, {"role": "assistant", "content": "Rome is in Italy."},
          {"role": "user", "content": "Name two colors."}]  # fmt: skip
     b = [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Name two colors."}]
-    alone = [_direct(address, m[-1]["content"], SamplingParams(max_tokens=12, repeat_stop=16), "never", m[:-1]).answer
+    alone = [_direct(address, m[-1]["content"], PARAMS, "never", m[:-1]).answer
              for m in (a, b)]  # fmt: skip
     assert alone[0] != alone[1]  # the earlier turns reach the prompt
 
@@ -278,3 +279,60 @@ def test_health_and_metrics(served):
         assert name in text, name
     drafted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("specsot_spec_drafts_total{")]
     assert sum(drafted) > 0  # the tests before decoded with the draft head
+
+
+def test_the_web_chat_in_a_real_browser(served, tmp_path):
+    """Debian's chromium, driven by selenium: the page loads from the server alone, a question's
+    skeleton and point rows appear and its answer completes; Stop ends a second answer, whose
+    slots are freed. The screenshot goes to $SPECSOT_SCREENSHOT when set (the README's)."""
+    import os
+    import shutil
+
+    browser, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not browser or not driver_path:
+        pytest.skip("no chromium here: apt-get install chromium chromium-driver (Debian), as .ci/run does")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    base, _ = served
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,900"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    wait = WebDriverWait(driver, 120)
+    try:
+        driver.get(base + "/")
+        driver.execute_script("localStorage.setItem('specsot.api-key', arguments[0]);"
+                              "localStorage.setItem('specsot.sot', 'always');", KEY)  # fmt: skip
+        driver.refresh()
+        wait.until(lambda d: "model: tiny" in d.find_element(By.ID, "model").text)
+        box = driver.find_element(By.ID, "input")
+        box.send_keys("How do I start running?", Keys.ENTER)
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".assistant .skeleton").text.startswith("1."))
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".assistant .point")) == 5)
+        wait.until(lambda d: "mode sot" in d.find_element(By.CSS_SELECTOR, ".assistant .stats").text)
+        skeleton = driver.find_element(By.CSS_SELECTOR, ".assistant .skeleton").text
+        assert skeleton.count("1.") == 1, skeleton  # streamed once, not again from the final record
+        answer = driver.find_element(By.CSS_SELECTOR, ".assistant .answer").text
+        titles = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".assistant .point .title")]
+        assert titles[0] == "1. Warm up" and "Warm up:" in answer, (titles, answer)
+        if os.environ.get("SPECSOT_SCREENSHOT"):
+            driver.save_screenshot(os.environ["SPECSOT_SCREENSHOT"])
+        # A long direct answer, stopped mid-way.
+        driver.execute_script("localStorage.setItem('specsot.sot', 'never');"
+                              "localStorage.setItem('specsot.max-tokens', '900');")  # fmt: skip
+        driver.refresh()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".assistant")) == 1)  # the conversation was kept
+        driver.find_element(By.ID, "input").send_keys("Tell me a long story.", Keys.ENTER)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".assistant")) == 2
+                   and d.find_elements(By.CSS_SELECTOR, ".assistant")[1].find_element(By.CSS_SELECTOR, ".answer").text)  # fmt: skip
+        driver.find_element(By.ID, "stop").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".assistant")[1].find_element(By.CSS_SELECTOR, ".error").text == "stopped")
+        assert _wait_slots_free(base) == 0
+        assert driver.find_element(By.ID, "send").is_displayed()
+    finally:
+        driver.quit()

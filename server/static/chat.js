@@ -239,12 +239,13 @@ async function ask(text) {
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message);
       const ext = chunk.specsot || {};
-      if (ext.skeleton) view.skeleton(ext.skeleton);
-      if (ext.plan && ext.plan.mode === "sot") view.plan(ext.plan.points);
-      if (ext.point) view.point(ext.point.index, ext.point.text);
       const choice = chunk.choices && chunk.choices[0];
+      const final = choice && choice.finish_reason;  // its specsot is the whole record, not progress
+      if (!final && ext.skeleton) view.skeleton(ext.skeleton);
+      if (!final && ext.plan && ext.plan.mode === "sot") view.plan(ext.plan.points);
+      if (!final && ext.point) view.point(ext.point.index, ext.point.text);
       if (choice && choice.delta && choice.delta.content) { msg.content += choice.delta.content; view.answer(msg.content, false); }
-      if (choice && choice.finish_reason) { msg.how = ext; view.answer(msg.content, true); view.done(ext); }
+      if (final) { msg.how = ext; view.answer(msg.content, true); view.done(ext); }
       box.scrollTop = box.scrollHeight;
     }
   } catch (e) {
