@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specsot_mq.cli.options import ModelOptions, RepeatOpt, TopologyOptions, err, with_options
+from specsot_mq.cli.options import ModelOptions, PrefixCacheOpt, RepeatOpt, TopologyOptions, err, with_options
 from specsot_mq.errors import SpecSotError
 from specsot_mq.sampling import REPEAT_STOP
 
@@ -37,6 +37,7 @@ def serve(
     budget: Annotated[Optional[str], typer.Option(help="Tokens per hour per API key, e.g. 20000/hour (default: no limit).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Most new tokens per phase when a request does not say.")] = 256,
     repeat_stop: RepeatOpt = REPEAT_STOP,
+    prefix_cache_mb: PrefixCacheOpt = 256,
 ):
     """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
     /health, /metrics and a web chat at /."""
@@ -60,7 +61,7 @@ def serve(
         err.print(f"[dim]attached to the running launch {topo.run!r} ({address})[/]")
     else:
         err.print("[dim]no running launch found: starting a local one; /health says 503 until it is ready…[/]")
-        launcher, spec = start_topology(_launch_options(topo, model))
+        launcher, spec = start_topology(_launch_options(topo, model, prefix_cache_mb=prefix_cache_mb))
         address, served = spec.client_address, model_id(model.model)
     config = ServerConfig(address, served, keys, max_concurrency, max_queue, timeout, per_hour, max_tokens, repeat_stop,
                           watch=launcher.check if launcher else None)  # fmt: skip

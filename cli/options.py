@@ -24,6 +24,8 @@ QuantizeOpt = Annotated[str, typer.Option(envvar="SPECSOT_QUANTIZE",
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda if present).")]
 RepeatOpt = Annotated[int, typer.Option(
     help="End an output (each phase's) when its last N tokens already ran earlier in it: a loop. 0 = off.")]
+PrefixCacheOpt = Annotated[int, typer.Option(
+    help="MB of each device stage's prefix store: a conversation's earlier turns are computed once and reused by its next turn (LRU; 0 = off).")]
 FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan) or plan (the model picks [PLAN] or [DIRECT]).")]
 
 

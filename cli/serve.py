@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from specsot_mq.cli.options import FormatOpt, ModelOptions, RepeatOpt, TopologyOptions, err, with_options
+from specsot_mq.cli.options import FormatOpt, ModelOptions, PrefixCacheOpt, RepeatOpt, TopologyOptions, err, with_options
 from specsot_mq.errors import SpecSotError
 from specsot_mq.sampling import REPEAT_STOP
 
@@ -78,6 +78,7 @@ def launch(
     prompt_format: FormatOpt = "sot",
     threads: Annotated[Optional[int], typer.Option(
         help="Torch threads of each CPU device stage (default: its share of its host's cores, by how many of them are busy).")] = None,
+    prefix_cache_mb: PrefixCacheOpt = 256,
 ):
     """Start every stage process, show them live, and stop them all on Ctrl-C or SIGTERM."""
     from specsot_mq.client import Client
@@ -86,7 +87,8 @@ def launch(
     with _sigterm_as_interrupt():
         options = _launch_options(topo, model, stages=stage or [], remote=remote, devices_file=devices_file,
                                   max_points=max_points, point_tokens=point_tokens, skeleton_tokens=skeleton_tokens,
-                                  prompt_format=prompt_format, base_port=base_port, restart=restart, threads=threads)  # fmt: skip
+                                  prompt_format=prompt_format, base_port=base_port, restart=restart, threads=threads,
+                                  prefix_cache_mb=prefix_cache_mb)  # fmt: skip
         launcher, spec = start_topology(options)
         run_file = _run_file(topo.run)
         tty = sys.stdout.isatty()

@@ -23,11 +23,15 @@ class StageCollector:
             "slots": ("specsot_stage_cache_slots", "KV cache slots of a device stage"),
             "slots_used": ("specsot_stage_cache_slots_used", "KV cache slots decoding now"),
             "rss_mb": ("specsot_stage_resident_memory_bytes", "Resident memory of the stage process"),
+            "prefix_bytes": ("specsot_prefix_cache_bytes", "Bytes held by the stage's prefix store"),
         }
         counters = {
             "drafts": ("specsot_spec_drafts", "Sequence-steps verified by speculative decoding"),
             "draft_tokens": ("specsot_spec_draft_tokens", "Draft tokens verified"),
             "accepted_tokens": ("specsot_spec_accepted_tokens", "Draft tokens accepted"),
+            "prefix_lookups": ("specsot_prefix_cache_lookups", "Prompts looked up in the prefix store"),
+            "prefix_hits": ("specsot_prefix_cache_hits", "Prompts that started from a stored beginning"),
+            "prefix_tokens": ("specsot_prefix_cache_reused_tokens", "Prompt tokens taken from the prefix store"),
         }
         for key, (name, doc) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=["stage", "kind"])

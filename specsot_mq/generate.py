@@ -25,6 +25,7 @@ from specsot_mq.layout import SlotLayout, new_layout
 from specsot_mq.lookup import NgramIndex
 from specsot_mq.model import LlamaModel
 from specsot_mq.openmp import release_pool
+from specsot_mq.prefix_store import PrefixStore
 from specsot_mq.sampling import Sampler, SamplingParams
 from specsot_mq.stopping import LineWatch, LoopWatch, StopStrings
 from specsot_mq.tokenizer import Detokenizer, chat_prompt_ids
@@ -86,9 +87,10 @@ class Decoder(Protocol):
         """Cache entries each of `seqs` can still append (a step needs at least one)."""
         ...
 
-    def keep(self, slot: int, n: int) -> tuple:
-        """What restore() needs to start later sequences from the first n tokens of `slot` (a
-        just-prefilled shared prefix of n tokens)."""
+    def keep(self, slot: int, n: int) -> tuple | None:
+        """What restore() needs to start later sequences from the first n tokens of `slot`, read
+        right after its prefill (the shared prefix, or any length within the prompt); None where
+        the layout cannot."""
         ...
 
     def restore(self, slot: int, kept: tuple) -> bool:
@@ -157,11 +159,13 @@ class PlainDecoder:
     def room(self, seqs: list[int]) -> int:
         return self.layout.room(seqs)
 
-    def keep(self, slot: int, n: int) -> tuple:
+    def keep(self, slot: int, n: int) -> tuple | None:
+        if not isinstance(self.layout, SlotLayout):
+            return None
         return (self.layout.cache.snapshot(slot, n),)
 
     def restore(self, slot: int, kept: tuple) -> bool:
-        if not isinstance(self.layout, SlotLayout):
+        if not isinstance(self.layout, SlotLayout) or len(kept) != 1:
             return False
         self.layout.cache.restore(slot, kept[0])
         return True
@@ -176,6 +180,8 @@ class Job:
     params: SamplingParams  # its stop conditions (max tokens, stop strings, EOS); the decoder samples
     shared: int = 0  # its first `shared` tokens are the same in every job of its group
     group: object = None  # jobs of one group share that prefix (computed once); None: no sharing
+    keep: int = 0  # its first `keep` tokens go to the prefix store after its prefill (a conversation's
+    # earlier turns: the next turn's prompt begins with them)
 
 
 def _by_group(jobs: list[Job]) -> list[tuple[object, list[Job]]]:
@@ -236,10 +242,12 @@ class _Output:
 class Generator:
     """A model, its tokenizer and one KV cache allocated up front; generates one request at a time."""
 
-    def __init__(self, model: LlamaModel, tokenizer, max_len: int = 4096, num_slots: int = 1, draft=None, tree=None):
+    def __init__(self, model: LlamaModel, tokenizer, max_len: int = 4096, num_slots: int = 1, draft=None, tree=None,
+                 prefix_cache_mb: int = 256):  # fmt: skip
         """draft: an EAGLE DraftHead attached to `model` (None: plain decoding); tree: its
         TreeParams (without a head, only tree.lookup counts: prompt lookup in the plain decoder;
-        no tree, no lookup). Both caches are allocated here, once."""
+        no tree, no lookup). Both caches are allocated here, once. prefix_cache_mb: the prefix
+        store's budget (prefix_store.py; 0 keeps only pinned prefixes)."""
         self.model = model
         self.tokenizer = tokenizer
         self.cache = model.new_cache(num_slots, max_len)
@@ -251,7 +259,7 @@ class Generator:
             # Tree entries go past the sequence while drafting: room for one full tree more.
             room = (self.tree.depth + 1) * (self.tree.topk + 1)
             self.draft_cache = draft.new_cache(num_slots, max_len + room)
-        self.kept: list[tuple[list[int], tuple]] = []  # (prompt beginning, its decoder state), see keep_prefix
+        self.prefixes = PrefixStore(prefix_cache_mb << 20)  # prompt beginnings computed once, see keep_prefix
         self._model_thread: ThreadPoolExecutor | None = None  # the async APIs' steps run here (on_model_thread)
         eos = set(model.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -289,24 +297,27 @@ class Generator:
         prompt's instructions and worked examples are the same for every question. Call it while
         the generator is idle (it uses slot 0)."""
         ids = list(ids)
-        if len(ids) < 2 or any(k == ids for k, _ in self.kept):  # nothing worth keeping, or kept already
+        if len(ids) < 2 or ids in self.prefixes:  # nothing worth keeping, or kept already
             return
-        decoder = self.new_decoder(SamplingParams(max_tokens=1))
         with torch.inference_mode():
-            decoder.prefill({0: ids + ids[-1:]}, shared=len(ids))  # one token past it, as a prompt needs
-            state = decoder.keep(0, len(ids))
-            decoder.drop(0)
-        self.kept.append((ids, state))
+            self.prefixes.add(ids, self._compute(ids, 0), pinned=True)
 
-    def _by_kept(self, prompts: dict[int, list[int]]) -> dict[int, list[int]]:
-        """The slots of `prompts` that begin with a kept prefix (and are longer), grouped by the
-        longest such prefix: {index in self.kept: slots}."""
-        groups: dict[int, list[int]] = {}
+    def _by_stored(self, prompts: dict[int, list[int]]) -> list[tuple[object, list[int]]]:
+        """The slots of `prompts` that begin with a stored prefix, grouped by the longest such
+        prefix: [(its store entry, slots)]."""
+        groups: dict[tuple, tuple[object, list[int]]] = {}
         for slot, ids in prompts.items():
-            fits = [i for i, (k, _) in enumerate(self.kept) if len(k) < len(ids) and ids[: len(k)] == k]
-            if fits:
-                groups.setdefault(max(fits, key=lambda i: len(self.kept[i][0])), []).append(slot)
-        return groups
+            entry = self.prefixes.longest(ids)
+            if entry is not None:
+                groups.setdefault(tuple(entry.ids), (entry, []))[1].append(slot)
+        return list(groups.values())
+
+    def _store(self, decoder: Decoder, slot: int, ids: list[int]) -> None:
+        """Keep the first tokens of a just-prefilled prompt in the prefix store."""
+        if len(ids) >= 2 and ids not in self.prefixes:
+            state = decoder.keep(slot, len(ids))
+            if state is not None:
+                self.prefixes.add(ids, state)
 
     def stream_many(
         self,
@@ -392,18 +403,46 @@ class Generator:
                         running[slot] = (job, _Output(self.tokenizer, job.params, self.eos_ids))
                     shared = members[0].shared if group is not None else 0
                     prompts = {slot: job.ids for slot, job in zip(slots, members)}
-                    if not shared and self.kept:  # prompts that begin with a kept prefix start from it
-                        for i, starting in self._by_kept(prompts).items():
-                            # One slot gets the kept state; one prefill copies it to the others
-                            # and runs every prompt's own part in one forward.
-                            kept_ids, state = self.kept[i]
-                            if decoder.restore(starting[0], state):
-                                batch = {slot: prompts.pop(slot) for slot in starting}
-                                new.update(decoder.prefill(batch, len(kept_ids), prefix_from=starting[0]))
-                    if prompts:
-                        new.update(decoder.prefill(prompts, shared, prefix_from=src if shared else None))
+                    new.update(self._start(decoder, prompts, shared, src))
+                    for slot, job in zip(slots, members):
+                        if job.keep:
+                            self._store(decoder, slot, job.ids[: job.keep])
                     if group is not None:
                         holder[group] = slots[0]
+
+    def _start(self, decoder: Decoder, prompts: dict[int, list[int]], shared: int, src: int | None) -> dict[int, list[int]]:
+        """Prefill admitted prompts (their first tokens each): a group's shared prefix is taken
+        from the slot that holds it (src), else from the prefix store (the longest stored
+        beginning of it, the rest computed once), else computed once; prompts of no group that
+        begin with a stored prefix start from it (one prefill per prefix runs all their own
+        parts in one forward)."""
+        first = next(iter(prompts))
+        if shared and src is None and (entry := self.prefixes.longest(prompts[first][:shared], whole=True)):
+            state = entry.state if len(entry.ids) == shared else self._compute(prompts[first][:shared], first, entry)
+            if decoder.restore(first, state):
+                src = first
+        if shared:
+            return decoder.prefill(prompts, shared, prefix_from=src)
+        new = {}
+        for entry, starting in self._by_stored(prompts) if self.prefixes else ():
+            if decoder.restore(starting[0], entry.state):
+                batch = {slot: prompts.pop(slot) for slot in starting}
+                new.update(decoder.prefill(batch, len(entry.ids), prefix_from=starting[0]))
+        if prompts:
+            new.update(decoder.prefill(prompts))
+        return new
+
+    def _compute(self, ids: list[int], slot: int, start=None) -> tuple:
+        """The keep() state of these tokens, computed in a free slot from a store entry that
+        begins them (or from nothing), by a decoder of its own (the caller's sampler draws nothing)."""
+        decoder = self.new_decoder(SamplingParams(max_tokens=1))
+        if start is not None and not decoder.restore(slot, start.state):
+            start = None
+        # One token past them, as a prompt needs.
+        decoder.prefill({slot: ids + ids[-1:]}, len(start.ids) if start else len(ids), prefix_from=slot if start else None)
+        state = decoder.keep(slot, len(ids))
+        decoder.drop(slot)
+        return state
 
     @staticmethod
     def _end(decoder: Decoder, running: dict, free: list[int], slot: int) -> None:

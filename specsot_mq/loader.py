@@ -240,10 +240,12 @@ def load_generator(
     draft: str | None = "auto",
     tree=None,
     quantize: str = "auto",
+    prefix_cache_mb: int = 256,
 ):
     """The model named or given by path (pulled if it is a known name not yet cached), its
     tokenizer, its EAGLE draft head (see resolve_draft), and a Generator with caches of
-    `max_len` positions for `num_slots` sequences; quantize: see load_model. tree: TreeParams (default TreeParams(), whose
+    `max_len` positions for `num_slots` sequences and a prefix store of `prefix_cache_mb`;
+    quantize: see load_model. tree: TreeParams (default TreeParams(), whose
     prompt lookup also drafts for a model without a head; TreeParams(lookup=0) there decodes
     plainly)."""
     from specsot_mq.draft import DraftHead
@@ -261,4 +263,4 @@ def load_generator(
     draft_path = resolve_draft(draft, folder)
     head = DraftHead.load(draft_path, net).prepack() if draft_path else None
     return Generator(net, load_tokenizer(folder), max_len=max_len, num_slots=num_slots, draft=head,
-                     tree=tree or TreeParams())  # fmt: skip
+                     tree=tree or TreeParams(), prefix_cache_mb=prefix_cache_mb)  # fmt: skip

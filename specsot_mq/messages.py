@@ -66,6 +66,10 @@ class Heartbeat:
     drafts: int = 0  # since start: sequence-steps verified by speculative decoding
     draft_tokens: int = 0  # since start: draft tree nodes verified (roots excluded)
     accepted_tokens: int = 0  # since start: of those, accepted
+    prefix_lookups: int = 0  # since start: prompts looked up in the prefix store
+    prefix_hits: int = 0  # of those, found a stored beginning
+    prefix_tokens: int = 0  # prompt tokens those hits did not compute
+    prefix_bytes: int = 0  # the store's size now
 
 
 @dataclass(slots=True)
@@ -147,6 +151,7 @@ class BranchTask:
     prefix: torch.Tensor  # int32 token ids shared by every prompt
     indices: list[int]  # the points (0 for a direct answer), longest predicted first
     suffixes: list[torch.Tensor]  # int32 token ids, one per index
+    keep: int = 0  # the prompts' first tokens worth keeping for the conversation's next turn (Job.keep)
 
 
 @dataclass(slots=True)

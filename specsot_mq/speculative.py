@@ -131,6 +131,9 @@ class EagleDecoder:
         # slot -> F at its shared prefix's last position (kept after a drop: a later prompt with
         # the same prefix may copy it from that slot)
         self.prefix_feature: dict[int, torch.Tensor] = {}
+        # slot -> [(first position, features from there)] of its latest prefill, until its next
+        # step: what keep() reads a prompt's feature at any length from
+        self.fresh: dict[int, list[tuple[int, torch.Tensor]]] = {}
         # running slot -> its tokens so far, indexed for prompt lookup (greedy, tree.lookup > 0)
         self.index: dict[int, NgramIndex] = {}
         self.stats = SpecStats(accepted_at_depth=[0] * self.tree.depth)
@@ -158,6 +161,7 @@ class EagleDecoder:
                 self.head(torch.tensor([prefix[1:shared]], device=dev), pre.prefix_features[None, :d0],
                           torch.arange(d0, device=dev)[None], self.draft_cache, slots=[first])  # fmt: skip
             self.prefix_feature[first] = pre.prefix_features[shared - 1]
+            self.fresh[first] = [(0, pre.prefix_features)]
             prefix_from = first
         for slot in pre.slots:
             if shared and slot != prefix_from:
@@ -178,6 +182,8 @@ class EagleDecoder:
         positions = torch.arange(d0, d0 + t, device=dev).expand(len(tokens), t)
         hidden, logits = self.head(ids, feats, positions, self.draft_cache, slots=pre.slots)
         for row, (slot, root, x) in enumerate(zip(pre.slots, roots, tokens)):
+            own = (shared, pre.features[row, : len(prompts[slot]) - shared])
+            self.fresh[slot] = (self.fresh.get(slot, []) if slot == prefix_from and pre.prefix_features is not None else []) + [own]
             self.draft_cache.truncate(slot, d0 + len(x))
             self.state[slot] = DraftState(root, logits[row, len(x) - 1], hidden[row, len(x) - 1])
             self.unread.pop(slot, None)
@@ -189,6 +195,7 @@ class EagleDecoder:
     def step(self) -> dict[int, list[int]]:
         seqs = sorted(self.state)  # in slot order: a run of consecutive slots is read in place (KVCache.view)
         start = time.perf_counter()
+        self.fresh.clear()
         budget = self.budget(seqs)
         if budget or any(len(u) >= self.unread_limit for u in self.unread.values()):
             self.draft_extend(seqs)
@@ -214,6 +221,7 @@ class EagleDecoder:
         return {seq: res.tokens for seq, res in zip(seqs, results)}
 
     def drop(self, seq: int) -> None:
+        self.fresh.pop(seq, None)
         self.state.pop(seq, None)
         self.unread.pop(seq, None)
         self.index.pop(seq, None)
@@ -222,9 +230,15 @@ class EagleDecoder:
     def room(self, seqs: list[int]) -> int:
         return self.layout.room(seqs)
 
-    def keep(self, slot: int, n: int) -> tuple:
-        """The base KV of n tokens, the draft's of n - 1 (see prefill) and the feature at n - 1."""
-        return self.layout.cache.snapshot(slot, n), self.draft_cache.snapshot(slot, n - 1), self.prefix_feature[slot]
+    def keep(self, slot: int, n: int) -> tuple | None:
+        """The base KV of n tokens, the draft's of n - 1 (see prefill) and the feature at n - 1
+        (from the slot's latest prefill; None when that did not compute it)."""
+        if not isinstance(self.layout, SlotLayout):
+            return None
+        feature = next((f[n - 1 - at] for at, f in self.fresh.get(slot, ()) if at <= n - 1 < at + len(f)), None)
+        if feature is None:
+            return None
+        return self.layout.cache.snapshot(slot, n), self.draft_cache.snapshot(slot, n - 1), feature.clone()
 
     def restore(self, slot: int, kept: tuple) -> bool:
         if not isinstance(self.layout, SlotLayout) or len(kept) != 3:

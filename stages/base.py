@@ -50,6 +50,7 @@ class RunSpec:
     sot: dict = field(default_factory=dict)  # SoTConfig fields (max_points, skeleton_tokens, ...)
     skeleton_slots: int = 4  # skeletons decoded together (from different requests)
     max_len: int = 2048
+    prefix_cache_mb: int = 256  # each device stage's prefix store (a conversation's earlier turns; 0 = off)
     heartbeat_s: float = 0.5
     dead_after_s: float = 5.0  # a stage silent this long is down
     threads: dict[str, int] = field(default_factory=dict)  # CPU device stage -> torch threads (default: its host's cores)

@@ -22,7 +22,8 @@ class BranchStage(DeviceStage):
         prefix = msg.prefix.tolist()
         now = time.monotonic()
         self.running[msg.rid] = {i: Progress(now) for i in msg.indices}
-        jobs = [Job((msg.rid, i), prefix + s.tolist(), params, len(prefix), msg.rid) for i, s in zip(msg.indices, msg.suffixes)]
+        jobs = [Job((msg.rid, i), prefix + s.tolist(), params, len(prefix), msg.rid, msg.keep)
+                for i, s in zip(msg.indices, msg.suffixes)]  # fmt: skip
         self.worker.submit(jobs, batch_key(msg.rid, params))
 
     def on_delta(self, key, delta) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.messages import BranchTask, Failed, Membership, MergePlan, Planned, ids, params_from_wire, params_to_wire
-from specsot_mq.prompts import direct_ids, load_format
+from specsot_mq.prompts import direct_ids, history_end, load_format
 from specsot_mq.sot.engine import SoTConfig, point_params, point_prompts
 from specsot_mq.sot.parser import Plan, Point
 from specsot_mq.sot.scheduler import DeviceProfile, schedule
@@ -48,7 +48,8 @@ class ScheduleStage(Stage):
             branch = order[0]
             prompt = direct_ids(self.tokenizer, msg.question, msg.history)
             await self.send(self.merge, MergePlan(msg.rid, "direct", msg.reason, "", [[0, ""]], {branch: [0]}, msg.stats))
-            await self.send(branch, BranchTask(msg.rid, msg.params, ids([]), [0], [ids(prompt)]))
+            # The whole prompt: the next turn's begins with it (this question, then its answer).
+            await self.send(branch, BranchTask(msg.rid, msg.params, ids([]), [0], [ids(prompt)], len(prompt)))
             return
         plan = Plan("plan", [Point(i, title, predicted or None) for i, title, predicted in msg.points])
         prefix, suffixes = point_prompts(self.tokenizer, self.format, msg.question, plan, msg.history)
@@ -58,6 +59,9 @@ class ScheduleStage(Stage):
         points = [[p.index, p.title] for p in plan.points]
         await self.send(self.merge, MergePlan(msg.rid, "sot", msg.reason, msg.skeleton, points, branches, msg.stats))
         wire = params_to_wire(point_params(self.config, params, plan))
+        first = plan.points[0]
+        keep = history_end(lambda h: self.format.point_ids(self.tokenizer, msg.question, "", first.index, first.title, h),
+                           msg.history)  # fmt: skip
         for a in assignments:
             await self.send(a.device, BranchTask(msg.rid, wire, ids(prefix), a.point_indices,
-                                                 [ids(suffixes[i]) for i in a.point_indices]))  # fmt: skip
+                                                 [ids(suffixes[i]) for i in a.point_indices], keep))  # fmt: skip

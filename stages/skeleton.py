@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Job
 from specsot_mq.messages import Ask, Failed, Skeleton, SkeletonText, ids
-from specsot_mq.prompts import direct_ids, load_format
+from specsot_mq.prompts import direct_ids, history_end, load_format
 from specsot_mq.sot.engine import SoTConfig, skeleton_params, skeleton_text
 from specsot_mq.sot.router import route
 from specsot_mq.stages.worker import DeviceStage, Progress, batch_key
@@ -54,7 +54,8 @@ class SkeletonStage(DeviceStage):
         prompt = self.format.skeleton_ids(self.gen.tokenizer, msg.question, msg.history)
         self.running[msg.rid] = _Skeleton(msg, decision.reason, self.format.skeleton_prefix, Progress(time.monotonic()))
         self.post("gateway", SkeletonText(msg.rid, self.format.skeleton_prefix, ids([])))
-        self.worker.submit([Job((msg.rid, 0), prompt, skeleton_params(self.config, params))],
+        keep = history_end(lambda h: self.format.skeleton_ids(self.gen.tokenizer, msg.question, h), msg.history)
+        self.worker.submit([Job((msg.rid, 0), prompt, skeleton_params(self.config, params), keep=keep)],
                            batch_key(msg.rid, params))  # fmt: skip
 
     def on_delta(self, key, delta) -> None:

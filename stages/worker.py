@@ -229,7 +229,8 @@ class DeviceStage(Stage):
         from specsot_mq.speculative import TreeParams
 
         return load_generator(self.spec.model, self.spec.dtype, self.device, self.spec.max_len, self.slots,
-                              self.spec.draft, TreeParams(**self.spec.tree), self.spec.quantize)  # fmt: skip
+                              self.spec.draft, TreeParams(**self.spec.tree), self.spec.quantize,
+                              self.spec.prefix_cache_mb)  # fmt: skip
 
     async def _drain(self) -> None:
         while True:
@@ -267,8 +268,10 @@ class DeviceStage(Stage):
 
     def counters(self) -> dict:
         drafts, drafted, accepted = self.worker.spec_counts()
-        return {"slots": self.slots, "slots_used": len(self.worker.active), "drafts": drafts,
-                "draft_tokens": drafted, "accepted_tokens": accepted}  # fmt: skip
+        store = self.gen.prefixes
+        return {"slots": self.slots, "slots_used": len(self.worker.active), "drafts": drafts, "draft_tokens": drafted,
+                "accepted_tokens": accepted, "prefix_lookups": store.lookups, "prefix_hits": store.hits,
+                "prefix_tokens": store.reused_tokens, "prefix_bytes": store.size}  # fmt: skip
 
     async def abort(self, rid: str) -> None:
         self.running.pop(rid, None)

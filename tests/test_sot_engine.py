@@ -101,10 +101,62 @@ def test_a_kept_prefix_gives_the_same_tokens_and_computes_only_the_rest(tiny, ti
     assert widths[0] == (1, len(prompt) - len(head))  # the first forward: only what follows the kept part
     calls = len(widths)
     fresh.keep_prefix(head)  # kept already: no second computation
-    assert len(fresh.kept) == 1 and len(widths) == calls
+    assert len(fresh.prefixes) == 1 and len(widths) == calls
     together = fresh.generate_many([prompt, other], params)
     assert [c.token_ids for c in together] == want[:2]
     assert widths[calls] == (2, max(len(prompt), len(other)) - len(head))  # both own parts, one forward
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_a_conversations_earlier_turns_are_computed_once_across_its_turns(tiny, tiny_eagle, eagle, monkeypatch):
+    """A job's `keep` puts its prompt's first tokens in the prefix store after its prefill; the
+    next turn's prompt, which begins with them, computes only the rest and decodes the same
+    tokens; another conversation's prompt shares nothing of it. Past the store's budget the
+    least recently used entry goes, a pinned one stays."""
+    from specsot_mq.generate import Job
+    from specsot_mq.prompts import direct_ids
+
+    base = tiny_eagle if eagle else tiny
+    gen = Generator(base.model, base.tokenizer, max_len=512, num_slots=2, draft=base.draft, tree=base.tree)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    turn1 = direct_ids(base.tokenizer, "Tell me about Rome.")
+    history = [{"role": "user", "content": "Tell me about Rome."}, {"role": "assistant", "content": "It is old."}]
+    turn2 = direct_ids(base.tokenizer, "Name two colors.", history)
+    other = direct_ids(base.tokenizer, "Name two colors.", [{"role": "system", "content": "Be brief."}])
+    assert turn2[: len(turn1)] == turn1
+    want = [gen.generate(p, params).token_ids for p in (turn2, other)]
+
+    def run(ids, keep=0):
+        jobs = [Job(0, ids, params, keep=keep)]
+        return [t for _, d in gen.run(lambda room: [jobs.pop()] if jobs else [], gen.new_decoder(params)) for t in d.token_ids]
+
+    run(turn1, keep=len(turn1))
+    assert turn1 in gen.prefixes
+    widths, forward = [], type(base.model).forward
+    monkeypatch.setattr(type(base.model), "forward", lambda self, ids, *a, **k: widths.append(tuple(ids.shape)) or forward(self, ids, *a, **k))
+    assert run(turn2) == want[0]
+    assert widths[0] == (1, len(turn2) - len(turn1))  # only the new turn
+    widths.clear()
+    assert run(other) == want[1] and widths[0] == (1, len(other))  # nothing shared: computed whole
+    # Points: prompts sharing a prefix that begins with a stored turn compute that prefix from it.
+    points = [turn2 + [7, 8, 9, n] for n in (10, 11)]
+    want_points = [c.token_ids for c in Generator(base.model, base.tokenizer, max_len=512, num_slots=2, draft=base.draft,
+                                                  tree=base.tree).generate_many(points, params, shared=len(turn2) + 3)]  # fmt: skip
+    jobs = [Job(n, p, params, len(turn2) + 3, "points") for n, p in enumerate(points)]
+    widths.clear()
+    got = {0: [], 1: []}
+    for key, d in gen.run(lambda room: [jobs.pop(0) for _ in range(min(room, len(jobs)))], gen.new_decoder(params)):
+        got[key] += d.token_ids
+    assert [got[0], got[1]] == want_points
+    assert widths[0] == (1, len(turn2) + 3 + 1 - len(turn1))  # the prefix from the stored turn on (plus one)
+    # Past the budget the least recently used goes; the pinned head stays.
+    gen.keep_prefix(turn1[:20])
+    run(other, keep=len(other))
+    assert gen.prefixes.longest(turn2).ids == turn1  # turn1's entry is now the most recently used
+    store = gen.prefixes
+    store.budget = store.size - 1
+    store.fit()
+    assert turn1 in store and other not in store and turn1[:20] in store
 
 
 def test_two_at_a_time_equals_all_at_once(tiny):

@@ -77,6 +77,16 @@ def direct_ids(tokenizer, question: str, history: list[dict] = ()) -> list[int]:
     return chat_prompt_ids(tokenizer, [*history, {"role": "user", "content": question}])
 
 
+def history_end(build, history: list[dict]) -> int:
+    """How many tokens of a phase's prompt, `build(history)`, cover the conversation's earlier
+    turns: the part the next turn's prompt (with this turn added to its history) begins with too,
+    worth keeping in the prefix store. 0 without earlier turns."""
+    if not history:
+        return 0
+    later = [*history, {"role": "user", "content": "?"}, {"role": "assistant", "content": "."}]
+    return len(common_prefix([build(list(history)), build(later)]))
+
+
 ROLES = ("system", "user", "assistant")
 
 

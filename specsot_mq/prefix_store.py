@@ -1,0 +1,86 @@
+"""The prefix store: token prefixes whose computed state (base KV, and the draft head's KV and
+feature) is kept, so that a later prompt that begins with one starts from a copy and computes only
+the rest.
+
+Keys are exact token lists: a prompt reuses an entry only when its first tokens are exactly that
+entry's, so two conversations share state only where their tokens are the same (a system prompt,
+the SoT instructions), and never see each other's turns. Entries are found by the longest match,
+and evicted least recently used first once their bytes pass the budget; pinned entries (the SoT
+skeleton's instructions and worked examples, the same for every question) stay.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+def state_bytes(state) -> int:
+    """Bytes of the tensors in a decoder's keep() state (nested tuples)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, (tuple, list)):
+        return sum(state_bytes(s) for s in state)
+    return 0
+
+
+@dataclass(slots=True)
+class Entry:
+    ids: list[int]
+    state: tuple  # the decoder's keep() of these tokens
+    size: int  # bytes
+    pinned: bool
+
+
+class PrefixStore:
+    def __init__(self, budget_bytes: int = 256 << 20):
+        self.budget = budget_bytes
+        self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()  # least recently used first
+        self.size = 0
+        self.lookups = self.hits = self.reused_tokens = 0
+
+    def __contains__(self, ids) -> bool:
+        return tuple(ids) in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, ids: list[int], state: tuple, pinned: bool = False) -> None:
+        """Keep `state` for these tokens, then evict unpinned entries, oldest first, down to the
+        budget (an entry larger than the budget alone is not kept)."""
+        key = tuple(ids)
+        size = state_bytes(state)
+        if key in self.entries or (not pinned and size > self.budget):
+            return
+        self.entries[key] = Entry(list(ids), state, size, pinned)
+        self.size += size
+        self.fit()
+
+    def fit(self) -> None:
+        """Evict unpinned entries, least recently used first, until the store is within its budget."""
+        for old in [k for k, e in self.entries.items() if not e.pinned]:
+            if self.size <= self.budget:
+                break
+            self.size -= self.entries.pop(old).size
+
+    def longest(self, ids: list[int], whole: bool = False) -> Entry | None:
+        """The entry with the longest token list that begins `ids` and is shorter than it (a
+        prompt computes at least its last token; `whole`: or all of it), marked as just used;
+        None when none does."""
+        self.lookups += 1
+        best = None
+        for key, entry in self.entries.items():
+            n = len(key)
+            if (n <= len(ids) if whole else n < len(ids)) and (best is None or n > len(best.ids)) and ids[:n] == entry.ids:
+                best = entry
+        if best is not None:
+            self.entries.move_to_end(tuple(best.ids))
+            self.hits += 1
+            self.reused_tokens += len(best.ids)
+        return best
+
+    def stats(self) -> dict:
+        return {"entries": len(self.entries), "bytes": self.size, "lookups": self.lookups, "hits": self.hits,
+                "reused_tokens": self.reused_tokens}  # fmt: skip
