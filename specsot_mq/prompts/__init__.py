@@ -66,9 +66,12 @@ class PromptFormat:
     def point_ids(self, tokenizer, question: str, skeleton: str, index: int, title: str,
                   history: list[dict] = ()) -> list[int]:  # fmt: skip
         """Chat prompt that expands one point, prefilled with the point's number and title: the
-        conversation's earlier turns, then the request for this point."""
+        conversation's system message and earlier questions (not its earlier answers: a small
+        model copies them into unrelated points, and the plan already says what the point is
+        about), then the request for this point."""
         fields = {"question": question, "skeleton": skeleton, "index": index, "title": title}
-        ids = chat_prompt_ids(tokenizer, [*history, {"role": "user", "content": self.point_user.format(**fields)}])
+        earlier = [m for m in history if m["role"] != "assistant"]
+        ids = chat_prompt_ids(tokenizer, [*earlier, {"role": "user", "content": self.point_user.format(**fields)}])
         return ids + tokenizer.encode(self.point_prefix.format(**fields), add_special_tokens=False)
 
 
