@@ -262,13 +262,17 @@ def main(argv=None) -> dict:
     result["answers_per_minute"] = sum(r["outcome"] == "done" for r in rows) / seconds * 60
     result["http_vs_gateway_p50"] = result["http"]["p50"] / result["gateway"]["p50"]
     result["rss_mb"] = {name: [round(before[name].get("rss_mb", 0)), round(after[name].get("rss_mb", 0))] for name in before}
+    # The prefix store grows up to its budget by design (each direct answer's prompt is kept for a next turn).
+    result["prefix_store_mb"] = {name: [round(before[name].get("prefix_bytes", 0) / 2**20),
+                                        round(after[name].get("prefix_bytes", 0) / 2**20)] for name in before}  # fmt: skip
     result["slots_used_after"] = sum(s.get("slots_used", 0) for s in after.values())
     result["inflight_after"] = sum(s.get("inflight", 0) for s in after.values())
     mem = Table(title="stage memory (idle), MB")
-    for col in ("stage", "before", "after"):
+    for col in ("stage", "RSS before", "RSS after", "prefix store before", "prefix store after", "growth besides the store"):
         mem.add_column(col, justify="left" if col == "stage" else "right")
     for name, (a, b) in result["rss_mb"].items():
-        mem.add_row(name, str(a), str(b))
+        sa, sb = result["prefix_store_mb"][name]
+        mem.add_row(name, str(a), str(b), str(sa), str(sb), str((b - a) - (sb - sa)))
     console.print(mem)
     console.print(f"answers per minute {result['answers_per_minute']:.1f} · HTTP/gateway median latency "
                   f"{result['http_vs_gateway_p50']:.3f} · slots in use after {result['slots_used_after']} · requests held "

@@ -314,8 +314,9 @@ async def _disconnected(request: Request) -> None:
 
 async def _sse(run: Run, first, finished, metrics: Metrics) -> AsyncIterator[str]:
     """The stream: answer text as content, the pipeline's progress in `specsot`, the finish
-    chunk with the whole `specsot` record, usage if asked, then [DONE]. An error after the first
-    chunk is an `error` event (OpenAI's shape), then [DONE]."""
+    chunk with the whole `specsot` record, usage if asked, then [DONE]. A failure after the first
+    chunk (a timeout, a stage down) ends it with finish reason "abort", then an `error` event
+    (OpenAI's shape), then [DONE]."""
     req, rid = run.req, _response_id(run.req, run.rid)
     outcome, answer = "cancelled", None
     try:
@@ -328,9 +329,10 @@ async def _sse(run: Run, first, finished, metrics: Metrics) -> AsyncIterator[str
                 if req.include_usage:
                     yield _event(api.usage_chunk(req, rid, msg))
                 break
-            if isinstance(msg, Failed):
+            if isinstance(msg, Failed):  # the finish reason "abort", then the error (a client raises on it)
                 outcome = "timeout" if run.timed_out else "failed"
                 error = _http_error(msg.error, run.timed_out)
+                yield _event(api.chunk(req, rid, finish="abort", ext={"error": msg.error}))
                 yield _event(error.body())
                 break
             if isinstance(msg, AnswerText):
