@@ -232,6 +232,14 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slots_and_a_timeout_is_504
                    json={"model": MODEL, "messages": body["messages"], "timeout": 0.3} | LONG)  # fmt: skip
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
     assert _wait_slots_free(base) == 0
+    # A stream past its timeout: finish reason abort, the error, then [DONE].
+    with httpx.stream("POST", f"{base}/v1/chat/completions", headers=headers, timeout=120,
+                      json=body | {"timeout": 0.5, "max_tokens": 900}) as response:  # fmt: skip
+        assert response.status_code == 200
+        events = _events(response)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "abort"
+    assert _wait_slots_free(base) == 0
 
 
 def test_beyond_the_queue_a_request_gets_429_with_retry_after(served):

@@ -110,12 +110,14 @@ function assistantView(msg) {
         const row = document.createElement("div");
         row.className = "point";
         row.dataset.index = p.index;
-        row.innerHTML = `<span class="title">${p.index}. ${escapeHtml(p.title)}</span><span class="text"></span>`;
+        row.innerHTML = `<span class="title">${p.index}. ${escapeHtml(p.title)}</span><span class="text"><bdi dir="ltr"></bdi></span>`;
         box.appendChild(row);
       }
     },
     point(index, text) {
-      const el = div.querySelector(`.point[data-index="${index}"] .text`);
+      // The row shows the newest text: the line is right-to-left (the ellipsis goes first), the
+      // text inside it isolated left-to-right (its punctuation stays at its end).
+      const el = div.querySelector(`.point[data-index="${index}"] .text bdi`);
       if (el) el.textContent += text;
     },
     answer(text, final) {
