@@ -102,6 +102,13 @@ class Served:
                 return self.stages()
             time.sleep(0.5)
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server process has used (user + system)."""
+        import os
+
+        fields = Path(f"/proc/{self.server.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def close(self) -> None:
         self.server.terminate()
         self.server.wait(10)
@@ -228,7 +235,9 @@ def main(argv=None) -> dict:
         with progress:
             load(served, questions[:4], argparse.Namespace(**{**vars(args), "requests": 8, "disconnect": 0.0}), progress)
             before = served.idle_stages()
+            cpu = served.cpu_seconds()
             rows, seconds = load(served, questions, args, progress)
+            result["server_cpu_s_per_http_request"] = (served.cpu_seconds() - cpu) / max(1, (args.requests + 1) // 2)
             after = served.idle_stages()
             ttft_on = None if args.skip_turns else turns(served, progress)
             talked = served.stages()
@@ -261,6 +270,13 @@ def main(argv=None) -> dict:
         console.print(f"[red]failures:[/] {sorted(set(failures))[:5]}")
     result["answers_per_minute"] = sum(r["outcome"] == "done" for r in rows) / seconds * 60
     result["http_vs_gateway_p50"] = result["http"]["p50"] / result["gateway"]["p50"]
+    # The same question both ways (requests 2k and 2k+1): the median of their latency ratios.
+    by_pair: dict[int, dict] = {}
+    for i, r in enumerate(rows):
+        if r["outcome"] == "done":
+            by_pair.setdefault(i // 2, {})[r["path"]] = r["seconds"]
+    ratios = [p["http"] / p["gateway"] for p in by_pair.values() if len(p) == 2]
+    result["http_vs_gateway_paired"] = statistics.median(ratios) if ratios else None
     result["rss_mb"] = {name: [round(before[name].get("rss_mb", 0)), round(after[name].get("rss_mb", 0))] for name in before}
     # The prefix store grows up to its budget by design (each direct answer's prompt is kept for a next turn).
     result["prefix_store_mb"] = {name: [round(before[name].get("prefix_bytes", 0) / 2**20),
@@ -275,8 +291,9 @@ def main(argv=None) -> dict:
         mem.add_row(name, str(a), str(b), str(sa), str(sb), str((b - a) - (sb - sa)))
     console.print(mem)
     console.print(f"answers per minute {result['answers_per_minute']:.1f} · HTTP/gateway median latency "
-                  f"{result['http_vs_gateway_p50']:.3f} · slots in use after {result['slots_used_after']} · requests held "
-                  f"after {result['inflight_after']}")  # fmt: skip
+                  f"{result['http_vs_gateway_p50']:.3f} (paired by question: {result['http_vs_gateway_paired']:.3f}) · "
+                  f"server CPU {result['server_cpu_s_per_http_request'] * 1000:.0f} ms per HTTP request · slots in use "
+                  f"after {result['slots_used_after']} · requests held after {result['inflight_after']}")  # fmt: skip
     if ttft_on is not None:
         turn_table = Table(title="conversations: median time to first answer text per turn, s")
         for col in ("turn", "prefix store", "none", "none / store"):

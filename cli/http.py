@@ -48,11 +48,12 @@ def serve(
     from specsot_mq.stages.launch import model_id, read_run_file, start_topology
 
     keys = [k.strip() for item in (api_key or []) for k in item.split(",") if k.strip()]
-    for flag, value in (("--max-concurrency", max_concurrency), ("--max-queue", max_queue + 1), ("--max-tokens", max_tokens)):
-        if value < 1:
-            raise SpecSotError(f"{flag} must be at least {1 if flag != '--max-queue' else 0}")
+    for flag, value, low in (("--max-concurrency", max_concurrency, 1), ("--max-queue", max_queue, 0),
+                             ("--max-tokens", max_tokens, 1), ("--port", port, 1)):  # fmt: skip
+        if value < low:
+            raise SpecSotError(f"{flag} must be at least {low}, got {value}")
     if timeout <= 0:
-        raise SpecSotError("--timeout must be above 0 seconds")
+        raise SpecSotError(f"--timeout must be above 0 seconds, got {timeout}")
     per_hour = parse_budget(budget)
     info = read_run_file(_run_file(topo.run))
     launcher = None
@@ -60,8 +61,8 @@ def serve(
         address, served = info["client_address"], info.get("model") or model_id(model.model)
         err.print(f"[dim]attached to the running launch {topo.run!r} ({address})[/]")
     else:
-        err.print("[dim]no running launch found: starting a local one; /health says 503 until it is ready…[/]")
         launcher, spec = start_topology(_launch_options(topo, model, prefix_cache_mb=prefix_cache_mb))
+        err.print("[dim]no running launch found: started a local one; /health says 503 until it is ready…[/]")
         address, served = spec.client_address, model_id(model.model)
     config = ServerConfig(address, served, keys, max_concurrency, max_queue, timeout, per_hour, max_tokens, repeat_stop,
                           watch=launcher.check if launcher else None)  # fmt: skip

@@ -59,6 +59,29 @@ class ServerConfig:
     watch: Callable[[], list[str]] | None = None  # called every second: a local launch restarting dead stages
 
 
+class RequestId:
+    """Every request's id (the client's x-request-id when usable, else a new one) in
+    request.state.rid and in the response's x-request-id header. Plain ASGI: a BaseHTTPMiddleware
+    would hide a client's disconnect from the route."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _RID.fullmatch(given) else uuid.uuid4().hex[:24]
+        scope.setdefault("state", {})["rid"] = rid
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class Admission:
     """At most `limit` requests run; `queue` more wait; the next one is refused (429)."""
 
@@ -140,13 +163,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="SpecSoT-MQ", lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    @app.middleware("http")
-    async def request_id(request: Request, call_next):
-        given = request.headers.get("x-request-id", "")
-        request.state.rid = given if _RID.fullmatch(given) else uuid.uuid4().hex[:24]
-        response = await call_next(request)
-        response.headers["x-request-id"] = request.state.rid
-        return response
+    app.add_middleware(RequestId)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -224,23 +241,24 @@ def create_app(config: ServerConfig) -> FastAPI:
             return StreamingResponse(_sse(run, first, finished, metrics), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         outcome, answer = "cancelled", None
+        watch = asyncio.create_task(_disconnected(request))
         try:
             msg = first
-            watch = asyncio.create_task(_disconnected(request))
             while not isinstance(msg, (Answer, Failed)):
                 step = asyncio.create_task(run.next())
                 await asyncio.wait({step, watch}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
+                if not step.done():  # the client went away: nobody reads an answer
                     step.cancel()
-                    return Response(status_code=499)  # nobody reads it
+                    await asyncio.gather(step, return_exceptions=True)
+                    return Response(status_code=499)
                 msg = step.result()
-            watch.cancel()
             if isinstance(msg, Failed):
                 outcome = "timeout" if run.timed_out else "failed"
                 raise _http_error(msg.error, run.timed_out)
             outcome, answer = "completed", msg
             return api.body(req, _response_id(req, rid), msg)
         finally:
+            watch.cancel()
             await run.close()
             finished(outcome, answer)
 

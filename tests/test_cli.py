@@ -32,6 +32,11 @@ def specsot(*args, stdin=None, home=None):
         (["train-draft", "--feature-layers", "2,x"], "--feature-layers '2,x': give layer numbers"),
         (["train-draft", "--feature-noise", "2"], "--feature-noise 2.0: give a fraction"),
         (["train-draft", "--batch", "0"], "--batch 0: give the number of sequences"),
+        (["serve", "--budget", "lots"], "--budget 'lots': give tokens per hour"),
+        (["serve", "--max-concurrency", "0"], "--max-concurrency must be at least 1, got 0"),
+        (["serve", "--timeout", "0"], "--timeout must be above 0 seconds"),
+        (["serve", "--prefix-cache-mb", "-1"], "--prefix-cache-mb must be 0 (off) or more"),
+        (["serve", "--draft-depth", "9"], "--draft-depth 9 is deeper"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(args, message, tmp_path):

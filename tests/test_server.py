@@ -210,6 +210,14 @@ def _stage_slots(base: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
+def _cancelled(base: str) -> float:
+    """Chat requests the server counts as cancelled (their client went away)."""
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith('specsot_requests_total{route="chat",status="cancelled"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def _wait_slots_free(base: str, timeout: float = 30) -> float:
     deadline = time.monotonic() + timeout
     while (used := _stage_slots(base)) and time.monotonic() < deadline:
@@ -226,8 +234,15 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slots_and_a_timeout_is_504
         seen = [next(lines) for _ in range(8)]  # the answer is under way
     assert any('"content"' in line for line in seen), seen
     assert _wait_slots_free(base) == 0
-    metrics = httpx.get(f"{base}/metrics").text
-    assert 'specsot_requests_total{route="chat",status="cancelled"}' in metrics
+    cancelled = _cancelled(base)
+    assert cancelled >= 1
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting and hangs up
+        httpx.post(f"{base}/v1/chat/completions", json=body | {"stream": False}, headers=headers, timeout=1.0)
+    assert _wait_slots_free(base) == 0
+    deadline = time.monotonic() + 10
+    while _cancelled(base) == cancelled and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _cancelled(base) == cancelled + 1
     r = httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=120,
                    json={"model": MODEL, "messages": body["messages"], "timeout": 0.3} | LONG)  # fmt: skip
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
@@ -344,3 +359,23 @@ def test_the_web_chat_in_a_real_browser(served, tmp_path):
         assert driver.find_element(By.ID, "send").is_displayed()
     finally:
         driver.quit()
+
+
+def test_a_budget_refuses_a_key_past_its_tokens_for_the_hour(monkeypatch):
+    """--budget TOKENS/hour: tokens count against the key that spent them, over a sliding hour."""
+    from specsot_mq.cli.http import parse_budget
+    from specsot_mq.server import app
+
+    assert parse_budget("20000/hour") == parse_budget("20000") == 20000 and parse_budget(None) is None
+    now = [1000.0]
+    monkeypatch.setattr(app.time, "monotonic", lambda: now[0])
+    budget = app.Budget(100)
+    budget.check("a")
+    budget.add("a", 60)
+    budget.add("a", 50)
+    budget.check("b")  # another key has its own
+    with pytest.raises(ApiError) as caught:
+        budget.check("a")
+    assert caught.value.status == 429 and caught.value.headers["Retry-After"] == "3601"
+    now[0] += 3601  # an hour on, the spending has expired
+    budget.check("a")
