@@ -21,11 +21,11 @@ import torch
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.layout import SlotLayout, new_layout
+from specsot_mq.layout import new_layout
 from specsot_mq.lookup import NgramIndex
 from specsot_mq.model import LlamaModel
 from specsot_mq.openmp import release_pool
-from specsot_mq.prefix_store import PrefixStore
+from specsot_mq.prefix_store import Kept, PrefixStore
 from specsot_mq.sampling import Sampler, SamplingParams
 from specsot_mq.stopping import LineWatch, LoopWatch, StopStrings
 from specsot_mq.tokenizer import Detokenizer, chat_prompt_ids
@@ -87,13 +87,13 @@ class Decoder(Protocol):
         """Cache entries each of `seqs` can still append (a step needs at least one)."""
         ...
 
-    def keep(self, slot: int, n: int) -> tuple | None:
+    def keep(self, slot: int, n: int) -> Kept | None:
         """What restore() needs to start later sequences from the first n tokens of `slot`, read
         right after its prefill (the shared prefix, or any length within the prompt); None where
         the layout cannot."""
         ...
 
-    def restore(self, slot: int, kept: tuple) -> bool:
+    def restore(self, slot: int, kept: Kept) -> bool:
         """Put a keep() into `slot`, for prefill(..., shared=n, prefix_from=slot); False (and
         nothing done) where the layout cannot."""
         ...
@@ -159,16 +159,12 @@ class PlainDecoder:
     def room(self, seqs: list[int]) -> int:
         return self.layout.room(seqs)
 
-    def keep(self, slot: int, n: int) -> tuple | None:
-        if not isinstance(self.layout, SlotLayout):
-            return None
-        return (self.layout.cache.snapshot(slot, n),)
+    def keep(self, slot: int, n: int) -> Kept | None:
+        kv = self.layout.snapshot(slot, n)
+        return None if kv is None else Kept(kv)
 
-    def restore(self, slot: int, kept: tuple) -> bool:
-        if not isinstance(self.layout, SlotLayout) or len(kept) != 1:
-            return False
-        self.layout.cache.restore(slot, kept[0])
-        return True
+    def restore(self, slot: int, kept: Kept) -> bool:
+        return self.layout.restore(slot, kept.kv)  # a draft head's part, if any, is not needed here
 
 
 @dataclass(slots=True)
@@ -432,7 +428,7 @@ class Generator:
             new.update(decoder.prefill(prompts))
         return new
 
-    def _compute(self, ids: list[int], slot: int, start=None) -> tuple:
+    def _compute(self, ids: list[int], slot: int, start=None) -> Kept:
         """The keep() state of these tokens, computed in a free slot from a store entry that
         begins them (or from nothing), by a decoder of its own (the caller's sampler draws nothing)."""
         decoder = self.new_decoder(SamplingParams(max_tokens=1))

@@ -138,6 +138,15 @@ class SlotLayout:
     def drop(self, seq: int) -> None:
         pass
 
+    def snapshot(self, seq: int, n: int):
+        """A copy of the sequence's first n cache entries, for restore (the prefix store)."""
+        return self.cache.snapshot(seq, n)
+
+    def restore(self, seq: int, kv) -> bool:
+        """Make a snapshot the sequence's cache content; True (this layout always can)."""
+        self.cache.restore(seq, kv)
+        return True
+
 
 class BimLayout:
     """The branch-index-map layout: every sequence in cache slot `slot` (see the module docstring).
@@ -208,6 +217,14 @@ class BimLayout:
 
     def drop(self, seq: int) -> None:
         self.pos.pop(seq, None)
+
+    def snapshot(self, seq: int, n: int) -> None:
+        """None: a sequence's entries here interleave with its siblings' (no prefix to copy)."""
+        return None
+
+    def restore(self, seq: int, kv) -> bool:
+        """False: the branches of one question share one slot, which a snapshot would overwrite."""
+        return False
 
     def _append(self, seqs, ids, positions, masks, hidden_layers, logits_at=None):
         """One forward of every row's new tokens, appended to the slot; output rows are [1, Q, ...]."""

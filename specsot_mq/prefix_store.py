@@ -17,19 +17,26 @@ from dataclasses import dataclass
 import torch
 
 
-def state_bytes(state) -> int:
-    """Bytes of the tensors in a decoder's keep() state (nested tuples)."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, (tuple, list)):
-        return sum(state_bytes(s) for s in state)
-    return 0
+@dataclass(slots=True)
+class Kept:
+    """A prompt beginning's computed state, as a decoder's keep() returns it and its restore()
+    takes it: the base KV of its n tokens and, with a draft head, the head's KV of n - 1 positions
+    and the feature at position n - 1 (what its draft reads next)."""
+
+    kv: tuple[torch.Tensor, torch.Tensor]
+    draft_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    feature: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.kv, *(self.draft_kv or ()), *([self.feature] if self.feature is not None else [])]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass(slots=True)
 class Entry:
     ids: list[int]
-    state: tuple  # the decoder's keep() of these tokens
+    state: Kept  # the decoder's keep() of these tokens
     size: int  # bytes
     pinned: bool
 
@@ -47,11 +54,11 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(self, ids: list[int], state: tuple, pinned: bool = False) -> None:
+    def add(self, ids: list[int], state: Kept, pinned: bool = False) -> None:
         """Keep `state` for these tokens, then evict unpinned entries, oldest first, down to the
         budget (an entry larger than the budget alone is not kept)."""
         key = tuple(ids)
-        size = state_bytes(state)
+        size = state.nbytes
         if key in self.entries or (not pinned and size > self.budget):
             return
         self.entries[key] = Entry(list(ids), state, size, pinned)

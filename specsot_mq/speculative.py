@@ -32,9 +32,10 @@ from torch.nn.utils.rnn import pad_sequence
 from specsot_mq.draft import DraftHead
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.layout import SlotLayout, new_layout
+from specsot_mq.layout import new_layout
 from specsot_mq.lookup import NgramIndex
 from specsot_mq.model import LlamaModel
+from specsot_mq.prefix_store import Kept
 from specsot_mq.sampling import Sampler
 from specsot_mq.tree import DraftTree, TreeSearch, graft, grow_search, make_tree, root_only, select_nodes, start_search
 from specsot_mq.verify import Acceptance, SpecStats, accept_greedy, accept_sampled
@@ -230,22 +231,18 @@ class EagleDecoder:
     def room(self, seqs: list[int]) -> int:
         return self.layout.room(seqs)
 
-    def keep(self, slot: int, n: int) -> tuple | None:
+    def keep(self, slot: int, n: int) -> Kept | None:
         """The base KV of n tokens, the draft's of n - 1 (see prefill) and the feature at n - 1
-        (from the slot's latest prefill; None when that did not compute it)."""
-        if not isinstance(self.layout, SlotLayout):
-            return None
+        (from the slot's latest prefill; None when that did not compute it, or the layout cannot)."""
         feature = next((f[n - 1 - at] for at, f in self.fresh.get(slot, ()) if at <= n - 1 < at + len(f)), None)
-        if feature is None:
-            return None
-        return self.layout.cache.snapshot(slot, n), self.draft_cache.snapshot(slot, n - 1), feature.clone()
+        kv = self.layout.snapshot(slot, n) if feature is not None else None
+        return None if kv is None else Kept(kv, self.draft_cache.snapshot(slot, n - 1), feature.clone())
 
-    def restore(self, slot: int, kept: tuple) -> bool:
-        if not isinstance(self.layout, SlotLayout) or len(kept) != 3:
+    def restore(self, slot: int, kept: Kept) -> bool:
+        if kept.draft_kv is None or not self.layout.restore(slot, kept.kv):
             return False
-        self.layout.cache.restore(slot, kept[0])
-        self.draft_cache.restore(slot, kept[1])
-        self.prefix_feature[slot] = kept[2]
+        self.draft_cache.restore(slot, kept.draft_kv)
+        self.prefix_feature[slot] = kept.feature
         return True
 
     # -- the three phases of a step ------------------------------------------------------------
