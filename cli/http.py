@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specsot_mq.cli.options import ModelOptions, PrefixCacheOpt, RepeatOpt, TopologyOptions, err, with_options
+from specsot_mq.cli.options import LaunchFlags, ModelOptions, RepeatOpt, TopologyOptions, err, with_options
 from specsot_mq.errors import SpecSotError
 from specsot_mq.sampling import REPEAT_STOP
 
@@ -27,6 +27,7 @@ def parse_budget(text: str | None) -> int | None:
 def serve(
     topo: TopologyOptions,
     model: ModelOptions,
+    flags: LaunchFlags,
     host: Annotated[str, typer.Option(envvar="SPECSOT_HOST", help="Address to listen on (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="SPECSOT_PORT", help="HTTP port.")] = 8000,
     api_key: Annotated[Optional[list[str]], typer.Option(
@@ -37,10 +38,10 @@ def serve(
     budget: Annotated[Optional[str], typer.Option(help="Tokens per hour per API key, e.g. 20000/hour (default: no limit).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Most new tokens per phase when a request does not say.")] = 256,
     repeat_stop: RepeatOpt = REPEAT_STOP,
-    prefix_cache_mb: PrefixCacheOpt = 256,
 ):
     """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
-    /health, /metrics and a web chat at /."""
+    /health, /metrics and a web chat at / (over a running launch, or a local one started with
+    launch's flags)."""
     import uvicorn
 
     from specsot_mq.cli.serve import _launch_options, _run_file
@@ -61,7 +62,7 @@ def serve(
         address, served = info["client_address"], info.get("model") or model_id(model.model)
         err.print(f"[dim]attached to the running launch {topo.run!r} ({address})[/]")
     else:
-        launcher, spec = start_topology(_launch_options(topo, model, prefix_cache_mb=prefix_cache_mb))
+        launcher, spec = start_topology(_launch_options(topo, model, flags))
         err.print("[dim]no running launch found: started a local one; /health says 503 until it is ready…[/]")
         address, served = spec.client_address, model_id(model.model)
     config = ServerConfig(address, served, keys, max_concurrency, max_queue, timeout, per_hour, max_tokens, repeat_stop,

@@ -24,8 +24,6 @@ QuantizeOpt = Annotated[str, typer.Option(envvar="SPECSOT_QUANTIZE",
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda if present).")]
 RepeatOpt = Annotated[int, typer.Option(
     help="End an output (each phase's) when its last N tokens already ran earlier in it: a loop. 0 = off.")]
-PrefixCacheOpt = Annotated[int, typer.Option(
-    help="MB of each device stage's prefix store: a conversation's earlier turns are computed once and reused by its next turn (LRU; 0 = off).")]
 FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan) or plan (the model picks [PLAN] or [DIRECT]).")]
 
 
@@ -68,6 +66,32 @@ class TopologyOptions:
     run: Annotated[str, typer.Option("--run", envvar="SPECSOT_RUN", help="Name of the run (its run file under $SPECSOT_HOME/runs).")] = "default"
     devices: Annotated[str, typer.Option("--devices", envvar="SPECSOT_DEVICES", help="Devices as ip#gpu,... (#cpu for a CPU device).")] = "127.0.0.1#cpu"
     topology: Annotated[str, typer.Option("--topology", envvar="SPECSOT_TOPOLOGY", help="p2p or ring.")] = "p2p"
+
+
+@dataclasses.dataclass(slots=True)
+class LaunchFlags:
+    """What a launch starts beyond the model and devices: stage swaps, remote hosts, SoT limits,
+    threads, the prefix store (launch, serve)."""
+
+    stage: Annotated[Optional[list[str]], typer.Option("--stage", help="Swap a stage: KIND=module.path:Class.")] = None
+    remote: Annotated[str, typer.Option(help="Command that runs {command} on {host}.")] = "ssh {host} {command}"
+    devices_file: Annotated[Optional[str], typer.Option(help="Device profiles (default devices.json).")] = None
+    max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8
+    point_tokens: Annotated[int, typer.Option(help="Most tokens per point.")] = 160
+    skeleton_tokens: Annotated[int, typer.Option(help="Most tokens in a skeleton.")] = 128
+    base_port: Annotated[int, typer.Option(help="First tcp port (multi-host runs).")] = 5600
+    restart: Annotated[bool, typer.Option(help="Restart a stage that dies.")] = True
+    prompt_format: FormatOpt = "sot"
+    threads: Annotated[Optional[int], typer.Option(
+        help="Torch threads of each CPU device stage (default: its share of its host's cores, by how many of them are busy).")] = None
+    prefix_cache_mb: Annotated[int, typer.Option(
+        help="MB of each device stage's prefix store: a conversation's earlier turns are computed once and reused by its next turn (LRU; 0 = off).")] = 256
+
+    def options(self) -> dict:
+        """As LaunchOptions fields."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["stages"] = fields.pop("stage") or []
+        return fields
 
 
 def with_options(command):

@@ -9,14 +9,14 @@ import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from specsot_mq.cli.options import FormatOpt, ModelOptions, PrefixCacheOpt, RepeatOpt, TopologyOptions, err, with_options
+from specsot_mq.cli.options import LaunchFlags, ModelOptions, RepeatOpt, TopologyOptions, err, with_options
 from specsot_mq.errors import SpecSotError
 from specsot_mq.sampling import REPEAT_STOP
 
@@ -27,12 +27,12 @@ def _run_file(name: str) -> Path:
     return Path(name) if name.endswith(".json") else runs_folder() / f"{name}.json"
 
 
-def _launch_options(topo: TopologyOptions, model: ModelOptions, **launch):
+def _launch_options(topo: TopologyOptions, model: ModelOptions, launch: LaunchFlags | None = None):
     """The LaunchOptions of these flags (the tree checked now); `launch`: launch's own flags."""
     from specsot_mq.stages.launch import LaunchOptions
 
     return LaunchOptions(devices=topo.devices, topology=topo.topology, model=model.model, dtype=model.dtype, quantize=model.quantize,
-                         draft=model.draft, tree=model.tree(), **launch)  # fmt: skip
+                         draft=model.draft, tree=model.tree(), **(launch.options() if launch else {}))  # fmt: skip
 
 
 def _table(status, launcher) -> Table:
@@ -64,32 +64,13 @@ def _sigterm_as_interrupt():
 
 
 @with_options
-def launch(
-    topo: TopologyOptions,
-    model: ModelOptions,
-    stage: Annotated[Optional[list[str]], typer.Option("--stage", help="Swap a stage: KIND=module.path:Class.")] = None,
-    remote: Annotated[str, typer.Option(help="Command that runs {command} on {host}.")] = "ssh {host} {command}",
-    devices_file: Annotated[Optional[str], typer.Option(help="Device profiles (default devices.json).")] = None,
-    max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8,
-    point_tokens: Annotated[int, typer.Option(help="Most tokens per point.")] = 160,
-    skeleton_tokens: Annotated[int, typer.Option(help="Most tokens in a skeleton.")] = 128,
-    base_port: Annotated[int, typer.Option(help="First tcp port (multi-host runs).")] = 5600,
-    restart: Annotated[bool, typer.Option(help="Restart a stage that dies.")] = True,
-    prompt_format: FormatOpt = "sot",
-    threads: Annotated[Optional[int], typer.Option(
-        help="Torch threads of each CPU device stage (default: its share of its host's cores, by how many of them are busy).")] = None,
-    prefix_cache_mb: PrefixCacheOpt = 256,
-):
+def launch(topo: TopologyOptions, model: ModelOptions, flags: LaunchFlags):
     """Start every stage process, show them live, and stop them all on Ctrl-C or SIGTERM."""
     from specsot_mq.client import Client
     from specsot_mq.stages.launch import start_topology, wait_ready
 
     with _sigterm_as_interrupt():
-        options = _launch_options(topo, model, stages=stage or [], remote=remote, devices_file=devices_file,
-                                  max_points=max_points, point_tokens=point_tokens, skeleton_tokens=skeleton_tokens,
-                                  prompt_format=prompt_format, base_port=base_port, restart=restart, threads=threads,
-                                  prefix_cache_mb=prefix_cache_mb)  # fmt: skip
-        launcher, spec = start_topology(options)
+        launcher, spec = start_topology(_launch_options(topo, model, flags))
         run_file = _run_file(topo.run)
         tty = sys.stdout.isatty()
         try:
