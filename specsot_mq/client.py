@@ -23,6 +23,9 @@ from specsot_mq.messages import Answer, Ask, Cancel, Failed, Status, StatusQuery
 from specsot_mq.sampling import SamplingParams
 
 
+ALIVE_S = 5.0  # a request silent this long checks that the gateway still answers
+
+
 class Client:
     def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None):
         self.address = address
@@ -32,6 +35,7 @@ class Client:
         self.queues: dict[str, asyncio.Queue] = {}
         self.status_waiters: list[asyncio.Future] = []
         self._reader = None
+        self.closed = False
 
     async def __aenter__(self) -> Client:
         return self
@@ -40,6 +44,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        self.closed = True
         if self._reader is not None:
             self._reader.cancel()
         self.sock.close(linger=0)
@@ -77,7 +82,8 @@ class Client:
     async def ask(self, question: str, params: SamplingParams | None = None, sot: str = "auto",
                   rid: str | None = None, timeout: float | None = None, history: list[dict] = ()) -> AsyncIterator:  # fmt: skip
         """Send a question; yield its messages up to and including the Answer or Failed. With
-        `timeout`, a request silent that long ends with a Failed (the gateway may be gone).
+        `timeout`, a request silent that long ends with a Failed. A request silent for
+        `ALIVE_S` checks that the gateway still answers, and ends with a Failed if it does not.
         `history`: the conversation's earlier turns, [{"role", "content"}] (a system message first)."""
         self._ensure_reader()
         rid = rid or uuid.uuid4().hex[:12]
@@ -86,23 +92,42 @@ class Client:
         try:
             ask = Ask(rid, question, params_to_wire(params or SamplingParams()), sot, list(history))
             await self.sock.send_multipart(encode(ask, "gateway", "client"))
+            deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
             while True:
-                try:
-                    msg = await asyncio.wait_for(queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    msg = Failed(rid, f"no answer from the gateway at {self.address} for {timeout:.0f} s: "
-                                      "is `specsot launch` still running?")  # fmt: skip
+                msg = await self._next(queue, rid, deadline)
                 done = isinstance(msg, (Answer, Failed))
                 yield msg
                 if done:
                     return
         finally:
             self.queues.pop(rid, None)
-            if not done:  # the caller stopped reading (Ctrl+C): stop the work everywhere
+            if not done and not self.closed:  # the caller stopped reading (Ctrl+C): stop the work everywhere
                 asyncio.ensure_future(self.cancel(rid))
 
+    async def _next(self, queue: asyncio.Queue, rid: str, deadline: float | None):
+        """The request's next message; a Failed past the deadline or when the gateway is gone."""
+        loop = asyncio.get_running_loop()
+        while True:
+            wait = ALIVE_S if deadline is None else min(ALIVE_S, deadline - loop.time())
+            try:
+                return await asyncio.wait_for(queue.get(), max(0.0, wait))
+            except asyncio.TimeoutError:
+                pass
+            if deadline is not None and loop.time() >= deadline:
+                return Failed(rid, f"no answer from the gateway at {self.address} in time: is `specsot launch` still running?")
+            try:
+                await self.status(timeout=ALIVE_S)
+            except SpecSotError:
+                return Failed(rid, f"the gateway at {self.address} stopped answering: is `specsot launch` still running?")
+
     async def cancel(self, rid: str) -> None:
-        await self.sock.send_multipart(encode(Cancel(rid), "gateway", "client"))
+        """Stop a request everywhere (nothing when this client is closed already)."""
+        if self.closed:
+            return
+        try:
+            await self.sock.send_multipart(encode(Cancel(rid), "gateway", "client"))
+        except zmq.ZMQError:  # closed meanwhile
+            pass
 
     async def answer(self, question: str, params: SamplingParams | None = None, sot: str = "auto",
                      timeout: float | None = None, history: list[dict] = ()) -> Answer | Failed:  # fmt: skip

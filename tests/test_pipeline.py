@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import msgpack
@@ -227,6 +228,61 @@ def test_a_branch_killed_mid_request_fails_that_request_and_the_rest_keeps_servi
     assert failed_after < 15
     assert any("branch@127.0.0.1#cpu0" in r and "signal 9" in r for r in reports), reports
     assert isinstance(after, Answer), after
+
+
+@pytest.mark.slow
+def test_a_gateway_that_dies_fails_its_clients_requests_with_one_message(tiny_model):
+    """A client waiting on a dead gateway does not hang until its timeout: a silent request checks
+    that the gateway answers (Client.ALIVE_S) and ends with a Failed that says so."""
+    spec, run_dir = tiny_spec(tiny_model, "p2p", devices="127.0.0.1#cpu", point_tokens=360)
+    with launched(spec, run_dir) as launcher:
+
+        async def scenario():
+            async with Client(spec.client_address) as client:
+                seen, last = asyncio.Event(), {}
+
+                async def ask():
+                    async for msg in client.ask(QUESTION, SamplingParams(max_tokens=400, ignore_eos=True), "always"):
+                        seen.set()
+                        last["msg"] = msg
+
+                task = asyncio.create_task(ask())
+                await asyncio.wait_for(seen.wait(), 60)
+                os.kill(launcher.stages["gateway"].proc.pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+                await asyncio.wait_for(task, 60)
+                return last["msg"], time.monotonic() - killed_at
+
+        last, took = asyncio.run(scenario())
+    assert isinstance(last, Failed) and "stopped answering" in last.error, last
+    assert took < 20
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_chat_stops_the_answer_without_a_traceback(tiny_model, tmp_path):
+    spec, run_dir = tiny_spec(tiny_model, "p2p", devices="127.0.0.1#cpu", point_tokens=360)
+    with launched(spec, run_dir) as launcher:
+        run_file = tmp_path / "run.json"
+        launcher.write_run_file(run_file)
+        chat = subprocess.Popen([sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "chat", "--run",
+                                 str(run_file)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        out = []
+        reader = threading.Thread(target=lambda: out.extend(iter(lambda: chat.stdout.read(1), "")), daemon=True)
+        reader.start()
+        chat.stdin.write("/set max_tokens 400\n/set repeat_stop 0\n/set mode always\nHow do I start running?\n")
+        chat.stdin.flush()
+        deadline = time.monotonic() + 60
+        while "1." not in "".join(out) and time.monotonic() < deadline:  # the skeleton began: Ctrl+C mid-answer
+            time.sleep(0.01)
+        chat.send_signal(signal.SIGINT)
+        time.sleep(1)
+        errors = chat.communicate("/bye\n", timeout=60)[1]
+        reader.join(10)
+    text = "".join(out)
+    assert "stopped" in text and "mode sot" not in text, text  # the answer did not finish
+    assert "Traceback" not in text + errors and "Error" not in errors, (text, errors)
+    assert chat.returncode == 0
 
 
 @pytest.mark.slow
