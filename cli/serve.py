@@ -308,7 +308,7 @@ async def _cancel(address: str, rid: str) -> None:
 
 async def _chat_turn(address, question, history, params, mode, rid, console: Console) -> str | None:
     from specsot_mq.client import Client
-    from specsot_mq.messages import Answer, Failed, MergePlan, PointText, SkeletonText
+    from specsot_mq.messages import Answer, Failed, MergePlan, PointText, Reassign, SkeletonText
 
     titles, texts = {}, {}
 
@@ -335,6 +335,8 @@ async def _chat_turn(address, question, history, params, mode, rid, console: Con
                     texts[msg.index] = texts.get(msg.index, "") + msg.text
                     if live:
                         live.update(rows())
+                elif isinstance(msg, Reassign):  # their stage died: these points start again elsewhere
+                    texts.update(dict.fromkeys(msg.indices, ""))
                 elif isinstance(msg, Failed):
                     console.print(f"[red]error:[/] {msg.error}")
                     return None

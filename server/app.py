@@ -259,8 +259,10 @@ def create_app(config: ServerConfig) -> FastAPI:
             return api.body(req, _response_id(req, rid), msg)
         finally:
             watch.cancel()
-            await run.close()
-            finished(outcome, answer)
+            try:
+                await run.close()
+            finally:
+                finished(outcome, answer)
 
     @app.get("/health")
     async def health():
@@ -298,6 +300,7 @@ class Run:
         self.first_text: float | None = None
         self.timed_out = False
         self.done = False
+        self.client = client
         self.messages = client.ask(req.question, req.params, req.sot, rid=rid, history=req.history)
 
     async def next(self):
@@ -305,8 +308,8 @@ class Run:
         try:
             msg = await asyncio.wait_for(anext(self.messages), max(0.0, self.deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            self.timed_out = self.done = True
-            await self.messages.aclose()  # cancels the request in every stage
+            self.timed_out = True
+            await self.close()
             return Failed(self.rid, "the request timed out: raise its \"timeout\" (seconds) or the server's --timeout")
         if isinstance(msg, AnswerText) and self.first_text is None:
             self.first_text = time.monotonic()
@@ -314,8 +317,16 @@ class Run:
         return msg
 
     async def close(self) -> None:
-        """Stop reading; a request still running is cancelled in every stage."""
-        await self.messages.aclose()
+        """Stop reading; a request still running is cancelled in every stage. Safe in a task being
+        cancelled (a client that went away): the cancel is sent without waiting, and a generator
+        still running in a cancelled wait's task closes itself when that task ends."""
+        if not self.done:
+            self.done = True
+            asyncio.ensure_future(self.client.cancel(self.rid))
+        try:
+            await self.messages.aclose()
+        except RuntimeError:  # "asynchronous generator is already running"
+            pass
 
 
 async def _watch(check: Callable[[], list[str]]) -> None:
@@ -362,8 +373,10 @@ async def _sse(run: Run, first, finished, metrics: Metrics) -> AsyncIterator[str
     finally:
         if run.first_text is not None:
             metrics.ttft.observe(run.first_text - run.started)
-        await run.close()
-        finished(outcome, answer)
+        try:
+            await run.close()
+        finally:
+            finished(outcome, answer)
 
 
 def _event(data: dict) -> str:

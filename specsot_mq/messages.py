@@ -169,6 +169,26 @@ class MergePlan:
 
 
 @dataclass(slots=True)
+class Reroute:
+    """A branch stage died holding part of this request: send its points to a survivor
+    (gateway -> schedule)."""
+
+    rid: str
+    dead: str  # the branch stage that died
+
+
+@dataclass(slots=True)
+class Reassign:
+    """These points start again on another branch stage (schedule -> merge -> gateway -> client):
+    what they wrote so far is dropped, and greedy decoding writes it again, the same."""
+
+    rid: str
+    indices: list[int]
+    stage: str  # the branch stage that decodes them now
+    dead: str  # the one that died
+
+
+@dataclass(slots=True)
 class PointText:
     """New text of one point (branch -> merge -> gateway -> client). Index 0: a direct answer."""
 
@@ -246,8 +266,8 @@ class Status:
 
 
 KINDS: dict[str, type] = {cls.__name__: cls for cls in (
-    Ready, Heartbeat, Membership, Abort, Ask, SkeletonText, Skeleton, Planned, BranchTask, MergePlan,
-    PointText, PointEnd, AnswerText, Answer, Failed, Cancel, StatusQuery, Status)}  # fmt: skip
+    Ready, Heartbeat, Membership, Abort, Ask, SkeletonText, Skeleton, Planned, BranchTask, MergePlan, Reroute,
+    Reassign, PointText, PointEnd, AnswerText, Answer, Failed, Cancel, StatusQuery, Status)}  # fmt: skip
 _FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls)) for name, cls in KINDS.items()}
 
 

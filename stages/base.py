@@ -53,6 +53,7 @@ class RunSpec:
     prefix_cache_mb: int = 256  # each device stage's prefix store (a conversation's earlier turns; 0 = off)
     heartbeat_s: float = 0.5
     dead_after_s: float = 5.0  # a stage silent this long is down
+    restart_wait_s: float = 60.0  # a new request waits this long for a down stage to be back
     threads: dict[str, int] = field(default_factory=dict)  # CPU device stage -> torch threads (default: its host's cores)
 
     def to_json(self) -> str:

@@ -21,7 +21,8 @@ class BranchStage(DeviceStage):
     def accept(self, msg: BranchTask, params) -> None:
         prefix = msg.prefix.tolist()
         now = time.monotonic()
-        self.running[msg.rid] = {i: Progress(now) for i in msg.indices}
+        # A request may send more points later (a dead stage's, rerouted here).
+        self.running.setdefault(msg.rid, {}).update({i: Progress(now) for i in msg.indices})
         jobs = [Job((msg.rid, i), prefix + s.tolist(), params, len(prefix), msg.rid, msg.keep)
                 for i, s in zip(msg.indices, msg.suffixes)]  # fmt: skip
         self.worker.submit(jobs, batch_key(msg.rid, params))

@@ -3,10 +3,12 @@ knows every request in flight and every stage's health.
 
 A question goes to the skeleton stage; everything a client should see (skeleton text, the plan,
 point text, the answer, a failure) comes back here and goes out to that client. Every stage sends
-Ready once and a Heartbeat every `heartbeat_s`; a stage silent for `dead_after_s` is down: every
-request it holds fails with a message naming it (a linear stage holds every request, a branch stage
-those the scheduler gave it), the request is aborted everywhere, and the scheduler stops using a
-down branch until it is heard from again.
+Ready once and a Heartbeat every `heartbeat_s`; a stage silent for `dead_after_s` is down. A down
+branch stage's points go to a surviving branch stage (the scheduler resends their tasks, the merge
+stage drops what they wrote and the client is told, Reassign), and the scheduler stops using it
+until it is heard from again. Every request a down linear stage holds (all of them), or a branch
+stage with no survivor, fails with a message naming it and is aborted everywhere. A new request
+that needs a stage which is down (restarting) or not up yet waits for it, up to `restart_wait_s`.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import zmq
 import zmq.asyncio
 
 from specsot_mq.messages import (
-    BROADCAST, Abort, Answer, AnswerText, Ask, Cancel, Failed, Heartbeat, Membership, MergePlan, PointText, Ready,
+    BROADCAST, Abort, Answer, AnswerText, Ask, Reassign, Reroute, Cancel, Failed, Heartbeat, Membership, MergePlan, PointText, Ready,
     SkeletonText, Status, StatusQuery, WireError, decode, encode,
 )  # fmt: skip
 from specsot_mq.stages.base import Stage
 
 log = logging.getLogger("specsot.gateway")
 LINEAR = ("skeleton", "parse", "schedule", "merge")  # kinds every request passes through
+MAX_REROUTES = 3  # a request whose branch stages die more often than this fails
 
 
 @dataclass(slots=True)
@@ -58,6 +61,7 @@ class _Request:
     client: bytes  # the client's ROUTER identity
     started: float
     holders: set = field(default_factory=set)  # stages that hold part of it
+    reroutes: int = 0  # times a dead branch stage's points were sent elsewhere
 
 
 class Gateway(Stage):
@@ -66,6 +70,7 @@ class Gateway(Stage):
         self.clients.setsockopt(zmq.LINGER, 0)
         self.clients.bind(self.spec.client_address)
         self.requests: dict[str, _Request] = {}
+        self.parked: list[tuple[bytes, Ask, float]] = []  # (client, question, deadline) waiting for a stage to come up
         now = time.monotonic()
         self.health = {name: _Health(kind, self.spec.hosts.get(name, ""), self.spec.devices.get(name, ""),
                                      name == self.name, name == self.name, now)
@@ -94,6 +99,10 @@ class Gateway(Stage):
             if msg.rid in self.requests:
                 self.requests[msg.rid].holders.update(msg.branches)
             await self._to_client(msg.rid, msg)
+        elif isinstance(msg, Reassign):
+            if msg.rid in self.requests:
+                self.requests[msg.rid].holders.add(msg.stage)
+            await self._to_client(msg.rid, msg)
         elif isinstance(msg, Answer):
             request = self.requests.pop(msg.rid, None)
             if request is not None:
@@ -117,6 +126,8 @@ class Gateway(Stage):
             log.info("%s is ready (pid %d on %s)", msg.stage, msg.pid, msg.host)
         if not was_up and entry.kind == "branch":
             await self._membership()
+        if not was_up and self.parked:
+            await self._unpark()
 
     # -- health --------------------------------------------------------------------------------
 
@@ -130,15 +141,27 @@ class Gateway(Stage):
                     entry.up = False
                     log.error("%s is down (no heartbeat for %.1f s)", name, silent)
                     await self._stage_down(name, silent)
+            if self.parked:
+                await self._unpark()
 
     async def _stage_down(self, name: str, silent: float) -> None:
+        """A stage went silent: the requests it held fail, but a dead branch stage's points go to
+        a surviving branch stage (at most MAX_REROUTES times per request)."""
         error = (f"stage {name} stopped answering (no heartbeat for {silent:.1f} s), so this request was "
                  "dropped; the launcher restarts the stage, retry in a moment")  # fmt: skip
-        for rid, request in list(self.requests.items()):
-            if name in self.linear or name in request.holders:
-                await self._fail(rid, error)
         if name in self.branches:
-            await self._membership()
+            await self._membership()  # before any reroute: the scheduler must not pick the dead stage
+        survivors = any(self.health[n].up for n in self.branches)
+        for rid, request in list(self.requests.items()):
+            if name in self.linear:
+                await self._fail(rid, error)
+            elif name in request.holders and survivors and request.reroutes < MAX_REROUTES:
+                request.reroutes += 1
+                request.holders.discard(name)
+                log.warning("%s: rerouting the points %s held", rid, name)
+                await self.send(self.spec.named("schedule")[0], Reroute(rid, name))
+            elif name in request.holders:
+                await self._fail(rid, error)
 
     async def _membership(self) -> None:
         alive = [n for n in self.branches if self.health[n].up]
@@ -168,23 +191,45 @@ class Gateway(Stage):
             ready = all(e.up for e in self.health.values())
             await self._send_client(client, Status(ready, stages))
         elif isinstance(msg, Ask):
-            down = [n for n in self.linear if not self.health[n].up]
-            if not any(self.health[n].up for n in self.branches):
-                down += self.branches
-            if msg.rid in self.requests:
+            if msg.rid in self.requests or any(ask.rid == msg.rid for _, ask, _ in self.parked):
                 await self._send_client(client, Failed(msg.rid, f"request id {msg.rid} is already in flight"))
             elif bad := _bad_ask(msg):
                 await self._send_client(client, Failed(msg.rid, bad))
-            elif down:
-                state = "is not up yet" if not all(self.health[n].ever_up for n in down) else "is down"
-                await self._send_client(client, Failed(msg.rid, f"stage {down[0]} {state}: retry in a moment"))
+            elif self._down():  # a stage it needs is starting or restarting: it waits, for a while
+                self.parked.append((client, msg, time.monotonic() + self.spec.restart_wait_s))
             else:
-                self.requests[msg.rid] = _Request(client, time.monotonic(), set(self.linear))
-                await self.send(self.spec.named("skeleton")[0], msg)
+                await self._admit(client, msg)
         elif isinstance(msg, Cancel):
             await self._fail(msg.rid, "cancelled by the client")
 
+    def _down(self) -> list[str]:
+        """The stages a new request needs that are not up (any branch stage will do)."""
+        down = [n for n in self.linear if not self.health[n].up]
+        if not any(self.health[n].up for n in self.branches):
+            down += self.branches
+        return down
+
+    async def _admit(self, client: bytes, msg: Ask) -> None:
+        self.requests[msg.rid] = _Request(client, time.monotonic(), set(self.linear))
+        await self.send(self.spec.named("skeleton")[0], msg)
+
+    async def _unpark(self) -> None:
+        """Admit the waiting requests once every stage they need is up; fail those that waited
+        restart_wait_s in vain, naming the stage."""
+        now, down = time.monotonic(), self._down()
+        waiting, self.parked = self.parked, []
+        for client, ask, deadline in waiting:
+            if not down:
+                await self._admit(client, ask)
+            elif now > deadline:
+                state = "is not up yet" if not all(self.health[n].ever_up for n in down) else "is down"
+                await self._send_client(client, Failed(ask.rid, f"stage {down[0]} {state} (waited "
+                                                                f"{self.spec.restart_wait_s:.0f} s): retry in a moment"))  # fmt: skip
+            else:
+                self.parked.append((client, ask, deadline))
+
     async def _fail(self, rid: str, error: str) -> None:
+        self.parked = [p for p in self.parked if p[1].rid != rid]
         request = self.requests.pop(rid, None)
         if request is None:
             return

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specsot_mq.messages import Answer, AnswerText, MergePlan, PointEnd, PointText
+from specsot_mq.messages import Answer, AnswerText, MergePlan, PointEnd, PointText, Reassign
 from specsot_mq.prompts import load_format
 from specsot_mq.sot.engine import SoTConfig
 from specsot_mq.sot.ordered import OrderedAnswer
@@ -22,6 +22,7 @@ class _Merging:
     texts: dict[int, list[str]] = field(default_factory=dict)  # point index -> its text so far, in pieces
     ends: dict[int, PointEnd] = field(default_factory=dict)  # point index -> how it ended
     ordered: OrderedAnswer | None = None  # the merged answer's text released so far (a planned answer)
+    owner: dict[int, str] = field(default_factory=dict)  # point index -> the branch stage that decodes it
 
 
 class MergeStage(Stage):
@@ -43,11 +44,17 @@ class MergeStage(Stage):
 
     async def handle(self, env) -> None:
         msg = env.msg
-        if not isinstance(msg, (MergePlan, PointText, PointEnd)) or msg.rid in self.aborted:
+        if not isinstance(msg, (MergePlan, PointText, PointEnd, Reassign)) or msg.rid in self.aborted:
             return
         state = self.requests.setdefault(msg.rid, _Merging())
+        if isinstance(msg, Reassign):
+            await self._reassign(msg, state)
+            return
+        if isinstance(msg, (PointText, PointEnd)) and state.owner.get(msg.index, env.src) != env.src:
+            return  # from a stage that no longer decodes this point (it died; its last messages arrive late)
         if isinstance(msg, MergePlan):
             state.plan = msg
+            state.owner = {i: stage for stage, indices in msg.branches.items() for i in indices} | state.owner
             await self.send("gateway", msg)
             if self.streams and msg.mode == "sot":  # what arrived before the plan is released now
                 state.ordered = OrderedAnswer(self.format, [(i, t) for i, t in msg.points])
@@ -67,6 +74,17 @@ class MergeStage(Stage):
             if state.ordered is not None:
                 await self._answer_text(msg.rid, state.ordered.end(msg.index))
         await self._maybe_done(msg.rid, state)
+
+    async def _reassign(self, msg: Reassign, state: _Merging) -> None:
+        """Points that start again on another stage: what they wrote is dropped (the client is
+        told), and only the new stage's text counts from now on."""
+        for index in msg.indices:
+            state.owner[index] = msg.stage
+            state.texts.pop(index, None)
+            state.ends.pop(index, None)
+            if state.ordered is not None:
+                state.ordered.restart(index)
+        await self.send("gateway", msg)
 
     async def _answer_text(self, rid: str, text: str) -> None:
         if text:

@@ -6,7 +6,11 @@ goes whole to one branch stage, in turn."""
 from __future__ import annotations
 
 from specsot_mq.errors import SpecSotError
-from specsot_mq.messages import BranchTask, Failed, Membership, MergePlan, Planned, ids, params_from_wire, params_to_wire
+from collections import OrderedDict
+
+from specsot_mq.messages import (
+    BranchTask, Failed, Membership, MergePlan, Planned, Reassign, Reroute, ids, params_from_wire, params_to_wire,
+)  # fmt: skip
 from specsot_mq.prompts import direct_ids, history_end, load_format
 from specsot_mq.sot.engine import SoTConfig, point_params, point_prompts
 from specsot_mq.sot.parser import Plan, Point
@@ -25,11 +29,15 @@ class ScheduleStage(Stage):
         self.merge = self.spec.named("merge")[0]
         self.alive = self.spec.named("branch")
         self.turn = 0  # rotates the device order, so equal points spread over requests
+        # rid -> branch stage -> the tasks sent to it, for rerouting when it dies (the newest requests)
+        self.sent: OrderedDict[str, dict[str, list[BranchTask]]] = OrderedDict()
 
     async def handle(self, env) -> None:
         msg = env.msg
         if isinstance(msg, Membership):
             self.alive = [name for name in self.spec.named("branch") if name in msg.branches]
+        elif isinstance(msg, Reroute):
+            await self._reroute(msg)
         elif isinstance(msg, Planned):
             if not self.alive:
                 await self.send("gateway", Failed(msg.rid, "no branch stage is up: wait for the launcher to restart one"))
@@ -49,7 +57,7 @@ class ScheduleStage(Stage):
             prompt = direct_ids(self.tokenizer, msg.question, msg.history)
             await self.send(self.merge, MergePlan(msg.rid, "direct", msg.reason, "", [[0, ""]], {branch: [0]}, msg.stats))
             # The whole prompt: the next turn's begins with it (this question, then its answer).
-            await self.send(branch, BranchTask(msg.rid, msg.params, ids([]), [0], [ids(prompt)], len(prompt)))
+            await self._task(branch, BranchTask(msg.rid, msg.params, ids([]), [0], [ids(prompt)], len(prompt)))
             return
         plan = Plan("plan", [Point(i, title, predicted or None) for i, title, predicted in msg.points])
         prefix, suffixes = point_prompts(self.tokenizer, self.format, msg.question, plan, msg.history)
@@ -63,5 +71,28 @@ class ScheduleStage(Stage):
         keep = history_end(lambda h: self.format.point_ids(self.tokenizer, msg.question, "", first.index, first.title, h),
                            msg.history)  # fmt: skip
         for a in assignments:
-            await self.send(a.device, BranchTask(msg.rid, wire, ids(prefix), a.point_indices,
-                                                 [ids(suffixes[i]) for i in a.point_indices], keep))  # fmt: skip
+            await self._task(a.device, BranchTask(msg.rid, wire, ids(prefix), a.point_indices,
+                                                  [ids(suffixes[i]) for i in a.point_indices], keep))  # fmt: skip
+
+    async def _task(self, branch: str, task: BranchTask) -> None:
+        """Send a task, and remember it while its request may still need it again."""
+        self.sent.setdefault(task.rid, {}).setdefault(branch, []).append(task)
+        self.sent.move_to_end(task.rid)
+        while len(self.sent) > 4096:
+            self.sent.popitem(last=False)
+        await self.send(branch, task)
+
+    async def _reroute(self, msg: Reroute) -> None:
+        """A dead branch stage's tasks of a request go to the survivor next in turn; merge (and
+        through it the client) learns which points start again where."""
+        tasks = self.sent.get(msg.rid, {}).pop(msg.dead, [])
+        survivors = [name for name in self.alive if name != msg.dead]
+        if not tasks or not survivors:
+            why = "no other branch stage is up" if tasks else "its tasks are no longer known here"
+            await self.send("gateway", Failed(msg.rid, f"stage {msg.dead} died holding this request and {why}"))
+            return
+        self.turn += 1
+        target = survivors[self.turn % len(survivors)]
+        for task in tasks:
+            await self.send(self.merge, Reassign(msg.rid, task.indices, target, msg.dead))
+            await self._task(target, task)

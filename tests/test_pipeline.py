@@ -20,7 +20,7 @@ import zmq.asyncio
 from pipeline_helpers import PLAN, launched, make_tiny_model
 from specsot_mq.client import Client
 from specsot_mq.devices import parse_devices
-from specsot_mq.messages import BROADCAST, Abort, Answer, Failed, Membership, encode
+from specsot_mq.messages import BROADCAST, Abort, Answer, AnswerText, Failed, Membership, PointText, Reassign, encode
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
 from specsot_mq.stages.launch import plan_run
@@ -192,41 +192,69 @@ def test_topologies_answer_exactly_as_the_in_process_engine(tiny_model, referenc
     assert direct_got.mode == "direct" and direct_got.answer == direct.answer
 
 
+def _kill_mid_request(spec, launcher, victim: str, params: SamplingParams):
+    """Ask, kill `victim` once point text arrives, and wait: (the request's messages, seconds
+    from the kill to its end, the launcher's reports, an answer asked after the restart)."""
+
+    async def scenario():
+        async with Client(spec.client_address) as client:
+            seen_points, messages = asyncio.Event(), []
+
+            async def doomed():
+                async for msg in client.ask(QUESTION, params, "always", timeout=120):
+                    if isinstance(msg, PointText):
+                        seen_points.set()
+                    messages.append(msg)
+
+            task = asyncio.create_task(doomed())
+            await asyncio.wait_for(seen_points.wait(), 60)
+            os.kill(launcher.stages[victim].proc.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            await asyncio.wait_for(task, 120)
+            took = time.monotonic() - killed_at
+            await asyncio.sleep(0.5)
+            reports = launcher.check()
+            after = await client.answer(QUESTION, PARAMS, "always", timeout=120)
+            return messages, took, reports, after
+
+    return asyncio.run(scenario())
+
+
+# Points still decoding when a branch is killed, yet never past the 512-entry cache (a point
+# prompt is ~116 tokens).
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+
+
 @pytest.mark.slow
-def test_a_branch_killed_mid_request_fails_that_request_and_the_rest_keeps_serving(tiny_model):
-    # Points still decoding when one is killed, yet never past the 512-entry cache: a point prompt
-    # is ~116 tokens, and a point of 400 overflowed it on the other branch before the death was seen.
+def test_a_branch_killed_mid_request_has_its_points_redone_on_the_survivor(tiny_model):
+    """Two branch stages, one killed while its points decode: they start again on the other
+    (the client is told, Reassign), and the answer is exactly the one without the fault."""
     spec, run_dir = tiny_spec(tiny_model, "p2p", point_tokens=360)
-    long = SamplingParams(max_tokens=400, ignore_eos=True)
     with launched(spec, run_dir) as launcher:
 
-        async def scenario():
+        async def unfaulted():
             async with Client(spec.client_address) as client:
-                seen_points = asyncio.Event()
-                outcome = {}
+                return await client.answer(QUESTION, LONG, "always", timeout=120)
 
-                async def doomed():
-                    async for msg in client.ask(QUESTION, long, "always", timeout=60):
-                        if type(msg).__name__ == "PointText":
-                            seen_points.set()
-                        outcome["last"] = msg
-
-                task = asyncio.create_task(doomed())
-                await asyncio.wait_for(seen_points.wait(), 60)
-                victim = launcher.stages["branch@127.0.0.1#cpu0"].proc
-                killed_at = time.monotonic()
-                os.kill(victim.pid, signal.SIGKILL)
-                await asyncio.wait_for(task, 30)
-                failed_after = time.monotonic() - killed_at
-                await asyncio.sleep(0.5)
-                reports = launcher.check()
-                after = await client.answer(QUESTION, PARAMS, "always", timeout=120)
-                return outcome["last"], failed_after, reports, after
-
-        last, failed_after, reports, after = asyncio.run(scenario())
-    assert isinstance(last, Failed) and "branch@127.0.0.1#cpu0" in last.error, last
-    assert failed_after < 15
+        want = asyncio.run(unfaulted())
+        messages, took, reports, after = _kill_mid_request(spec, launcher, "branch@127.0.0.1#cpu0", LONG)
+    last = messages[-1]
+    assert isinstance(last, Answer), last
+    assert last.answer == want.answer and [p[2] for p in last.points] == [p[2] for p in want.points]
+    assert "".join(m.text for m in messages if isinstance(m, AnswerText)) == last.answer
+    restarts = [m for m in messages if isinstance(m, Reassign)]
+    assert restarts and {(r.dead, r.stage) for r in restarts} == {("branch@127.0.0.1#cpu0", "branch@127.0.0.1#cpu1")}
     assert any("branch@127.0.0.1#cpu0" in r and "signal 9" in r for r in reports), reports
+    assert isinstance(after, Answer), after
+
+
+@pytest.mark.slow
+def test_the_only_branch_killed_mid_request_fails_it_by_name_and_the_restart_serves(tiny_model):
+    spec, run_dir = tiny_spec(tiny_model, "p2p", devices="127.0.0.1#cpu", point_tokens=360)
+    with launched(spec, run_dir) as launcher:
+        messages, took, reports, after = _kill_mid_request(spec, launcher, "branch@127.0.0.1#cpu", LONG)
+    assert isinstance(messages[-1], Failed) and "branch@127.0.0.1#cpu" in messages[-1].error, messages[-1]
+    assert took < 15
     assert isinstance(after, Answer), after
 
 

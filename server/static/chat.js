@@ -114,6 +114,12 @@ function assistantView(msg) {
         box.appendChild(row);
       }
     },
+    restart(indices) {
+      for (const i of indices) {
+        const el = div.querySelector(`.point[data-index="${i}"] .text bdi`);
+        if (el) el.textContent = "";
+      }
+    },
     point(index, text) {
       // The row shows the newest text: the line is right-to-left (the ellipsis goes first), the
       // text inside it isolated left-to-right (its punctuation stays at its end).
@@ -246,6 +252,7 @@ async function ask(text) {
       if (!final && ext.skeleton) view.skeleton(ext.skeleton);
       if (!final && ext.plan && ext.plan.mode === "sot") view.plan(ext.plan.points);
       if (!final && ext.point) view.point(ext.point.index, ext.point.text);
+      if (!final && ext.restart) view.restart(ext.restart.indices);
       if (choice && choice.delta && choice.delta.content) { msg.content += choice.delta.content; view.answer(msg.content, false); }
       if (final) { msg.how = ext; view.answer(msg.content, true); view.done(ext); }
       box.scrollTop = box.scrollHeight;

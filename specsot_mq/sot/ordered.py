@@ -38,6 +38,12 @@ class OrderedAnswer:
         self.ended.add(index)
         return self._release()
 
+    def restart(self, index: int) -> None:
+        """A point starts again from nothing (its stage died). What was released of it stays
+        released: decoded again, greedily, it writes the same, and only what goes beyond is new."""
+        self.texts[index] = ""
+        self.ended.discard(index)
+
     def _piece(self, index: int) -> str:
         """The point's part of the answer, as far as it is certain now ("\\n" first but for the first point)."""
         head = self.fmt.point_prefix.format(index=index, title=self.titles[index])
