@@ -269,7 +269,11 @@ class Generator:
         return chat_prompt_ids(self.tokenizer, prompt)
 
     def check_prompt(self, ids: list[int]) -> None:
-        """Raise a SpecSotError naming the fix when a prompt cannot fit in a cache slot."""
+        """Raise a SpecSotError naming the fix when a prompt cannot fit in a cache slot, or holds
+        a token id the model does not have (a hostile message must fail its request alone)."""
+        vocab = self.model.cfg.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise SpecSotError(f"the prompt holds token ids outside the model's vocabulary (0 to {vocab - 1})")
         if len(ids) > self.cache.capacity:
             raise SpecSotError(
                 f"the prompt is {len(ids)} tokens and the KV cache holds {self.cache.capacity} per sequence: "

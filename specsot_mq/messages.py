@@ -8,8 +8,9 @@ A message is a dataclass below. On the wire it is a ZeroMQ multipart message:
 
 A tensor inside the body is a msgpack extension (code 1) holding [frame number, dtype, shape]; on
 receipt it becomes `torch.frombuffer` over the frame itself. Nothing is ever pickled. A frame that is
-malformed, of another protocol version, or of an unknown kind raises WireError, which a stage logs
-and drops.
+malformed, of another protocol version, of an unknown kind, or whose fields do not have their
+declared types (every tensor a message carries is int32 token ids, 1-D) raises WireError, which a
+stage logs and drops.
 
 Requests are named by `rid` (the client's request id) in every message. Only deltas travel: a
 point's new tokens, never the whole sequence so far.
@@ -269,6 +270,19 @@ KINDS: dict[str, type] = {cls.__name__: cls for cls in (
     Ready, Heartbeat, Membership, Abort, Ask, SkeletonText, Skeleton, Planned, BranchTask, MergePlan, Reroute,
     Reassign, PointText, PointEnd, AnswerText, Answer, Failed, Cancel, StatusQuery, Status)}  # fmt: skip
 _FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls)) for name, cls in KINDS.items()}
+_TYPES = {name: {f.name: f.type for f in dataclasses.fields(cls)} for name, cls in KINDS.items()}
+_PLAIN = {"str": str, "int": int, "float": (int, float), "bool": bool, "dict": dict, "list": list, "torch.Tensor": torch.Tensor}
+
+
+def _conforms(value, annotation: str) -> bool:
+    """Whether a received field's value has its declared type (a tensor: int32 token ids, 1-D)."""
+    if annotation.startswith("list[") and annotation.endswith("]"):
+        return isinstance(value, list) and all(_conforms(v, annotation[5:-1]) for v in value)
+    if isinstance(value, bool) and annotation in ("int", "float"):
+        return False
+    if isinstance(value, torch.Tensor):
+        return annotation == "torch.Tensor" and value.dtype == torch.int32 and value.dim() == 1
+    return isinstance(value, _PLAIN[annotation])
 
 
 @dataclass(slots=True)
@@ -349,6 +363,9 @@ def decode(frames: list) -> Envelope:
         raise WireError(f"bad {kind} body ({exc})") from None
     if not isinstance(body, dict) or set(body) != set(_FIELDS[kind]):
         raise WireError(f"{kind} body must have exactly the fields {', '.join(_FIELDS[kind]) or '(none)'}")
+    for name, annotation in _TYPES[kind].items():
+        if not _conforms(body[name], annotation):
+            raise WireError(f"{kind}.{name} must be {annotation}, got {type(body[name]).__name__}")
     return Envelope(KINDS[kind](**body), dst, src)
 
 

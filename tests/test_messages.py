@@ -1,5 +1,6 @@
-"""The wire codec: every message kind round-trips, tensors of every shape and dtype travel as their
-own frames (bf16, empty, non-contiguous, scalar), and malformed frames are a WireError, never a crash."""
+"""The wire codec: every message kind round-trips, token-id tensors travel as their own frames
+(empty, non-contiguous, long), a field of the wrong type (a tensor of another dtype or shape
+among them) and malformed frames are a WireError, never a crash."""
 
 import itertools
 
@@ -15,12 +16,16 @@ from specsot_mq.messages import (
 from specsot_mq.sampling import SamplingParams
 
 TENSORS = {
+    "empty": torch.empty(0, dtype=torch.int32),
+    "non-contiguous": torch.arange(48, dtype=torch.int32).reshape(4, 12).t()[1],
+    "long": torch.arange(100_000, dtype=torch.int32),
+}
+NOT_TOKEN_IDS = {
     "bf16": torch.randn(3, 5).to(torch.bfloat16),
-    "empty": torch.empty(0, 4, dtype=torch.int32),
-    "non-contiguous": torch.arange(24, dtype=torch.float32).reshape(4, 6).t()[1:, ::2],
-    "scalar": torch.tensor(7, dtype=torch.int64),
+    "2-d": torch.zeros(2, 4, dtype=torch.int32),
+    "scalar": torch.tensor(7, dtype=torch.int32),
+    "int64": torch.tensor([1, 2]),
     "bool": torch.tensor([True, False, True]),
-    "fp16 3d": torch.randn(2, 3, 4).half(),
 }
 ENDPOINTS = (f"inproc://codec-test-{n}" for n in itertools.count())  # closing unbinds asynchronously: never reuse one
 
@@ -49,6 +54,16 @@ def test_tensors_round_trip_exactly(name, over_zmq):
     assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
 
 
+@pytest.mark.parametrize("name", NOT_TOKEN_IDS)
+def test_a_field_of_the_wrong_type_is_a_wire_error(name):
+    with pytest.raises(WireError, match="PointText.token_ids must be torch.Tensor"):
+        round_trip(PointText("r1", 2, "x", NOT_TOKEN_IDS[name]))
+    for bad in (PointText(5, 2, "x", TENSORS["empty"]), PointText("r", True, "x", TENSORS["empty"]),
+                BranchTask("r", {}, TENSORS["empty"], [1], [[1, 2]])):  # fmt: skip
+        with pytest.raises(WireError, match="must be"):
+            round_trip(bad)
+
+
 def test_tensors_travel_as_their_own_frames_not_inside_the_body():
     t = torch.arange(1000, dtype=torch.int32)
     frames = encode(BranchTask("r", {}, t[:10], [1, 2], [t, t[5:]]), "b", "s")
@@ -64,7 +79,9 @@ def test_every_kind_round_trips():
         values = {}
         for f in dataclasses.fields(cls):
             values[f.name] = {"str": "x", "int": 3, "float": 1.5, "dict": {"a": [1, "b"]}, "list": [[1, "t"]],
-                              "bool": True}.get(str(f.type), torch.tensor([1, 2], dtype=torch.int32))  # fmt: skip
+                              "bool": True, "list[str]": ["a", "b"], "list[int]": [1, 2],
+                              "list[torch.Tensor]": [torch.tensor([4], dtype=torch.int32)]}.get(
+                str(f.type), torch.tensor([1, 2], dtype=torch.int32))  # fmt: skip
         msg = cls(**values)
         got = round_trip(msg)
         for f in dataclasses.fields(cls):

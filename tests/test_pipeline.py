@@ -14,13 +14,16 @@ import time
 
 import msgpack
 import pytest
+import torch
 import zmq
 import zmq.asyncio
 
 from pipeline_helpers import PLAN, launched, make_tiny_model
 from specsot_mq.client import Client
 from specsot_mq.devices import parse_devices
-from specsot_mq.messages import BROADCAST, Abort, Answer, AnswerText, Failed, Membership, PointText, Reassign, encode
+from specsot_mq.messages import (
+    BROADCAST, Abort, Answer, AnswerText, Ask, BranchTask, Failed, Membership, Planned, PointText, Reassign, encode, ids,
+)  # fmt: skip
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
 from specsot_mq.stages.launch import plan_run
@@ -331,6 +334,85 @@ def test_specsot_run_answers_good_lines_and_fails_only_the_malformed_one(tiny_mo
     assert "not valid JSON" in rows[2]["error"] and "neither" in rows[4]["error"]
     assert rows[0]["mode"] == "sot" and len(rows[0]["points"]) == 5 and rows[1]["mode"] == "direct"
     assert "2 of 5 lines failed" in out.stderr
+
+
+def hostile_frames(rng, count: int, vocab: int):
+    """Seeded hostile messages: random bytes, truncated and corrupted real messages, unknown kinds,
+    fields of the wrong type, tensors whose frames do not match their shape, oversized token
+    arrays, token ids outside the vocabulary, and well-formed requests with nonsense inside."""
+    good = [
+        encode(Ask("fz", "How do I start running?", {"max_tokens": 4}, "always"), "skeleton", "x"),
+        encode(BranchTask("fz", {"max_tokens": 4}, ids([1, 2, 3]), [1], [ids([4, 5])]), "branch@127.0.0.1#cpu", "x"),
+        encode(PointText("fz", 1, "text", ids([1])), "merge", "x"),
+    ]
+    for _ in range(count):
+        choice = rng.randrange(8)
+        if choice == 0:
+            yield [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 4))]
+        elif choice == 1:  # a real message cut short or with bytes flipped
+            frames = [bytes(f) for f in rng.choice(good)]
+            i = rng.randrange(len(frames))
+            frames[i] = frames[i][: rng.randrange(len(frames[i]) + 1)] if rng.random() < 0.5 else rng.randbytes(len(frames[i]))
+            yield frames[: rng.randrange(1, len(frames) + 1)]
+        elif choice == 2:
+            yield [msgpack.packb([1, "NoSuchKind", "merge", "x"]), msgpack.packb({})]
+        elif choice == 3:  # fields of the wrong type
+            yield [msgpack.packb([1, "Ask", "skeleton", "x"]),
+                   msgpack.packb({"rid": 5, "question": ["q"], "params": "p", "sot": None, "history": {}})]  # fmt: skip
+        elif choice == 4:  # a tensor whose frame does not match its shape, or of the wrong shape
+            ext = msgpack.ExtType(1, msgpack.packb([2, "int32", [rng.choice([3, 1000, 2])]]))
+            yield [msgpack.packb([1, "PointText", "merge", "x"]),
+                   msgpack.packb({"rid": "fz", "index": 1, "text": "t", "token_ids": ext}), b"\0" * 8]  # fmt: skip
+        elif choice == 5:  # a prompt far longer than any cache, and token ids the model does not have
+            big = torch.randint(0, vocab, (200_000,), dtype=torch.int32)
+            yield encode(BranchTask("fz", {}, big, [1], [ids([1])]), "branch@127.0.0.1#cpu", "x")
+            yield encode(BranchTask("fz2", {}, ids([vocab + 5, -3]), [1], [ids([1])]), "branch@127.0.0.1#cpu", "x")
+        elif choice == 6:  # well-formed, nonsense inside
+            yield encode(Ask("fz3", "q", {"max_tokens": -1, "bogus": 1}, "sometimes", [[1, 2]]), "skeleton", "x")
+            yield encode(Planned("fz4", "q", {}, "sot", "r", "", [[1, "a"]], {}), "schedule", "x")
+        else:
+            yield [bytes(f) for f in rng.choice(good)]  # valid, for a request nobody holds
+
+
+@pytest.mark.slow
+def test_hostile_frames_at_every_inbox_are_dropped_and_every_stage_keeps_serving(tiny_model):
+    """A seeded fuzz budget of hostile messages at every stage's inbox and the gateway's client
+    socket: no stage exits or stalls, malformed frames are logged as dropped, and a real request
+    is answered afterwards as before."""
+    import random
+
+    import zmq
+
+    from specsot_mq.tokenizer import load_tokenizer
+
+    spec, run_dir = tiny_spec(tiny_model, "p2p", devices="127.0.0.1#cpu")
+    vocab = len(load_tokenizer(tiny_model[0]))
+    rng = random.Random(0)
+    with launched(spec, run_dir) as launcher:
+
+        async def ask():
+            async with Client(spec.client_address) as client:
+                return await client.answer(QUESTION, PARAMS, "always", timeout=120)
+
+        before = asyncio.run(ask())
+        ctx = zmq.Context.instance()
+        for address in [*spec.table.values(), spec.client_address]:
+            sock = ctx.socket(zmq.DEALER if address == spec.client_address else zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(address)
+            for frames in hostile_frames(rng, 60, vocab):
+                sock.send_multipart(frames)
+            sock.close()
+        time.sleep(3)
+        after = asyncio.run(ask())
+        alive = {name: stage.proc.poll() is None for name, stage in launcher.stages.items()}
+        logs = {name: stage.log_path.read_text(errors="replace") for name, stage in launcher.stages.items()}
+    assert all(alive.values()), alive
+    assert isinstance(before, Answer) and isinstance(after, Answer) and after.answer == before.answer, after
+    for name, text in logs.items():
+        assert "dropped a malformed" in text, name
+        # A message that passed the codec but made the stage raise is one logged error, not a crash.
+        assert text.count("Traceback") == text.count("failed on"), name
 
 
 NETNS_SCRIPT = """

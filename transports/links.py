@@ -13,6 +13,7 @@ from specsot_mq.messages import BROADCAST, Envelope, WireError, decode, encode, 
 log = logging.getLogger("specsot.transport")
 TOPOLOGIES = ("p2p", "ring")
 _HWM = 100_000  # messages queued per link before a send waits (a dead peer holds them until it is back)
+MAX_MESSAGE = 64 << 20  # bytes: a peer that sends a larger message is disconnected (it is not read)
 
 
 class Transport:
@@ -25,6 +26,7 @@ class Transport:
         self.me, self.table = me, dict(table)
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.inbox = self._socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         self.inbox.bind(table[me])
         self._out: dict[str, zmq.asyncio.Socket] = {}
         self.dropped = 0  # malformed frames received and dropped
