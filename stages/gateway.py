@@ -4,7 +4,7 @@ knows every request in flight and every stage's health.
 A question goes to the skeleton stage; everything a client should see (skeleton text, the plan,
 point text, the answer, a failure) comes back here and goes out to that client. Every stage sends
 Ready once and a Heartbeat every `heartbeat_s`; a stage silent for `dead_after_s` is down. A down
-branch stage's points go to a surviving branch stage (the scheduler resends their tasks, the merge
+branch stage's points go to a surviving branch stage in the p2p topology (the scheduler resends their tasks, the merge
 stage drops what they wrote and the client is told, Reassign), and the scheduler stops using it
 until it is heard from again. Every request a down linear stage holds (all of them), or a branch
 stage with no survivor, fails with a message naming it and is aborted everywhere. A new request
@@ -151,7 +151,9 @@ class Gateway(Stage):
                  "dropped; the launcher restarts the stage, retry in a moment")  # fmt: skip
         if name in self.branches:
             await self._membership()  # before any reroute: the scheduler must not pick the dead stage
-        survivors = any(self.health[n].up for n in self.branches)
+        # In a ring the dead node also cut the path of every message behind it (it has no bypass
+        # yet): rerouting would leave requests waiting for points that never arrive.
+        survivors = self.spec.topology == "p2p" and any(self.health[n].up for n in self.branches)
         for rid, request in list(self.requests.items()):
             if name in self.linear:
                 await self._fail(rid, error)
