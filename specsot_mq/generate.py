@@ -235,6 +235,75 @@ class _Output:
         return Delta(text, [], "stop" if hit else reason, hit)
 
 
+@dataclass(slots=True)
+class _Sequence:
+    """One running sequence of the loop: its job and its output's state (the decoder keeps its
+    cache and draft state, by slot)."""
+
+    job: Job
+    out: _Output
+
+
+class _Batch:
+    """The generation loop's state over one decoder: free slots, running sequences by slot, and
+    which slot holds each job group's shared prefix."""
+
+    def __init__(self, gen: Generator, decoder: Decoder, width: int):
+        self.gen, self.decoder = gen, decoder
+        self.free = list(range(width - 1, -1, -1))  # a stack: slot 0 first
+        self.running: dict[int, _Sequence] = {}
+        self.holder: dict[object, int] = {}  # group -> a slot whose cache holds that group's prefix
+
+    def emit(self, new: dict[int, list[int]]) -> Iterator[tuple[object, Delta]]:
+        """Each sequence's new tokens as its delta; a finished one gives its slot back."""
+        for slot, tokens in new.items():
+            seq = self.running[slot]
+            delta = seq.out.take(tokens)
+            if delta.finish_reason:
+                self.end(slot)
+            yield seq.job.key, delta
+
+    def reap(self, cancelled: Callable[[object], bool] | None) -> Iterator[tuple[object, Delta]]:
+        """End the cancelled sequences ("abort"), and those whose cache has no room for their
+        next token ("length", as at their max tokens)."""
+        if cancelled is not None:
+            for slot in [s for s, seq in self.running.items() if cancelled(seq.job.key)]:
+                yield self.running[slot].job.key, Delta("", [], "abort")
+                self.end(slot)
+        full = [s for s in self.running if self.decoder.room([s]) < 1]
+        if self.running and not full and self.decoder.room(list(self.running)) < 1:
+            full = list(self.running)  # one cache slot shared by all of them (bim) is full
+        for slot in full:
+            yield self.running[slot].job.key, self.running[slot].out.end("length")
+            self.end(slot)
+
+    def start(self, jobs: list[Job]) -> dict[int, list[int]]:
+        """Give admitted jobs slots and prefill them, a group's prefix once (in the slot that
+        still holds it if free); returns their first tokens. Keeps what their `keep` asks."""
+        new = {}
+        for group, members in _by_group(jobs):
+            src = self.holder.get(group)
+            slots = [self.free.pop(self.free.index(src))] if src in self.free else []  # its prefix is in place
+            slots += [self.free.pop() for _ in members[len(slots) :]]
+            # Reused slots are overwritten: they no longer hold another group's prefix.
+            self.holder = {g: s for g, s in self.holder.items() if g == group or s not in slots}
+            for slot, job in zip(slots, members):
+                self.running[slot] = _Sequence(job, _Output(self.gen.tokenizer, job.params, self.gen.eos_ids))
+            shared = members[0].shared if group is not None else 0
+            new.update(self.gen._start(self.decoder, {slot: job.ids for slot, job in zip(slots, members)}, shared, src))
+            for slot, job in zip(slots, members):
+                if job.keep:
+                    self.gen._store(self.decoder, slot, job.ids[: job.keep])
+            if group is not None:
+                self.holder[group] = slots[0]
+        return new
+
+    def end(self, slot: int) -> None:
+        del self.running[slot]
+        self.decoder.drop(slot)
+        self.free.append(slot)
+
+
 class Generator:
     """A model, its tokenizer and one KV cache allocated up front; generates one request at a time."""
 
@@ -359,30 +428,13 @@ class Generator:
         is full). `before_step()` runs before each model step (prefills included), on the loop's
         thread: a serving stage sets its thread count there."""
         width = min(max_parallel or decoder.max_sequences, decoder.max_sequences)
-        free = list(range(width - 1, -1, -1))  # a stack: slot 0 first
-        running: dict[int, tuple[Job, _Output]] = {}
-        holder: dict[object, int] = {}  # group -> a slot whose cache holds that group's prefix
+        batch = _Batch(self, decoder, width)
         new: dict[int, list[int]] = {}
         while True:
-            for slot, tokens in new.items():
-                job, out = running[slot]
-                delta = out.take(tokens)
-                if delta.finish_reason:
-                    self._end(decoder, running, free, slot)
-                yield job.key, delta
-            if cancelled is not None:
-                for slot in [s for s, (job, _) in running.items() if cancelled(job.key)]:
-                    yield running[slot][0].key, Delta("", [], "abort")
-                    self._end(decoder, running, free, slot)
-            # A sequence whose cache has no room for its next token ends as at its max tokens.
-            full = [s for s in running if decoder.room([s]) < 1]
-            if running and not full and decoder.room(list(running)) < 1:
-                full = list(running)  # one cache slot shared by all of them (bim) is full
-            for slot in full:
-                yield running[slot][0].key, running[slot][1].end("length")
-                self._end(decoder, running, free, slot)
-            jobs = admit(len(free)) if free else []
-            if not running and not jobs:
+            yield from batch.emit(new)
+            yield from batch.reap(cancelled)
+            jobs = admit(len(batch.free)) if batch.free else []
+            if not batch.running and not jobs:
                 return
             for job in jobs:  # before any state changes (a serving caller checks them as it admits)
                 self.check_prompt(job.ids)
@@ -391,24 +443,8 @@ class Generator:
             # Grad mode is per thread and a caller may run the loop's steps on another thread than
             # the one that started it, so inference mode is entered around each model call.
             with torch.inference_mode():
-                # Step the running sequences; admitted ones start with their prefill.
-                new = decoder.step() if running else {}
-                for group, members in _by_group(jobs):
-                    src = holder.get(group)
-                    slots = [free.pop(free.index(src))] if src in free else []  # its prefix is in place
-                    slots += [free.pop() for _ in members[len(slots):]]
-                    # Reused slots are overwritten: they no longer hold another group's prefix.
-                    holder = {g: s for g, s in holder.items() if g == group or s not in slots}
-                    for slot, job in zip(slots, members):
-                        running[slot] = (job, _Output(self.tokenizer, job.params, self.eos_ids))
-                    shared = members[0].shared if group is not None else 0
-                    prompts = {slot: job.ids for slot, job in zip(slots, members)}
-                    new.update(self._start(decoder, prompts, shared, src))
-                    for slot, job in zip(slots, members):
-                        if job.keep:
-                            self._store(decoder, slot, job.ids[: job.keep])
-                    if group is not None:
-                        holder[group] = slots[0]
+                new = decoder.step() if batch.running else {}  # the running sequences' next tokens
+                new.update(batch.start(jobs))  # the admitted ones' first
 
     def _start(self, decoder: Decoder, prompts: dict[int, list[int]], shared: int, src: int | None) -> dict[int, list[int]]:
         """Prefill admitted prompts (their first tokens each): a group's shared prefix is taken
@@ -443,12 +479,6 @@ class Generator:
         state = decoder.keep(slot, len(ids))
         decoder.drop(slot)
         return state
-
-    @staticmethod
-    def _end(decoder: Decoder, running: dict, free: list[int], slot: int) -> None:
-        del running[slot]
-        decoder.drop(slot)
-        free.append(slot)
 
     def stream(self, prompt, params: SamplingParams | None = None, decoder: Decoder | None = None) -> Iterator[Delta]:
         """One prompt through the loop. Yields Deltas; the last one has finish_reason set."""
