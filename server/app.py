@@ -149,8 +149,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         state["client"].close()
 
     async def ready() -> None:
-        """503 until every stage has been ready once (then a stage that goes down fails the
-        requests it needs with the gateway's own message)."""
+        """503 until every stage has been ready once (after that, a request that needs a stage
+        which is restarting waits for it at the gateway, or fails with the gateway's message)."""
         if state["ready"]:
             return
         try:
