@@ -71,8 +71,10 @@ class RunSpec:
 class Stage:
     """The interface the runner drives. Subclasses override what they need."""
 
-    def __init__(self, name: str, spec: RunSpec, send: Callable[[str, object], Awaitable[None]]):
-        self.name, self.spec, self.send = name, spec, send
+    def __init__(self, name: str, spec: RunSpec, send: Callable[[str, object], Awaitable[None]],
+                 direct: Callable[[str, object], Awaitable[None]] | None = None):  # fmt: skip
+        """send: through the topology; direct: straight to a stage's inbox (the control plane)."""
+        self.name, self.spec, self.send, self.direct = name, spec, send, direct or send
         self.tokens = 0  # tokens produced so far (device stages), for the tokens/s column
 
     async def start(self) -> None:

@@ -7,7 +7,9 @@ Ready once and a Heartbeat every `heartbeat_s`; a stage silent for `dead_after_s
 branch stage's points go to a surviving branch stage in the p2p topology (the scheduler resends their tasks, the merge
 stage drops what they wrote and the client is told, Reassign), and the scheduler stops using it
 until it is heard from again. Every request a down linear stage holds (all of them), or a branch
-stage with no survivor, fails with a message naming it and is aborted everywhere. A new request
+stage with no survivor, fails with a message naming it and is aborted everywhere; in a ring, a
+down stage of any kind fails every request in flight (it cut their path). Liveness travels
+straight to the gateway in both topologies, so the stage named is the one that died. A new request
 that needs a stage which is down (restarting) or not up yet waits for it, up to `restart_wait_s`.
 """
 
@@ -23,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from specsot_mq.messages import (
-    BROADCAST, Abort, Answer, AnswerText, Ask, Reassign, Reroute, Cancel, Failed, Heartbeat, Membership, MergePlan, PointText, Ready,
+    Abort, Answer, AnswerText, Ask, Reassign, Reroute, Cancel, Failed, Heartbeat, Membership, MergePlan, PointText, Ready,
     SkeletonText, Status, StatusQuery, WireError, decode, encode,
 )  # fmt: skip
 from specsot_mq.stages.base import Stage
@@ -155,7 +157,7 @@ class Gateway(Stage):
         # yet): rerouting would leave requests waiting for points that never arrive.
         survivors = self.spec.topology == "p2p" and any(self.health[n].up for n in self.branches)
         for rid, request in list(self.requests.items()):
-            if name in self.linear:
+            if name in self.linear or self.spec.topology == "ring":  # a dead ring node cuts every request's path
                 await self._fail(rid, error)
             elif name in request.holders and survivors and request.reroutes < MAX_REROUTES:
                 request.reroutes += 1
@@ -168,7 +170,7 @@ class Gateway(Stage):
     async def _membership(self) -> None:
         alive = [n for n in self.branches if self.health[n].up]
         for name in self.spec.named("schedule"):
-            await self.send(name, Membership(alive))
+            await self.direct(name, Membership(alive))
 
     # -- clients -------------------------------------------------------------------------------
 
@@ -235,7 +237,9 @@ class Gateway(Stage):
         request = self.requests.pop(rid, None)
         if request is None:
             return
-        await self.send(BROADCAST, Abort(rid, error))
+        for name in self.spec.kinds:  # straight to each: in a ring, past a dead node too
+            if name != self.name:
+                await self.direct(name, Abort(rid, error))
         await self._send_client(request.client, Failed(rid, error))
 
     async def _to_client(self, rid: str, msg) -> None:

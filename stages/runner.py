@@ -57,7 +57,7 @@ def release_free_memory() -> None:
 async def serve(name: str, spec: RunSpec, ctx=None) -> None:
     """Run stage `name` until SIGTERM (or until the task is cancelled, as tests do in-process)."""
     transport = make_transport(spec.topology, name, spec.table, ctx)
-    stage: Stage = stage_class(spec.kinds[name], spec.overrides)(name, spec, transport.send)
+    stage: Stage = stage_class(spec.kinds[name], spec.overrides)(name, spec, transport.send, transport.send_direct)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     try:
@@ -68,7 +68,7 @@ async def serve(name: str, spec: RunSpec, ctx=None) -> None:
     await stage.start()
     host = spec.hosts.get(name, socket.gethostname())
     if name != "gateway":
-        await transport.send("gateway", Ready(name, os.getpid(), host, spec.devices.get(name, "")))
+        await transport.send_direct("gateway", Ready(name, os.getpid(), host, spec.devices.get(name, "")))
 
     async def heartbeat():
         last_tokens, last_time = 0, time.monotonic()
@@ -92,7 +92,7 @@ async def serve(name: str, spec: RunSpec, ctx=None) -> None:
             if name == "gateway":
                 await stage.handle_local(beat)
             else:
-                await transport.send("gateway", beat)
+                await transport.send_direct("gateway", beat)
 
     async def receive():
         while True:

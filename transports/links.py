@@ -51,6 +51,12 @@ class Transport:
             raise ValueError(f"no stage named {dst!r} (known: {', '.join(self.table)})")
         await self._route(dst, encode(msg, dst, self.me))
 
+    async def send_direct(self, dst: str, msg) -> None:
+        """Send straight to dst's inbox whatever the topology: the control plane (Ready,
+        Heartbeat, Abort, Membership), so that a stage's liveness is judged by its own messages,
+        never through whichever stages would forward them, and a dead ring node cuts no control."""
+        await self._link(dst).send_multipart(encode(msg, dst, self.me), copy=False)
+
     async def _route(self, dst: str, frames: list) -> None:
         raise NotImplementedError
 
