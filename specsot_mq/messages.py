@@ -81,6 +81,14 @@ class Membership:
 
 
 @dataclass(slots=True)
+class Down:
+    """The stages the gateway holds to be down now (gateway -> every stage, straight): a ring
+    routes around them until they are back."""
+
+    stages: list[str]
+
+
+@dataclass(slots=True)
 class Abort:
     """Drop everything about this request (broadcast; a stage that holds nothing ignores it)."""
 
@@ -267,7 +275,7 @@ class Status:
 
 
 KINDS: dict[str, type] = {cls.__name__: cls for cls in (
-    Ready, Heartbeat, Membership, Abort, Ask, SkeletonText, Skeleton, Planned, BranchTask, MergePlan, Reroute,
+    Ready, Heartbeat, Membership, Down, Abort, Ask, SkeletonText, Skeleton, Planned, BranchTask, MergePlan, Reroute,
     Reassign, PointText, PointEnd, AnswerText, Answer, Failed, Cancel, StatusQuery, Status)}  # fmt: skip
 _FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls)) for name, cls in KINDS.items()}
 _TYPES = {name: {f.name: f.type for f in dataclasses.fields(cls)} for name, cls in KINDS.items()}

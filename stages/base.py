@@ -75,6 +75,7 @@ class Stage:
                  direct: Callable[[str, object], Awaitable[None]] | None = None):  # fmt: skip
         """send: through the topology; direct: straight to a stage's inbox (the control plane)."""
         self.name, self.spec, self.send, self.direct = name, spec, send, direct or send
+        self.route_around: Callable[[list[str]], None] = lambda stages: None  # the transport's set_down
         self.tokens = 0  # tokens produced so far (device stages), for the tokens/s column
 
     async def start(self) -> None:

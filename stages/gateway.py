@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from specsot_mq.messages import (
-    Abort, Answer, AnswerText, Ask, Reassign, Reroute, Cancel, Failed, Heartbeat, Membership, MergePlan, PointText, Ready,
+    Abort, Answer, AnswerText, Ask, Down, Reassign, Reroute, Cancel, Failed, Heartbeat, Membership, MergePlan, PointText, Ready,
     SkeletonText, Status, StatusQuery, WireError, decode, encode,
 )  # fmt: skip
 from specsot_mq.stages.base import Stage
@@ -126,6 +126,10 @@ class Gateway(Stage):
         else:
             entry.pid, entry.host, entry.device = msg.pid, msg.host, msg.device
             log.info("%s is ready (pid %d on %s)", msg.stage, msg.pid, msg.host)
+        if not was_up:
+            await self._down_changed()
+        elif isinstance(msg, Ready):  # a stage that restarted before it was seen down: it learns the set
+            await self.direct(msg.stage, Down(self._down_names()))
         if not was_up and entry.kind == "branch":
             await self._membership()
         if not was_up and self.parked:
@@ -142,6 +146,7 @@ class Gateway(Stage):
                 if name != self.name and entry.up and silent > self.spec.dead_after_s:
                     entry.up = False
                     log.error("%s is down (no heartbeat for %.1f s)", name, silent)
+                    await self._down_changed()
                     await self._stage_down(name, silent)
             if self.parked:
                 await self._unpark()
@@ -166,6 +171,17 @@ class Gateway(Stage):
                 await self.send(self.spec.named("schedule")[0], Reroute(rid, name))
             elif name in request.holders:
                 await self._fail(rid, error)
+
+    def _down_names(self) -> list[str]:
+        return [n for n, e in self.health.items() if e.ever_up and not e.up]
+
+    async def _down_changed(self) -> None:
+        """Every stage (the gateway's own transport too) learns which stages are down, straight."""
+        down = self._down_names()
+        self.route_around(down)
+        for name in self.spec.kinds:
+            if name != self.name and name not in down:
+                await self.direct(name, Down(down))
 
     async def _membership(self) -> None:
         alive = [n for n in self.branches if self.health[n].up]

@@ -24,7 +24,7 @@ import time
 # compared: benchmarks/HISTORY.md (benchmarks/cores.py).
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from specsot_mq.messages import Abort, Heartbeat, Ready  # noqa: E402
+from specsot_mq.messages import Abort, Down, Heartbeat, Ready  # noqa: E402
 from specsot_mq.stages.base import RunSpec, Stage, stage_class  # noqa: E402
 from specsot_mq.transports import make_transport  # noqa: E402
 
@@ -58,6 +58,7 @@ async def serve(name: str, spec: RunSpec, ctx=None) -> None:
     """Run stage `name` until SIGTERM (or until the task is cancelled, as tests do in-process)."""
     transport = make_transport(spec.topology, name, spec.table, ctx)
     stage: Stage = stage_class(spec.kinds[name], spec.overrides)(name, spec, transport.send, transport.send_direct)
+    stage.route_around = transport.set_down
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     try:
@@ -100,6 +101,8 @@ async def serve(name: str, spec: RunSpec, ctx=None) -> None:
             try:
                 if isinstance(env.msg, Abort):
                     await stage.abort(env.msg.rid)
+                elif isinstance(env.msg, Down):
+                    transport.set_down(env.msg.stages)
                 else:
                     await stage.handle(env)
             except Exception:  # one bad message must not take the stage down

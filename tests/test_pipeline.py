@@ -267,6 +267,34 @@ def test_a_branch_killed_with_no_way_around_fails_its_request_by_name_and_the_re
 
 
 @pytest.mark.slow
+def test_a_ring_routes_around_a_dead_branch_stage_and_takes_it_back(tiny_model, reference):
+    """A ring whose branch stage died answers new requests past it (its predecessor sends to its
+    successor), exactly as before, and takes it back once it is restarted and ready."""
+    _, expanded, _ = reference
+    spec, run_dir = tiny_spec(tiny_model, "ring")
+    victim = "branch@127.0.0.1#cpu0"
+    with launched(spec, run_dir) as launcher:
+
+        async def scenario():
+            async with Client(spec.client_address) as client:
+                os.kill(launcher.stages[victim].proc.pid, signal.SIGKILL)
+                await asyncio.sleep(spec.dead_after_s + 2 * spec.heartbeat_s + 0.5)  # seen down
+                down = {s["stage"]: s["up"] for s in (await client.status()).stages}[victim]
+                around = await client.answer(QUESTION, PARAMS, "always", timeout=60)
+                launcher.check()  # restarts it
+                deadline = time.monotonic() + 60
+                while not (await client.status()).ready and time.monotonic() < deadline:
+                    await asyncio.sleep(0.25)
+                back = [await client.answer(QUESTION, PARAMS, "always", timeout=60) for _ in range(2)]
+                return down, around, back
+
+        down, around, back = asyncio.run(scenario())
+    assert down is False
+    assert isinstance(around, Answer) and around.answer == expanded.answer, around
+    assert all(isinstance(b, Answer) and b.answer == expanded.answer for b in back), back
+
+
+@pytest.mark.slow
 def test_a_gateway_that_dies_fails_its_clients_requests_with_one_message(tiny_model):
     """A client waiting on a dead gateway does not hang until its timeout: a silent request checks
     that the gateway answers (Client.ALIVE_S) and ends with a Failed that says so."""

@@ -30,6 +30,10 @@ class Transport:
         self.inbox.bind(table[me])
         self._out: dict[str, zmq.asyncio.Socket] = {}
         self.dropped = 0  # malformed frames received and dropped
+        self.down: set[str] = set()  # stages held to be down (the gateway's Down): a ring routes around them
+
+    def set_down(self, stages) -> None:
+        self.down = set(stages) - {self.me}
 
     def _socket(self, kind):
         sock = self.ctx.socket(kind)
@@ -93,16 +97,26 @@ class P2P(Transport):
 
 
 class Ring(Transport):
-    """Each stage sends only to its successor (the next name in the table, wrapping around);
-    a stage forwards what is not for it without decoding the body. A broadcast goes once around."""
+    """Each stage sends only to its successor (the next name in the table, wrapping around, past
+    the stages that are down); a stage forwards what is not for it without decoding the body. A
+    broadcast goes once around. A message for a stage that is down is dropped (else it would
+    circle for ever)."""
 
     def __init__(self, me: str, table: dict[str, str], ctx: zmq.asyncio.Context | None = None):
         super().__init__(me, table, ctx)
-        order = list(table)
-        self.successor = order[(order.index(me) + 1) % len(order)]
+        self.order = list(table)
         self.forwarded = 0
 
+    @property
+    def successor(self) -> str:
+        i = self.order.index(self.me)
+        later = self.order[i + 1 :] + self.order[:i]
+        return next((name for name in later if name not in self.down), self.me)
+
     async def _route(self, dst: str, frames: list) -> None:
+        if dst in self.down:
+            log.warning("%s dropped a message for %s, which is down", self.me, dst)
+            return
         await self._link(self.successor).send_multipart(frames, copy=False)
 
     async def _arrived(self, frames: list) -> Envelope | None:
