@@ -36,6 +36,7 @@ class Client:
         self.status_waiters: list[asyncio.Future] = []
         self._reader = None
         self.closed = False
+        self.finals: dict[str, int] = {}  # request id -> Answers and Faileds received (more than 1: a duplicate)
 
     async def __aenter__(self) -> Client:
         return self
@@ -65,8 +66,11 @@ class Client:
                 for fut in waiters:
                     if not fut.done():
                         fut.set_result(msg)
-            elif getattr(msg, "rid", None) in self.queues:
-                self.queues[msg.rid].put_nowait(msg)
+            else:
+                if isinstance(msg, (Answer, Failed)):
+                    self.finals[msg.rid] = self.finals.get(msg.rid, 0) + 1
+                if getattr(msg, "rid", None) in self.queues:
+                    self.queues[msg.rid].put_nowait(msg)
 
     async def status(self, timeout: float = 2.0) -> Status:
         """Every stage's state, or SpecSotError when the gateway does not answer in time."""

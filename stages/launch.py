@@ -29,6 +29,9 @@ from specsot_mq.stages.base import RunSpec, parse_overrides
 from specsot_mq.transports import TOPOLOGIES
 
 
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 120.0  # a stage that dies this often within the window is not restarted again
+
+
 def runs_folder() -> Path:
     return specsot_home() / "runs"
 
@@ -116,7 +119,7 @@ class StageProcess:
     command: list[str]
     log_path: Path
     proc: subprocess.Popen | None = None
-    restarts: int = 0
+    restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
 
 
 class Launcher:
@@ -155,8 +158,10 @@ class Launcher:
                 continue
             why = f"signal {-code}" if code < 0 else f"exit code {code}"
             report = f"stage {stage.name} (pid {stage.proc.pid}) died: {why}; log: {stage.log_path}"
-            if self.restart and stage.restarts < 5:
-                stage.restarts += 1
+            now = time.monotonic()
+            stage.restarts = [t for t in stage.restarts if now - t < RESTART_WINDOW_S]
+            if self.restart and len(stage.restarts) < MAX_RESTARTS:  # a stage that keeps crashing stays down
+                stage.restarts.append(now)
                 self._spawn(stage)
                 report += f"; restarted (pid {stage.proc.pid})"
             else:
