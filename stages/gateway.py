@@ -152,17 +152,17 @@ class Gateway(Stage):
                 await self._unpark()
 
     async def _stage_down(self, name: str, silent: float) -> None:
-        """A stage went silent: the requests it held fail, but a dead branch stage's points go to
-        a surviving branch stage (at most MAX_REROUTES times per request)."""
+        """A stage went silent: the requests it held fail, but in p2p a dead branch stage's points
+        go to a surviving branch stage (at most MAX_REROUTES times per request)."""
         error = (f"stage {name} stopped answering (no heartbeat for {silent:.1f} s), so this request was "
                  "dropped; the launcher restarts the stage, retry in a moment")  # fmt: skip
         if name in self.branches:
             await self._membership()  # before any reroute: the scheduler must not pick the dead stage
-        # In a ring the dead node also cut the path of every message behind it (it has no bypass
-        # yet): rerouting would leave requests waiting for points that never arrive.
-        survivors = self.spec.topology == "p2p" and any(self.health[n].up for n in self.branches)
+        survivors = any(self.health[n].up for n in self.branches)
         for rid, request in list(self.requests.items()):
-            if name in self.linear or self.spec.topology == "ring":  # a dead ring node cuts every request's path
+            # A dead ring node also lost the messages in flight that passed through it, whoever
+            # sent them: rerouting would leave requests waiting for points that never arrive.
+            if name in self.linear or self.spec.topology == "ring":
                 await self._fail(rid, error)
             elif name in request.holders and survivors and request.reroutes < MAX_REROUTES:
                 request.reroutes += 1
