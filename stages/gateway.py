@@ -6,8 +6,9 @@ point text, the answer, a failure) comes back here and goes out to that client. 
 Ready once and a Heartbeat every `heartbeat_s`; a stage silent for `dead_after_s` is down. A down
 branch stage's points go to a surviving branch stage in the p2p topology (the scheduler resends their tasks, the merge
 stage drops what they wrote and the client is told, Reassign), and the scheduler stops using it
-until it is heard from again. Every request a down linear stage holds (all of them), or a branch
-stage with no survivor, fails with a message naming it and is aborted everywhere; in a ring, a
+until it is heard from again. Every request a down linear stage holds (the skeleton, parse and
+schedule stages until its plan is out, merge to the end), or a branch stage with no survivor,
+fails with a message naming it and is aborted everywhere; in a ring, a
 down stage of any kind fails every request in flight (it cut their path). Liveness travels
 straight to the gateway in both topologies, so the stage named is the one that died. A new request
 that needs a stage which is down (restarting) or not up yet waits for it, up to `restart_wait_s`.
@@ -98,8 +99,10 @@ class Gateway(Stage):
         elif isinstance(msg, (SkeletonText, PointText, AnswerText)):
             await self._to_client(msg.rid, msg)
         elif isinstance(msg, MergePlan):
-            if msg.rid in self.requests:
-                self.requests[msg.rid].holders.update(msg.branches)
+            if msg.rid in self.requests:  # planned: the skeleton, parse and schedule stages are done with it
+                holders = self.requests[msg.rid].holders
+                holders.difference_update(n for n in self.linear if self.spec.kinds[n] != "merge")
+                holders.update(msg.branches)
             await self._to_client(msg.rid, msg)
         elif isinstance(msg, Reassign):
             if msg.rid in self.requests:
@@ -162,14 +165,16 @@ class Gateway(Stage):
         for rid, request in list(self.requests.items()):
             # A dead ring node also lost the messages in flight that passed through it, whoever
             # sent them: rerouting would leave requests waiting for points that never arrive.
-            if name in self.linear or self.spec.topology == "ring":
+            if self.spec.topology == "ring":
                 await self._fail(rid, error)
-            elif name in request.holders and survivors and request.reroutes < MAX_REROUTES:
+            elif name not in request.holders:
+                continue
+            elif name in self.branches and survivors and request.reroutes < MAX_REROUTES:
                 request.reroutes += 1
                 request.holders.discard(name)
                 log.warning("%s: rerouting the points %s held", rid, name)
                 await self.send(self.spec.named("schedule")[0], Reroute(rid, name))
-            elif name in request.holders:
+            else:
                 await self._fail(rid, error)
 
     def _down_names(self) -> list[str]:
