@@ -23,6 +23,7 @@ class _Merging:
     ends: dict[int, PointEnd] = field(default_factory=dict)  # point index -> how it ended
     ordered: OrderedAnswer | None = None  # the merged answer's text released so far (a planned answer)
     owner: dict[int, str] = field(default_factory=dict)  # point index -> the branch stage that decodes it
+    released: int = 0  # characters of a direct answer sent as AnswerText (a redo sends only what goes beyond)
 
 
 class MergeStage(Stage):
@@ -63,12 +64,14 @@ class MergeStage(Stage):
                 for index in state.ends:
                     await self._answer_text(msg.rid, state.ordered.end(index))
             elif self.streams:
-                await self._answer_text(msg.rid, "".join(state.texts.get(0, [])))
+                await self._direct_text(msg.rid, state)
         elif isinstance(msg, PointText):
             state.texts.setdefault(msg.index, []).append(msg.text)
             await self.send("gateway", msg)
-            if state.plan is not None and self.streams:
-                await self._answer_text(msg.rid, state.ordered.add(msg.index, msg.text) if state.ordered else msg.text)
+            if state.ordered is not None:
+                await self._answer_text(msg.rid, state.ordered.add(msg.index, msg.text))
+            elif state.plan is not None and self.streams:
+                await self._direct_text(msg.rid, state)
         else:
             state.ends[msg.index] = msg
             if state.ordered is not None:
@@ -85,6 +88,13 @@ class MergeStage(Stage):
             if state.ordered is not None:
                 state.ordered.restart(index)
         await self.send("gateway", msg)
+
+    async def _direct_text(self, rid: str, state: _Merging) -> None:
+        """A direct answer's new text: what its point wrote beyond what was sent (after a redo on
+        another stage, greedy decoding writes the same again)."""
+        text = "".join(state.texts.get(0, []))
+        await self._answer_text(rid, text[state.released :])
+        state.released = max(state.released, len(text))
 
     async def _answer_text(self, rid: str, text: str) -> None:
         if text:

@@ -521,3 +521,41 @@ def test_two_network_namespaces_as_two_hosts_over_tcp(tiny_model, reference):
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["answer"] == reference[1].answer
     assert all(a.startswith("tcp://10.77.0.") for a in out["tables"]) and out["branch_host"] == "10.77.0.2"
+
+
+@pytest.mark.parametrize("mode", ["direct", "sot"])
+def test_merge_takes_a_redone_points_text_from_its_new_stage_only_and_streams_it_once(mode):
+    """After a Reassign, the dead stage's late messages are ignored, the new stage's text counts,
+    and the streamed answer (AnswerText) is the final answer with nothing sent twice."""
+    from specsot_mq.messages import Envelope, MergePlan, PointEnd
+    from specsot_mq.stages.base import RunSpec
+    from specsot_mq.stages.merge import MergeStage
+
+    sent = []
+
+    async def send(dst, msg):
+        sent.append(msg)
+
+    async def scenario():
+        stage = MergeStage("merge", RunSpec("p2p", {}, {}, {}, {}, {}, "ipc://x"), send)
+        await stage.start()
+        a, b = "branch@a", "branch@b"
+        points = [[0, ""]] if mode == "direct" else [[1, "One"], [2, "Two"]]
+        branches = {a: [i for i, _ in points]}
+        steps = [
+            (MergePlan("r", mode, "", "", points, branches, {}), "schedule"),
+            (PointText("r", points[0][0], " first half", ids([1])), a),
+            (Reassign("r", [i for i, _ in points], b, a), "schedule"),
+            (PointText("r", points[0][0], " first half", ids([1])), b),
+            (PointText("r", points[0][0], " stale", ids([1])), a),  # the dead stage's last words, late
+            (PointText("r", points[0][0], " and the rest", ids([1])), b),
+            *[(PointEnd("r", i, "stop", 3, 3, 0.1), b) for i, _ in points],
+        ]
+        for msg, src in steps:
+            await stage.handle(Envelope(msg, "merge", src))
+
+    asyncio.run(scenario())
+    answer = next(m for m in sent if isinstance(m, Answer))
+    assert "stale" not in answer.answer and "first half and the rest" in answer.answer
+    assert "".join(m.text for m in sent if isinstance(m, AnswerText)) == answer.answer
+    assert any(isinstance(m, Reassign) for m in sent)  # the client is told
