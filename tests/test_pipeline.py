@@ -408,7 +408,8 @@ def hostile_frames(rng, count: int, vocab: int):
 
 
 @pytest.mark.slow
-def test_hostile_frames_at_every_inbox_are_dropped_and_every_stage_keeps_serving(tiny_model):
+@pytest.mark.parametrize("topology", ["p2p", "ring"])
+def test_hostile_frames_at_every_inbox_are_dropped_and_every_stage_keeps_serving(tiny_model, topology):
     """A seeded fuzz budget of hostile messages at every stage's inbox and the gateway's client
     socket: no stage exits or stalls, malformed frames are logged as dropped, and a real request
     is answered afterwards as before."""
@@ -418,7 +419,7 @@ def test_hostile_frames_at_every_inbox_are_dropped_and_every_stage_keeps_serving
 
     from specsot_mq.tokenizer import load_tokenizer
 
-    spec, run_dir = tiny_spec(tiny_model, "p2p", devices="127.0.0.1#cpu")
+    spec, run_dir = tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu")
     vocab = len(load_tokenizer(tiny_model[0]))
     rng = random.Random(0)
     with launched(spec, run_dir) as launcher:
