@@ -59,14 +59,15 @@ def serve(
     info = read_run_file(_run_file(topo.run))
     launcher = None
     if info is not None:
-        address, served = info["client_address"], info.get("model") or model_id(model.model)
+        address, served, curve = info["client_address"], info.get("model") or model_id(model.model), info.get("keys")
         err.print(f"[dim]attached to the running launch {topo.run!r} ({address})[/]")
     else:
         launcher, spec = start_topology(_launch_options(topo, model, flags))
+        curve = launcher.keys
         err.print("[dim]no running launch found: started a local one; /health says 503 until it is ready…[/]")
         address, served = spec.client_address, model_id(model.model)
     config = ServerConfig(address, served, keys, max_concurrency, max_queue, timeout, per_hour, max_tokens, repeat_stop,
-                          watch=launcher.check if launcher else None)  # fmt: skip
+                          watch=launcher.check if launcher else None, curve=curve)  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     err.print(f"serving {served} at http://{host}:{port}/ (API at /v1, web chat at /)"
               + (" · API key required" if keys else ""))  # fmt: skip

@@ -80,7 +80,7 @@ def launch(topo: TopologyOptions, model: ModelOptions, flags: LaunchFlags):
                   f"(run file {run_file})", flush=True)  # fmt: skip
 
             async def watch(live):
-                async with Client(spec.client_address) as client:
+                async with Client(spec.client_address, keys=launcher.keys) as client:
                     while True:
                         for report in launcher.check():
                             if live:
@@ -110,20 +110,20 @@ def launch(topo: TopologyOptions, model: ModelOptions, flags: LaunchFlags):
 
 @contextmanager
 def _topology(run: str, options):
-    """The client address of the run named `run` if one is live, else of a local one started now
-    with these LaunchOptions (and stopped on exit)."""
+    """(client address, CURVE keys or None) of the run named `run` if one is live, else of a local
+    one started now with these LaunchOptions (and stopped on exit)."""
     from specsot_mq.stages.launch import read_run_file, start_topology, wait_ready
 
     info = read_run_file(_run_file(run))
     if info is not None:
-        yield info["client_address"]
+        yield info["client_address"], info.get("keys")
         return
     err.print("[dim]no running launch found: starting a local one (specsot launch starts one to share)…[/]")
     launcher, spec = start_topology(options)
     try:
         with _sigterm_as_interrupt():
             asyncio.run(wait_ready(launcher))
-            yield spec.client_address
+            yield spec.client_address, launcher.keys
     finally:
         launcher.stop()
 
@@ -189,7 +189,7 @@ def run_batch(
     lines = [(n, line) for n, line in enumerate(src.read().splitlines(), 1) if line.strip()]
     dst = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")
 
-    async def answer_all(address: str) -> int:
+    async def answer_all(address: str, keys: dict | None) -> int:
         gate = asyncio.Semaphore(concurrency)
         failures = 0
 
@@ -209,15 +209,15 @@ def run_batch(
                     "skeleton": msg.skeleton, "points": [{"index": i, "title": t, "text": x} for i, t, x in msg.points],
                     "stats": msg.stats}  # fmt: skip
 
-        async with Client(address) as client:
+        async with Client(address, keys=keys) as client:
             tasks = [asyncio.create_task(one(client, n, line)) for n, line in lines]
             for task in tasks:  # in input order, each written as soon as it and those before it are done
                 dst.write(json.dumps(await task, ensure_ascii=False) + "\n")
                 dst.flush()
         return failures
 
-    with _topology(topo.run, options) as address:
-        failures = asyncio.run(answer_all(address))
+    with _topology(topo.run, options) as (address, keys):
+        failures = asyncio.run(answer_all(address, keys))
     if failures:
         err.print(f"[yellow]{failures} of {len(lines)} lines failed (see their \"error\")[/]")
 
@@ -235,7 +235,7 @@ def chat(topo: TopologyOptions, model: ModelOptions):
     settings = {"mode": "auto", "temperature": 0.0, "max_tokens": 256, "repeat_stop": REPEAT_STOP}
     history: list[tuple[str, str]] = []
     options = _launch_options(topo, model)
-    with _topology(topo.run, options) as address:
+    with _topology(topo.run, options) as (address, keys):
         console.print(f"[dim]connected to {address} · {CHAT_HELP}[/]")
         while True:
             try:
@@ -256,10 +256,10 @@ def chat(topo: TopologyOptions, model: ModelOptions):
                                     repeat_stop=settings["repeat_stop"])  # fmt: skip
             rid = uuid.uuid4().hex[:12]
             try:
-                answer = asyncio.run(_chat_turn(address, line, _turns(history), params, settings["mode"], rid,
+                answer = asyncio.run(_chat_turn((address, keys), line, _turns(history), params, settings["mode"], rid,
                                                 console))  # fmt: skip
             except KeyboardInterrupt:
-                asyncio.run(_cancel(address, rid))
+                asyncio.run(_cancel((address, keys), rid))
                 console.print("[yellow]stopped[/]")
                 continue
             if answer is not None:
@@ -298,15 +298,16 @@ def _turns(history: list[tuple[str, str]], keep: int = 3) -> list[dict]:
     return [{"role": role, "content": text} for q, a in history[-keep:] for role, text in (("user", q), ("assistant", a))]
 
 
-async def _cancel(address: str, rid: str) -> None:
+async def _cancel(gateway: tuple, rid: str) -> None:
     from specsot_mq.client import Client
 
-    async with Client(address) as client:
+    async with Client(gateway[0], keys=gateway[1]) as client:
         await client.cancel(rid)
         await asyncio.sleep(0.1)
 
 
-async def _chat_turn(address, question, history, params, mode, rid, console: Console) -> str | None:
+async def _chat_turn(gateway: tuple, question, history, params, mode, rid, console: Console) -> str | None:
+    """One answer in chat; gateway: (client address, CURVE keys or None)."""
     from specsot_mq.client import Client
     from specsot_mq.messages import Answer, Failed, MergePlan, PointText, Reassign, SkeletonText
 
@@ -320,7 +321,7 @@ async def _chat_turn(address, question, history, params, mode, rid, console: Con
             table.add_row(f"[bold]{index}. {title}[/]" if index else "[bold]answer[/]", texts.get(index, "")[-160:].replace("\n", " "))
         return table
 
-    async with Client(address) as client:
+    async with Client(gateway[0], keys=gateway[1]) as client:
         live = None
         try:
             async for msg in client.ask(question, params, mode, rid=rid, timeout=600, history=history):

@@ -57,6 +57,7 @@ class ServerConfig:
     max_tokens: int = 256  # default per phase
     repeat_stop: int = REPEAT_STOP
     watch: Callable[[], list[str]] | None = None  # called every second: a local launch restarting dead stages
+    curve: dict | None = None  # the run's CURVE keys, when the gateway listens on tcp
 
 
 class RequestId:
@@ -140,7 +141,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app):
-        state["client"] = Client(config.client_address)
+        state["client"] = Client(config.client_address, keys=config.curve)
         state["ready"] = False
         watcher = asyncio.create_task(_watch(config.watch)) if config.watch else None
         yield

@@ -26,11 +26,28 @@ from specsot_mq.sampling import SamplingParams
 ALIVE_S = 5.0  # a request silent this long checks that the gateway still answers
 
 
+def secure(sock, address: str, keys: dict | None, server: bool) -> None:
+    """ZeroMQ CURVE on a tcp socket of a run whose links are authenticated: keys {"public",
+    "secret"} (z85) are the run's own, the one identity every stage and client of the run holds.
+    A server socket accepts only peers that hold it (the stage's authenticator checks); ipc and
+    inproc sockets, and runs without keys, are left as they are."""
+    if not keys or not address.startswith("tcp://"):
+        return
+    sock.curve_secretkey = keys["secret"].encode()
+    sock.curve_publickey = keys["public"].encode()
+    if server:
+        sock.curve_server = True
+    else:
+        sock.curve_serverkey = keys["public"].encode()
+
+
 class Client:
-    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None, keys: dict | None = None):
+        """keys: the run's CURVE keys (its run file has them) when the gateway listens on tcp."""
         self.address = address
         self.sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        secure(self.sock, address, keys, server=False)
         self.sock.connect(address)
         self.queues: dict[str, asyncio.Queue] = {}
         self.status_waiters: list[asyncio.Future] = []
@@ -77,11 +94,13 @@ class Client:
         self._ensure_reader()
         fut = asyncio.get_running_loop().create_future()
         self.status_waiters.append(fut)
-        await self.sock.send_multipart(encode(StatusQuery(), "gateway", "client"))
         try:
+            # A send waits while no connection is up (a gateway gone, or a tcp run's keys missing).
+            await asyncio.wait_for(self.sock.send_multipart(encode(StatusQuery(), "gateway", "client")), timeout)
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise SpecSotError(f"no gateway answers at {self.address}: is `specsot launch` running?") from None
+            raise SpecSotError(f"no gateway answers at {self.address}: is `specsot launch` running (and, for a run "
+                               "over tcp, are its keys given: attach with --run)?") from None
 
     async def ask(self, question: str, params: SamplingParams | None = None, sot: str = "auto",
                   rid: str | None = None, timeout: float | None = None, history: list[dict] = ()) -> AsyncIterator:  # fmt: skip
@@ -95,7 +114,13 @@ class Client:
         done = False
         try:
             ask = Ask(rid, question, params_to_wire(params or SamplingParams()), sot, list(history))
-            await self.sock.send_multipart(encode(ask, "gateway", "client"))
+            try:
+                await asyncio.wait_for(self.sock.send_multipart(encode(ask, "gateway", "client")), ALIVE_S)
+            except asyncio.TimeoutError:
+                done = True  # nothing was sent: nothing to cancel
+                yield Failed(rid, f"cannot reach the gateway at {self.address}: is `specsot launch` running (and, for "
+                                  "a run over tcp, are its keys given: attach with --run)?")  # fmt: skip
+                return
             deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
             while True:
                 msg = await self._next(queue, rid, deadline)

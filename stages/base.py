@@ -55,6 +55,7 @@ class RunSpec:
     dead_after_s: float = 5.0  # a stage silent this long is down
     restart_wait_s: float = 60.0  # a new request waits this long for a down stage to be back
     threads: dict[str, int] = field(default_factory=dict)  # CPU device stage -> torch threads (default: its host's cores)
+    curve: bool = False  # tcp links authenticated with the run's CURVE keys (given to each stage on its stdin)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -76,6 +77,7 @@ class Stage:
         """send: through the topology; direct: straight to a stage's inbox (the control plane)."""
         self.name, self.spec, self.send, self.direct = name, spec, send, direct or send
         self.route_around: Callable[[list[str]], None] = lambda stages: None  # the transport's set_down
+        self.keys: dict | None = None  # the run's CURVE keys (a run over tcp), for sockets of its own
         self.tokens = 0  # tokens produced so far (device stages), for the tokens/s column
 
     async def start(self) -> None:

@@ -29,6 +29,7 @@ from specsot_mq.messages import (
     Abort, Answer, AnswerText, Ask, Down, Reassign, Reroute, Cancel, Failed, Heartbeat, Membership, MergePlan, PointText, Ready,
     SkeletonText, Status, StatusQuery, WireError, decode, encode,
 )  # fmt: skip
+from specsot_mq.client import secure
 from specsot_mq.stages.base import Stage
 
 log = logging.getLogger("specsot.gateway")
@@ -71,6 +72,8 @@ class Gateway(Stage):
     async def start(self) -> None:
         self.clients = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.clients.setsockopt(zmq.LINGER, 0)
+        self.clients.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        secure(self.clients, self.spec.client_address, self.keys, server=True)
         self.clients.bind(self.spec.client_address)
         self.requests: dict[str, _Request] = {}
         self.parked: list[tuple[bytes, Ask, float]] = []  # (client, question, deadline) waiting for a stage to come up

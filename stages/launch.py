@@ -110,7 +110,9 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
     # Each branch's profile fields but its name (the stage is named after the device already).
     profs = {f"branch@{p.name}": {k: v for k, v in asdict(p).items() if k != "name"}
              for p in device_profiles(devices, profiles)}  # fmt: skip
-    return RunSpec(topology, table, kinds, hosts, dev, profs, address("client"), threads=threads, **options)
+    # Over tcp, every link is authenticated with the run's own CURVE keys (the launcher makes them).
+    return RunSpec(topology, table, kinds, hosts, dev, profs, address("client"), threads=threads, curve=not local,
+                   **options)  # fmt: skip
 
 
 @dataclass
@@ -128,6 +130,12 @@ class Launcher:
     def __init__(self, spec: RunSpec, run_dir: Path, remote: str = "ssh {host} {command}", restart: bool = True):
         self.spec, self.run_dir, self.remote, self.restart = spec, Path(run_dir), remote, restart
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.keys = None  # the run's CURVE keys when its links are tcp: given to stages on stdin, to clients in the run file
+        if spec.curve:
+            import zmq
+
+            public, secret = zmq.curve_keypair()
+            self.keys = {"public": public.decode(), "secret": secret.decode()}
         self.stages = {name: StageProcess(name, self._command(name), self.run_dir / f"{_safe(name)}.log")
                        for name in spec.kinds}  # fmt: skip
 
@@ -145,9 +153,13 @@ class Launcher:
     def _spawn(self, stage: StageProcess) -> None:
         log = open(stage.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        stage.proc = subprocess.Popen(stage.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=env, start_new_session=True)  # fmt: skip
+        stage.proc = subprocess.Popen(stage.command, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.PIPE if self.keys else subprocess.DEVNULL, env=env,
+                                      start_new_session=True)  # fmt: skip
         log.close()
+        if self.keys:  # on stdin (a remote host's through the remote command): never on a command line
+            stage.proc.stdin.write((json.dumps(self.keys) + "\n").encode())
+            stage.proc.stdin.close()
 
     def check(self) -> list[str]:
         """Report stages that exited since the last call (and restart them); returns the reports."""
@@ -175,9 +187,12 @@ class Launcher:
     def write_run_file(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         info = {"client_address": self.spec.client_address, "launcher_pid": os.getpid(), "run_dir": str(self.run_dir),
-                "topology": self.spec.topology, "model": model_id(self.spec.model), "stages": self.pids()}  # fmt: skip
+                "topology": self.spec.topology, "model": model_id(self.spec.model), "stages": self.pids(),
+                "keys": self.keys}  # fmt: skip
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info, indent=1))
+        tmp.unlink(missing_ok=True)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:  # it may hold the keys
+            f.write(json.dumps(info, indent=1))
         tmp.replace(path)
 
     def stop(self, grace: float = 5.0) -> None:
@@ -207,7 +222,7 @@ async def wait_ready(launcher: Launcher, timeout: float = 300.0) -> None:
     from specsot_mq.client import Client
 
     deadline = time.monotonic() + timeout
-    async with Client(launcher.spec.client_address) as client:
+    async with Client(launcher.spec.client_address, keys=launcher.keys) as client:
         while time.monotonic() < deadline:
             try:
                 if (await client.status(timeout=1.0)).ready:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import json
 import logging
 import os
 import resource
 import signal
 import socket
+import sys
 import time
 
 # Set before torch loads OpenMP (libgomp): an idle OpenMP thread spins about 0.1 ms, then sleeps.
@@ -54,11 +56,14 @@ def release_free_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-async def serve(name: str, spec: RunSpec, ctx=None) -> None:
-    """Run stage `name` until SIGTERM (or until the task is cancelled, as tests do in-process)."""
-    transport = make_transport(spec.topology, name, spec.table, ctx)
+async def serve(name: str, spec: RunSpec, ctx=None, keys: dict | None = None) -> None:
+    """Run stage `name` until SIGTERM (or until the task is cancelled, as tests do in-process).
+    keys: the run's CURVE keys (a run over tcp): its tcp sockets accept only peers that hold them."""
+    authenticator = _authenticate(ctx, keys) if keys else None
+    transport = make_transport(spec.topology, name, spec.table, ctx, keys)
     stage: Stage = stage_class(spec.kinds[name], spec.overrides)(name, spec, transport.send, transport.send_direct)
     stage.route_around = transport.set_down
+    stage.keys = keys
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     try:
@@ -116,6 +121,33 @@ async def serve(name: str, spec: RunSpec, ctx=None) -> None:
             task.cancel()
         await stage.stop()
         transport.close()
+        if authenticator is not None:
+            authenticator.stop()
+
+
+class _RunKey:
+    """The CURVE authenticator's check: only the run's own public key gets in; any other peer
+    is refused and logged."""
+
+    def __init__(self, public: str):
+        self.public = public.encode()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key == self.public:
+            return True
+        log.warning("refused a tcp peer that does not hold this run's key (CURVE key %s)", key.decode(errors="replace"))
+        return False
+
+
+def _authenticate(ctx, keys: dict):
+    """ZeroMQ's authenticator (ZAP) on the stage's context: CURVE peers must hold the run's key."""
+    import zmq.asyncio
+    from zmq.auth.asyncio import AsyncioAuthenticator
+
+    authenticator = AsyncioAuthenticator(ctx or zmq.asyncio.Context.instance())
+    authenticator.start()
+    authenticator.configure_curve_callback("*", credentials_provider=_RunKey(keys["public"]))
+    return authenticator
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,13 +157,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
     spec = RunSpec.from_json(args.spec)
+    # A run over tcp: its keys come on standard input (never on the command line, which any user
+    # of the host can read).
+    keys = json.loads(sys.stdin.readline()) if spec.curve else None
     try:
         import uvloop
     except ImportError:
         log.warning("uvloop is not installed: running on the default asyncio loop")
-        asyncio.run(serve(args.name, spec))
+        asyncio.run(serve(args.name, spec, keys=keys))
     else:
-        uvloop.run(serve(args.name, spec))
+        uvloop.run(serve(args.name, spec, keys=keys))
 
 
 if __name__ == "__main__":

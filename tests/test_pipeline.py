@@ -21,6 +21,7 @@ import zmq.asyncio
 from pipeline_helpers import PLAN, launched, make_tiny_model
 from specsot_mq.client import Client
 from specsot_mq.devices import parse_devices
+from specsot_mq.errors import SpecSotError
 from specsot_mq.messages import (
     BROADCAST, Abort, Answer, AnswerText, Ask, BranchTask, Failed, Membership, Planned, PointText, Reassign, encode, ids,
 )  # fmt: skip
@@ -295,6 +296,71 @@ def test_a_ring_routes_around_a_dead_branch_stage_and_takes_it_back(tiny_model, 
 
 
 @pytest.mark.slow
+def test_tcp_links_are_authenticated_with_the_runs_keys(tiny_model, tmp_path):
+    """A run over tcp: every stage's inbox and the gateway's client socket take only peers that
+    hold the run's CURVE keys, which reach the stages on stdin (never a command line) and clients
+    through the run file (readable by its owner alone). A peer without them changes nothing; one
+    with a key of its own is refused and logged."""
+    import stat
+
+    import zmq
+
+    spec, run_dir = tiny_spec(tiny_model, "p2p", devices="127.0.0.1#cpu")
+    ports = iter(range(6300, 6400))
+    spec.table = {name: f"tcp://127.0.0.1:{next(ports)}" for name in spec.table}
+    spec.client_address, spec.curve = f"tcp://127.0.0.1:{next(ports)}", True
+    with launched(spec, run_dir) as launcher:
+        keys = launcher.keys
+        assert keys and not any(keys["secret"] in " ".join(stage.command) for stage in launcher.stages.values())
+        run_file = tmp_path / "run.json"
+        launcher.write_run_file(run_file)
+        assert stat.S_IMODE(run_file.stat().st_mode) == 0o600 and json.loads(run_file.read_text())["keys"] == keys
+
+        async def ask(with_keys):
+            async with Client(spec.client_address, keys=keys if with_keys else None) as client:
+                if not with_keys:
+                    with pytest.raises(SpecSotError):
+                        await client.status(timeout=2.0)
+                    return None
+                return await client.answer(QUESTION, PARAMS, "always", timeout=120)
+
+        assert asyncio.run(ask(False)) is None
+        ctx = zmq.Context.instance()
+        plain, foreign = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+        public, secret = zmq.curve_keypair()
+        foreign.curve_publickey, foreign.curve_secretkey = public, secret
+        foreign.curve_serverkey = keys["public"].encode()
+        for sock in (plain, foreign):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(spec.table["merge"])
+
+        async def forged_abort_mid_request():
+            async with Client(spec.client_address, keys=keys) as client:
+                last = {}
+
+                async def victim():
+                    async for msg in client.ask(QUESTION, PARAMS, "always", rid="victim", timeout=120):
+                        last["msg"] = msg
+
+                task = asyncio.create_task(victim())
+                await asyncio.sleep(0.3)
+                for sock in (plain, foreign):  # well-formed, and it would drop the request if let in
+                    try:
+                        sock.send_multipart(encode(Abort("victim", "forged"), "merge", "gateway"), zmq.NOBLOCK)
+                    except zmq.Again:  # no connection came up to queue it on
+                        pass
+                await task
+                return last["msg"]
+
+        answer = asyncio.run(forged_abort_mid_request())
+        time.sleep(1)
+        plain.close(), foreign.close()
+        merge_log = launcher.stages["merge"].log_path.read_text()
+    assert isinstance(answer, Answer), answer
+    assert "refused a tcp peer" in merge_log
+
+
+@pytest.mark.slow
 def test_a_gateway_that_dies_fails_its_clients_requests_with_one_message(tiny_model):
     """A client waiting on a dead gateway does not hang until its timeout: a silent request checks
     that the gateway answers (Client.ALIVE_S) and ends with a Failed that says so."""
@@ -465,9 +531,9 @@ run_dir = Path(tempfile.mkdtemp(prefix="specsot-netns-"))
 spec = plan_run(parse_devices("10.77.0.1#cpu,10.77.0.2#cpu"), load_profiles(default_profiles_path()), "ring", run_dir,
                 base_port=6100, model=model, dtype="fp32", draft=draft, max_len=512,
                 sot={"point_tokens": 12, "skeleton_tokens": 16}, overrides={"parse": "pipeline_helpers:FixedPlanParse"})
-with launched(spec, run_dir, remote="ip netns exec specsot-b {command}"):
+with launched(spec, run_dir, remote="ip netns exec specsot-b {command}") as launcher:
     async def go():
-        async with Client(spec.client_address) as client:
+        async with Client(spec.client_address, keys=launcher.keys) as client:
             return await client.answer("How do I start running?", SamplingParams(max_tokens=12, ignore_eos=True), "always", timeout=120)
     answer = asyncio.run(go())
 print(json.dumps({"answer": answer.answer, "tables": list(spec.table.values()), "branch_host": spec.hosts["branch@10.77.0.2#cpu"]}))

@@ -8,6 +8,7 @@ import logging
 import zmq
 import zmq.asyncio
 
+from specsot_mq.client import secure
 from specsot_mq.messages import BROADCAST, Envelope, WireError, decode, encode, peek
 
 log = logging.getLogger("specsot.transport")
@@ -20,13 +21,15 @@ class Transport:
     """One stage's link to the others. `table` maps every stage name to its address (tcp://ip:port,
     ipc://path or inproc://name), in ring order."""
 
-    def __init__(self, me: str, table: dict[str, str], ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, me: str, table: dict[str, str], ctx: zmq.asyncio.Context | None = None, keys: dict | None = None):
+        """keys: the run's CURVE keys, for its tcp links (see client.secure)."""
         if me not in table:
             raise ValueError(f"stage {me!r} is not in the address table")
-        self.me, self.table = me, dict(table)
+        self.me, self.table, self.keys = me, dict(table), keys
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.inbox = self._socket(zmq.PULL)
         self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        secure(self.inbox, table[me], keys, server=True)
         self.inbox.bind(table[me])
         self._out: dict[str, zmq.asyncio.Socket] = {}
         self.dropped = 0  # malformed frames received and dropped
@@ -45,6 +48,7 @@ class Transport:
     def _link(self, name: str) -> zmq.asyncio.Socket:
         if name not in self._out:
             sock = self._socket(zmq.PUSH)
+            secure(sock, self.table[name], self.keys, server=False)
             sock.connect(self.table[name])
             self._out[name] = sock
         return self._out[name]
@@ -102,8 +106,8 @@ class Ring(Transport):
     broadcast goes once around. A message for a stage that is down is dropped (else it would
     circle for ever)."""
 
-    def __init__(self, me: str, table: dict[str, str], ctx: zmq.asyncio.Context | None = None):
-        super().__init__(me, table, ctx)
+    def __init__(self, me: str, table: dict[str, str], ctx: zmq.asyncio.Context | None = None, keys: dict | None = None):
+        super().__init__(me, table, ctx, keys)
         self.order = list(table)
         self.forwarded = 0
 
@@ -132,8 +136,8 @@ class Ring(Transport):
         return None
 
 
-def make_transport(topology: str, me: str, table: dict[str, str], ctx=None) -> Transport:
-    """The transport of this topology for stage `me`."""
+def make_transport(topology: str, me: str, table: dict[str, str], ctx=None, keys: dict | None = None) -> Transport:
+    """The transport of this topology for stage `me` (keys: the run's CURVE keys, for tcp links)."""
     if topology not in TOPOLOGIES:
         raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
-    return (P2P if topology == "p2p" else Ring)(me, table, ctx)
+    return (P2P if topology == "p2p" else Ring)(me, table, ctx, keys)
