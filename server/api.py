@@ -30,7 +30,6 @@ COMMON = {"model", "stream", "stream_options", "max_tokens", "max_completion_tok
           "stop", "n", "user", "sot", "timeout", "repeat_stop"}  # fmt: skip
 CHAT = COMMON | {"messages"}
 COMPLETION = COMMON | {"prompt"}
-FINISH = {"stop": "stop", "repeat": "stop", "length": "length", "abort": "abort"}
 
 
 class ApiError(Exception):
@@ -202,7 +201,7 @@ def progress(msg) -> dict | None:
 
 def body(req: Request, rid: str, answer: Answer) -> dict:
     """A whole (non-streamed) response."""
-    finish = FINISH.get(answer.finish, "stop")
+    finish = answer.finish  # "stop" or "length" (the merge stage counts a loop stop as stop)
     if req.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": answer.answer}, "finish_reason": finish,
                   "logprobs": None}  # fmt: skip

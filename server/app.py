@@ -300,8 +300,6 @@ class Run:
         self.started = time.monotonic()
         self.first_text: float | None = None
         self.timed_out = False
-        self.done = False
-        self.client = client
         self.messages = client.ask(req.question, req.params, req.sot, rid=rid, history=req.history)
 
     async def next(self):
@@ -314,16 +312,12 @@ class Run:
             return Failed(self.rid, "the request timed out: raise its \"timeout\" (seconds) or the server's --timeout")
         if isinstance(msg, AnswerText) and self.first_text is None:
             self.first_text = time.monotonic()
-        self.done = isinstance(msg, (Answer, Failed))
         return msg
 
     async def close(self) -> None:
-        """Stop reading; a request still running is cancelled in every stage. Safe in a task being
-        cancelled (a client that went away): the cancel is sent without waiting, and a generator
-        still running in a cancelled wait's task closes itself when that task ends."""
-        if not self.done:
-            self.done = True
-            asyncio.ensure_future(self.client.cancel(self.rid))
+        """Stop reading; a request still running is cancelled in every stage (Client.ask does it
+        as its generator closes). Safe in a task being cancelled (a client that went away): a
+        generator still running in a cancelled wait's task closes itself when that task ends."""
         try:
             await self.messages.aclose()
         except RuntimeError:  # "asynchronous generator is already running"
@@ -355,7 +349,7 @@ async def _sse(run: Run, first, finished, metrics: Metrics) -> AsyncIterator[str
         while True:
             if isinstance(msg, Answer):
                 outcome, answer = "completed", msg
-                yield _event(api.chunk(req, rid, finish=api.FINISH.get(msg.finish, "stop"), ext=api.how(msg)))
+                yield _event(api.chunk(req, rid, finish=msg.finish, ext=api.how(msg)))
                 if req.include_usage:
                     yield _event(api.usage_chunk(req, rid, msg))
                 break
