@@ -6,12 +6,16 @@ point text, the answer, a failure) comes back here and goes out to that client. 
 Ready once and a Heartbeat every `heartbeat_s`; a stage silent for `dead_after_s` is down. A down
 branch stage's points go to a surviving branch stage in the p2p topology (the scheduler resends their tasks, the merge
 stage drops what they wrote and the client is told, Reassign), and the scheduler stops using it
-until it is heard from again. Every request a down linear stage holds (the skeleton, parse and
-schedule stages until its plan is out, merge to the end), or a branch stage with no survivor,
-fails with a message naming it and is aborted everywhere; in a ring, a
-down stage of any kind fails every request in flight (it cut their path). Liveness travels
-straight to the gateway in both topologies, so the stage named is the one that died. A new request
-that needs a stage which is down (restarting) or not up yet waits for it, up to `restart_wait_s`.
+until it is heard from again. In a ring, a dead node may also have taken with it messages of any
+request that passed through it, so every request in flight starts again from its question, under a
+new wire id (`rid~N`; the old attempt is aborted everywhere and its late messages dropped): the
+redo writes the same text (greedy, or sampled with the seed fixed here at admission), and the
+client is sent only what goes beyond what it already has (_Shown). A request fails, with a message
+naming the dead stage, when that stage held it and no stage of its kind survives (the skeleton,
+parse and schedule stages hold it until its plan is out, merge to the end), or after MAX_REROUTES
+redos. Liveness travels straight to the gateway in both topologies, so the stage named is the one
+that died. A new or restarted request that needs a stage which is down (restarting) or not up yet
+waits for it, up to `restart_wait_s`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -34,7 +39,7 @@ from specsot_mq.stages.base import Stage
 
 log = logging.getLogger("specsot.gateway")
 LINEAR = ("skeleton", "parse", "schedule", "merge")  # kinds every request passes through
-MAX_REROUTES = 3  # a request whose branch stages die more often than this fails
+MAX_REROUTES = 3  # a request whose work must be redone more often than this (stages died) fails
 
 
 @dataclass(slots=True)
@@ -61,11 +66,48 @@ class _Health:
 
 
 @dataclass(slots=True)
+class _Shown:
+    """What a client has been sent of each of a request's streams (its skeleton, each point, the
+    answer), and how much of each the current attempt has written: after a restart the redo
+    writes the same again, and only what goes beyond reaches the client."""
+
+    texts: dict[str, str] = field(default_factory=dict)  # stream -> text sent
+    tokens: dict[str, int] = field(default_factory=dict)  # stream -> token ids sent
+    written: dict[str, tuple[int, int]] = field(default_factory=dict)  # stream -> (chars, tokens) of this attempt
+
+    def fresh(self, stream: str, text: str, tokens: int) -> tuple[str, int] | None:
+        """A new piece of `stream` from the current attempt: (its text the client has not seen,
+        how many of its leading token ids the client has), or None if it differs from what the
+        client was sent (a redo that did not write the same)."""
+        chars, toks = self.written.get(stream, (0, 0))
+        sent = self.texts.get(stream, "")
+        overlap = sent[chars : chars + len(text)]
+        if not text.startswith(overlap):
+            return None
+        self.written[stream] = (chars + len(text), toks + tokens)
+        new = text[len(overlap) :]
+        self.texts[stream] = sent + new
+        seen = min(tokens, max(0, self.tokens.get(stream, 0) - toks))
+        self.tokens[stream] = self.tokens.get(stream, 0) + tokens - seen
+        return new, seen
+
+
+@dataclass(slots=True)
 class _Request:
     client: bytes  # the client's ROUTER identity
+    ask: Ask  # as the client sent it (a sampled one with its seed fixed)
     started: float
+    deadline: float | None = None  # waiting for a down stage until then (None: admitted)
     holders: set = field(default_factory=set)  # stages that hold part of it
-    reroutes: int = 0  # times a dead branch stage's points were sent elsewhere
+    reroutes: int = 0  # times its work was redone after a stage died
+    attempt: int = 0  # times it started again from its question (a ring node died)
+    planned: bool = False  # the client has its plan
+    shown: _Shown = field(default_factory=_Shown)
+
+    @property
+    def wire(self) -> str:
+        """The id the stages know the current attempt by."""
+        return self.ask.rid if not self.attempt else f"{self.ask.rid}~{self.attempt}"
 
 
 class Gateway(Stage):
@@ -75,8 +117,8 @@ class Gateway(Stage):
         self.clients.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         secure(self.clients, self.spec.client_address, self.keys, server=True)
         self.clients.bind(self.spec.client_address)
-        self.requests: dict[str, _Request] = {}
-        self.parked: list[tuple[bytes, Ask, float]] = []  # (client, question, deadline) waiting for a stage to come up
+        self.requests: dict[str, _Request] = {}  # client's request id -> it, admitted or waiting
+        self.wired: dict[str, str] = {}  # an admitted attempt's wire id -> the client's request id
         now = time.monotonic()
         self.health = {name: _Health(kind, self.spec.hosts.get(name, ""), self.spec.devices.get(name, ""),
                                      name == self.name, name == self.name, now)
@@ -99,25 +141,44 @@ class Gateway(Stage):
         msg = env.msg
         if isinstance(msg, (Ready, Heartbeat)):
             await self.handle_local(msg)
-        elif isinstance(msg, (SkeletonText, PointText, AnswerText)):
-            await self._to_client(msg.rid, msg)
-        elif isinstance(msg, MergePlan):
-            if msg.rid in self.requests:  # planned: the skeleton, parse and schedule stages are done with it
-                holders = self.requests[msg.rid].holders
-                holders.difference_update(n for n in self.linear if self.spec.kinds[n] != "merge")
-                holders.update(msg.branches)
-            await self._to_client(msg.rid, msg)
+            return
+        rid = self.wired.get(getattr(msg, "rid", None))
+        if rid is None:
+            return  # a request that ended, or an attempt that was restarted: its late messages
+        request = self.requests[rid]
+        if isinstance(msg, (SkeletonText, PointText, AnswerText)):
+            await self._stream(rid, request, msg)
+        elif isinstance(msg, MergePlan):  # planned: the skeleton, parse and schedule stages are done with it
+            request.holders.difference_update(n for n in self.linear if self.spec.kinds[n] != "merge")
+            request.holders.update(msg.branches)
+            if not request.planned:  # a redo plans the same points
+                request.planned = True
+                await self._send_client(request.client, dataclasses.replace(msg, rid=rid))
         elif isinstance(msg, Reassign):
-            if msg.rid in self.requests:
-                self.requests[msg.rid].holders.add(msg.stage)
-            await self._to_client(msg.rid, msg)
+            request.holders.add(msg.stage)
+            await self._send_client(request.client, dataclasses.replace(msg, rid=rid))
         elif isinstance(msg, Answer):
-            request = self.requests.pop(msg.rid, None)
-            if request is not None:
-                msg.stats["seconds"] = time.monotonic() - request.started
-                await self._send_client(request.client, msg)
+            self._forget(rid)
+            msg.stats["seconds"] = time.monotonic() - request.started
+            if request.attempt:
+                msg.stats["restarts"] = request.attempt
+            await self._send_client(request.client, dataclasses.replace(msg, rid=rid))
         elif isinstance(msg, Failed):
-            await self._fail(msg.rid, msg.error)
+            await self._fail(rid, msg.error)
+
+    async def _stream(self, rid: str, request: _Request, msg) -> None:
+        """Text for the client, less what it already has from an earlier attempt."""
+        stream = "skeleton" if isinstance(msg, SkeletonText) else "answer" if isinstance(msg, AnswerText) else f"point {msg.index}"
+        tokens = getattr(msg, "token_ids", None)
+        fresh = request.shown.fresh(stream, msg.text, 0 if tokens is None else len(tokens))
+        if fresh is None:
+            await self._fail(rid, f"this request started again after a stage died, and its redo wrote another {stream} "
+                                  "than the one streamed (a sampled request without a reproducible seed): retry it")  # fmt: skip
+            return
+        text, seen = fresh
+        if text or (tokens is not None and seen < len(tokens)):
+            update = {"rid": rid, "text": text} | ({"token_ids": tokens[seen:]} if tokens is not None else {})
+            await self._send_client(request.client, dataclasses.replace(msg, **update))
 
     async def handle_local(self, msg: Ready | Heartbeat) -> None:
         """A stage's sign of life (the gateway's own heartbeat comes here too)."""
@@ -138,7 +199,7 @@ class Gateway(Stage):
             await self.direct(msg.stage, Down(self._down_names()))
         if not was_up and entry.kind == "branch":
             await self._membership()
-        if not was_up and self.parked:
+        if not was_up:
             await self._unpark()
 
     # -- health --------------------------------------------------------------------------------
@@ -154,31 +215,44 @@ class Gateway(Stage):
                     log.error("%s is down (no heartbeat for %.1f s)", name, silent)
                     await self._down_changed()
                     await self._stage_down(name, silent)
-            if self.parked:
-                await self._unpark()
+            await self._unpark()
 
     async def _stage_down(self, name: str, silent: float) -> None:
-        """A stage went silent: the requests it held fail, but in p2p a dead branch stage's points
-        go to a surviving branch stage (at most MAX_REROUTES times per request)."""
+        """A stage went silent: the work it held is redone elsewhere (p2p: a dead branch stage's
+        points move to a survivor; ring: every request in flight starts again), or its requests
+        fail when no stage of its kind survives or a request was redone MAX_REROUTES times."""
         error = (f"stage {name} stopped answering (no heartbeat for {silent:.1f} s), so this request was "
                  "dropped; the launcher restarts the stage, retry in a moment")  # fmt: skip
-        if name in self.branches:
+        kind = self.spec.kinds[name]
+        if kind == "branch":
             await self._membership()  # before any reroute: the scheduler must not pick the dead stage
-        survivors = any(self.health[n].up for n in self.branches)
+        survivors = any(self.health[n].up for n in self.spec.named(kind))
+        ring = self.spec.topology == "ring"
         for rid, request in list(self.requests.items()):
-            # A dead ring node also lost the messages in flight that passed through it, whoever
-            # sent them: rerouting would leave requests waiting for points that never arrive.
-            if self.spec.topology == "ring":
-                await self._fail(rid, error)
-            elif name not in request.holders:
+            held = name in request.holders and request.deadline is None
+            if not held and not (ring and request.deadline is None):
                 continue
-            elif name in self.branches and survivors and request.reroutes < MAX_REROUTES:
-                request.reroutes += 1
+            if (held and not survivors) or request.reroutes >= MAX_REROUTES:
+                await self._fail(rid, error)
+                continue
+            request.reroutes += 1
+            if ring:
+                await self._restart(rid, request, name)
+            else:
                 request.holders.discard(name)
                 log.warning("%s: rerouting the points %s held", rid, name)
-                await self.send(self.spec.named("schedule")[0], Reroute(rid, name))
-            else:
-                await self._fail(rid, error)
+                await self.send(self.spec.named("schedule")[0], Reroute(request.wire, name))
+
+    async def _restart(self, rid: str, request: _Request, dead: str) -> None:
+        """Start a request again from its question under a new wire id, once the stages it needs
+        are up (its old attempt is forgotten everywhere)."""
+        log.warning("%s: starting it again (%s died, and its messages may have passed through it)", rid, dead)
+        await self._abort(request.wire, f"restarted: {dead} died")
+        del self.wired[request.wire]
+        request.attempt += 1
+        request.shown.written.clear()
+        request.deadline = time.monotonic() + self.spec.restart_wait_s
+        await self._unpark()
 
     def _down_names(self) -> list[str]:
         return [n for n, e in self.health.items() if e.ever_up and not e.up]
@@ -219,14 +293,16 @@ class Gateway(Stage):
             ready = all(e.up for e in self.health.values())
             await self._send_client(client, Status(ready, stages))
         elif isinstance(msg, Ask):
-            if msg.rid in self.requests or any(ask.rid == msg.rid for _, ask, _ in self.parked):
+            if msg.rid in self.requests:
                 await self._send_client(client, Failed(msg.rid, f"request id {msg.rid} is already in flight"))
             elif bad := _bad_ask(msg):
                 await self._send_client(client, Failed(msg.rid, bad))
-            elif self._down():  # a stage it needs is starting or restarting: it waits, for a while
-                self.parked.append((client, msg, time.monotonic() + self.spec.restart_wait_s))
             else:
-                await self._admit(client, msg)
+                if msg.params.get("temperature", 0) > 0 and msg.params.get("seed") is None:
+                    msg.params["seed"] = secrets.randbits(31)  # a redo after a fault then writes the same
+                now = time.monotonic()  # a request that needs a stage which is (re)starting waits, for a while
+                self.requests[msg.rid] = _Request(client, msg, now, now + self.spec.restart_wait_s)
+                await self._unpark()
         elif isinstance(msg, Cancel):
             await self._fail(msg.rid, "cancelled by the client")
 
@@ -237,39 +313,39 @@ class Gateway(Stage):
             down += self.branches
         return down
 
-    async def _admit(self, client: bytes, msg: Ask) -> None:
-        self.requests[msg.rid] = _Request(client, time.monotonic(), set(self.linear))
-        await self.send(self.spec.named("skeleton")[0], msg)
-
     async def _unpark(self) -> None:
         """Admit the waiting requests once every stage they need is up; fail those that waited
         restart_wait_s in vain, naming the stage."""
         now, down = time.monotonic(), self._down()
-        waiting, self.parked = self.parked, []
-        for client, ask, deadline in waiting:
+        for rid, request in list(self.requests.items()):
+            if request.deadline is None:
+                continue
             if not down:
-                await self._admit(client, ask)
-            elif now > deadline:
+                request.deadline, request.holders = None, set(self.linear)
+                self.wired[request.wire] = rid
+                await self.send(self.spec.named("skeleton")[0], dataclasses.replace(request.ask, rid=request.wire))
+            elif now > request.deadline:
                 state = "is not up yet" if not all(self.health[n].ever_up for n in down) else "is down"
-                await self._send_client(client, Failed(ask.rid, f"stage {down[0]} {state} (waited "
-                                                                f"{self.spec.restart_wait_s:.0f} s): retry in a moment"))  # fmt: skip
-            else:
-                self.parked.append((client, ask, deadline))
+                await self._fail(rid, f"stage {down[0]} {state} (waited {self.spec.restart_wait_s:.0f} s): retry in a moment")
+
+    def _forget(self, rid: str) -> _Request | None:
+        request = self.requests.pop(rid, None)
+        if request is not None:
+            self.wired.pop(request.wire, None)
+        return request
 
     async def _fail(self, rid: str, error: str) -> None:
-        self.parked = [p for p in self.parked if p[1].rid != rid]
-        request = self.requests.pop(rid, None)
+        request = self._forget(rid)
         if request is None:
             return
-        for name in self.spec.kinds:  # straight to each: in a ring, past a dead node too
-            if name != self.name:
-                await self.direct(name, Abort(rid, error))
+        if request.deadline is None:
+            await self._abort(request.wire, error)
         await self._send_client(request.client, Failed(rid, error))
 
-    async def _to_client(self, rid: str, msg) -> None:
-        request = self.requests.get(rid)
-        if request is not None:
-            await self._send_client(request.client, msg)
+    async def _abort(self, wire: str, error: str) -> None:
+        for name in self.spec.kinds:  # straight to each: in a ring, past a dead node too
+            if name != self.name:
+                await self.direct(name, Abort(wire, error))
 
     async def _send_client(self, client: bytes, msg) -> None:
         await self.clients.send_multipart([client, *encode(msg, "client", self.name)], copy=False)
@@ -282,6 +358,8 @@ def _bad_ask(msg: Ask) -> str | None:
 
     if not isinstance(msg.question, str) or not msg.question.strip():
         return "the question must be a non-empty string"
+    if "~" in msg.rid:
+        return f"request id {msg.rid!r} has a '~', which marks a restarted request's attempts: choose another id"
     try:
         check_history(msg.history)
     except SpecSotError as exc:

@@ -230,10 +230,14 @@ LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 
 
 @pytest.mark.slow
-def test_a_branch_killed_mid_request_has_its_points_redone_on_the_survivor(tiny_model):
-    """Two branch stages, one killed while its points decode: they start again on the other
-    (the client is told, Reassign), and the answer is exactly the one without the fault."""
-    spec, run_dir = tiny_spec(tiny_model, "p2p", point_tokens=360)
+@pytest.mark.parametrize("topology", ["p2p", "ring"])
+def test_a_branch_killed_mid_request_has_its_work_redone_on_the_survivor(tiny_model, topology):
+    """Two branch stages, one killed while its points decode. p2p: its points start again on the
+    other (the client is told, Reassign). Ring: the dead node may have carried any message, so the
+    request starts again from its question and the client gets only the text it has not seen.
+    Either way the answer is exactly the one without the fault, and every stream joins to it."""
+    spec, run_dir = tiny_spec(tiny_model, topology, point_tokens=360)
+    victim, survivor = spec.named("branch")
     with launched(spec, run_dir) as launcher:
 
         async def unfaulted():
@@ -241,30 +245,54 @@ def test_a_branch_killed_mid_request_has_its_points_redone_on_the_survivor(tiny_
                 return await client.answer(QUESTION, LONG, "always", timeout=120)
 
         want = asyncio.run(unfaulted())
-        messages, took, reports, after = _kill_mid_request(spec, launcher, "branch@127.0.0.1#cpu0", LONG)
+        messages, took, reports, after = _kill_mid_request(spec, launcher, victim, LONG)
     last = messages[-1]
     assert isinstance(last, Answer), last
     assert last.answer == want.answer and [p[2] for p in last.points] == [p[2] for p in want.points]
     assert "".join(m.text for m in messages if isinstance(m, AnswerText)) == last.answer
     restarts = [m for m in messages if isinstance(m, Reassign)]
-    assert restarts and {(r.dead, r.stage) for r in restarts} == {("branch@127.0.0.1#cpu0", "branch@127.0.0.1#cpu1")}
-    assert any("branch@127.0.0.1#cpu0" in r and "signal 9" in r for r in reports), reports
+    if topology == "p2p":
+        assert restarts and {(r.dead, r.stage) for r in restarts} == {(victim, survivor)}
+    else:
+        assert not restarts and last.stats["restarts"] == 1
+        for index, _, text in last.points:  # each point's text streamed once, nothing repeated
+            assert "".join(m.text for m in messages if isinstance(m, PointText) and m.index == index) == text
+    assert any(victim in r and "signal 9" in r for r in reports), reports
     assert isinstance(after, Answer), after
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("topology, devices", [("p2p", "127.0.0.1#cpu"), ("ring", "127.0.0.1#cpu0,127.0.0.1#cpu1")])
-def test_a_branch_killed_with_no_way_around_fails_its_request_by_name_and_the_restart_serves(tiny_model, topology, devices):
-    """p2p with one branch stage (no survivor), and a ring (no bypass yet): the request fails
-    naming the stage that died (in a ring, liveness travels straight to the gateway, not through
-    the dead node); a request sent while it restarts waits for it and is answered."""
-    spec, run_dir = tiny_spec(tiny_model, topology, devices=devices, point_tokens=360)
+@pytest.mark.parametrize("topology", ["p2p", "ring"])
+def test_a_branch_killed_with_no_way_around_fails_its_request_by_name_and_the_restart_serves(tiny_model, topology):
+    """One branch stage (no survivor): the request fails naming the stage that died (in a ring,
+    liveness travels straight to the gateway, not through the dead node); a request sent while it
+    restarts waits for it and is answered."""
+    spec, run_dir = tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu", point_tokens=360)
     victim = spec.named("branch")[0]
     with launched(spec, run_dir) as launcher:
         messages, took, reports, after = _kill_mid_request(spec, launcher, victim, LONG)
     assert isinstance(messages[-1], Failed) and f"stage {victim} stopped" in messages[-1].error, messages[-1]
     assert took < 15
     assert isinstance(after, Answer), after
+
+
+def test_a_restarted_requests_client_gets_each_stream_once():
+    """The gateway's record of what a client was sent: a redo in other pieces sends only what goes
+    beyond it (text and token ids), and a redo that writes something else is caught."""
+    from specsot_mq.stages.gateway import _Shown
+
+    shown = _Shown()
+    assert shown.fresh("point 1", "Warm", 1) == ("Warm", 0)
+    assert shown.fresh("point 1", " up first", 2) == (" up first", 0)
+    assert shown.fresh("answer", "1. Warm", 0) == ("1. Warm", 0)
+    shown.written.clear()  # the request starts again
+    assert shown.fresh("point 1", "Warm up", 2) == ("", 2)
+    assert shown.fresh("point 1", " first, slowly", 3) == (", slowly", 1)
+    assert shown.texts["point 1"] == "Warm up first, slowly" and shown.tokens["point 1"] == 5
+    assert shown.fresh("answer", "1. Warm up", 0) == (" up", 0)
+    assert shown.fresh("skeleton", "1.", 1) == ("1.", 0)
+    shown.written.clear()
+    assert shown.fresh("point 1", "Cool down", 2) is None
 
 
 @pytest.mark.slow
@@ -516,27 +544,73 @@ def test_hostile_frames_at_every_inbox_are_dropped_and_every_stage_keeps_serving
 
 
 NETNS_SCRIPT = """
-import asyncio, json, sys
+import asyncio, json, subprocess, sys, tempfile, time
 from pathlib import Path
 from pipeline_helpers import launched
 from specsot_mq.client import Client
 from specsot_mq.devices import parse_devices
+from specsot_mq.messages import Answer, MergePlan, PointText
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
 from specsot_mq.stages.launch import plan_run
-import tempfile
 
-model, draft = sys.argv[1], sys.argv[2]
+model, draft, topology = sys.argv[1:4]
 run_dir = Path(tempfile.mkdtemp(prefix="specsot-netns-"))
-spec = plan_run(parse_devices("10.77.0.1#cpu,10.77.0.2#cpu"), load_profiles(default_profiles_path()), "ring", run_dir,
-                base_port=6100, model=model, dtype="fp32", draft=draft, max_len=512,
-                sot={"point_tokens": 12, "skeleton_tokens": 16}, overrides={"parse": "pipeline_helpers:FixedPlanParse"})
+spec = plan_run(parse_devices("10.77.0.1#cpu,10.77.0.2#cpu"), load_profiles(default_profiles_path()), topology, run_dir,
+                base_port=6100, model=model, dtype="fp32", draft=draft, max_len=512, heartbeat_s=0.25, dead_after_s=2.0,
+                sot={"point_tokens": 360, "skeleton_tokens": 16}, overrides={"parse": "pipeline_helpers:FixedPlanParse"})
+QUESTION, SHORT, LONG = "How do I start running?", SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=400, ignore_eos=True)
+far = "branch@10.77.0.2#cpu"
+
+def link(state):  # the veth end in this namespace (host 10.77.0.1's side of the cable)
+    subprocess.run(["ip", "link", "set", "specsot-va", state], check=True)
+
+async def up(client, name, want, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if {s["stage"]: s["up"] for s in (await client.status()).stages}[name] is want:
+            return True
+        await asyncio.sleep(0.25)
+    return False
+
+async def go():
+    out = {"tables": list(spec.table.values()), "far_host": spec.hosts[far]}
+    async with Client(spec.client_address, keys=launcher.keys) as client:
+        out["short"] = (await client.answer(QUESTION, SHORT, "always", timeout=120)).answer
+        out["long"] = (await client.answer(QUESTION, LONG, "always", timeout=120)).answer
+        far_text = asyncio.Event()
+        async def cut_one():  # the link goes down while the far host decodes its points
+            async for msg in client.ask(QUESTION, LONG, "always", timeout=120):
+                if isinstance(msg, PointText) and msg.index in plan.get(far, []):
+                    far_text.set()
+                if isinstance(msg, MergePlan):
+                    plan.update(msg.branches)
+            return msg
+        plan = {}
+        task = asyncio.create_task(cut_one())
+        await asyncio.wait_for(far_text.wait(), 60)
+        link("down")
+        cut_at = time.monotonic()
+        out["seen_down"] = await up(client, far, False, 10)
+        out["during"] = (await client.answer(QUESTION, SHORT, "always", timeout=60)).answer  # the near host alone
+        got = await asyncio.wait_for(task, 120)
+        out["cut"] = got.answer if isinstance(got, Answer) else repr(got)
+        out["cut_seconds"] = time.monotonic() - cut_at
+        link("up")
+        out["rejoined"] = await up(client, far, True, 30)
+        plans = []
+        for _ in range(2):  # the scheduler takes turns over the live branch stages
+            async for msg in client.ask(QUESTION, SHORT, "always", timeout=60):
+                if isinstance(msg, MergePlan):
+                    plans.append(sorted(msg.branches))
+        out["after"] = msg.answer if isinstance(msg, Answer) else repr(msg)
+        out["after_branches"] = sorted({b for p in plans for b in p})
+    return out
+
 with launched(spec, run_dir, remote="ip netns exec specsot-b {command}") as launcher:
-    async def go():
-        async with Client(spec.client_address, keys=launcher.keys) as client:
-            return await client.answer("How do I start running?", SamplingParams(max_tokens=12, ignore_eos=True), "always", timeout=120)
-    answer = asyncio.run(go())
-print(json.dumps({"answer": answer.answer, "tables": list(spec.table.values()), "branch_host": spec.hosts["branch@10.77.0.2#cpu"]}))
+    out = asyncio.run(go())
+    out["alive"] = all(stage.proc.poll() is None for stage in launcher.stages.values())
+print(json.dumps(out))
 """
 
 
@@ -568,9 +642,13 @@ def _netns_teardown() -> None:
 
 
 @pytest.mark.slow
-def test_two_network_namespaces_as_two_hosts_over_tcp(tiny_model, reference):
+@pytest.mark.parametrize("topology", ["p2p", "ring"])
+def test_two_network_namespaces_as_two_hosts_and_a_cut_link(tiny_model, reference, topology):
     """Stages on 'host' 10.77.0.1 (started directly) and a branch on 10.77.0.2 (started through the
-    remote command template, here `ip netns exec`), linked over tcp, answer as in-process."""
+    remote command template, here `ip netns exec`), linked over authenticated tcp, answer as
+    in-process. Then the cable is cut while the far host decodes points: the near host answers
+    alone, the cut request is redone there and answered exactly, no stage exits, and when the
+    cable is back the far host rejoins and takes work again."""
     why = _netns_setup()
     if why:
         pytest.skip(why)
@@ -580,14 +658,18 @@ def test_two_network_namespaces_as_two_hosts_over_tcp(tiny_model, reference):
         tests = str(Path(__file__).parent)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
         done = subprocess.run(["ip", "netns", "exec", "specsot-a", sys.executable, "-c", NETNS_SCRIPT,
-                               str(tiny_model[0]), str(tiny_model[1])], capture_output=True, text=True, env=env,
-                              timeout=300)  # fmt: skip
+                               str(tiny_model[0]), str(tiny_model[1]), topology], capture_output=True, text=True,
+                              env=env, timeout=400)  # fmt: skip
     finally:
         _netns_teardown()
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.splitlines()[-1])
-    assert out["answer"] == reference[1].answer
-    assert all(a.startswith("tcp://10.77.0.") for a in out["tables"]) and out["branch_host"] == "10.77.0.2"
+    assert out["short"] == reference[1].answer and out["during"] == out["short"] and out["after"] == out["short"]
+    assert all(a.startswith("tcp://10.77.0.") for a in out["tables"]) and out["far_host"] == "10.77.0.2"
+    assert out["seen_down"] and out["cut"] == out["long"], out
+    assert out["cut_seconds"] < 60, out
+    assert out["rejoined"] and "branch@10.77.0.2#cpu" in out["after_branches"], out
+    assert out["alive"], out
 
 
 @pytest.mark.parametrize("mode", ["direct", "sot"])
