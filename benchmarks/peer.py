@@ -34,7 +34,8 @@ from specsot_mq.generate import Generator  # noqa: E402
 from specsot_mq.stopping import LoopWatch  # noqa: E402
 from specsot_mq.pull import DEFAULT_MODEL, download_gguf, known_model, specsot_home  # noqa: E402
 from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
-from specsot_mq.sot.engine import SoTConfig, SoTEngine  # noqa: E402
+from specsot_mq.sot.engine import SoTEngine  # noqa: E402
+from specsot_mq.sot.flow import SoTConfig, answer_tokens  # noqa: E402
 from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
 
 ENGINES = ("llamacpp", "plain", "eagle", "specsot")
@@ -114,8 +115,8 @@ def main(argv=None) -> dict:
         if engine in ("plain", "eagle"):
             done = (plain if engine == "plain" else eagle).generate(ids, params)
             return time.perf_counter() - start, len(done.token_ids), "direct"
-        final = specsot.generate(question, params)
-        return time.perf_counter() - start, final.tokens, final.mode
+        answer = specsot.generate(question, params)
+        return time.perf_counter() - start, answer_tokens(answer), answer.mode
 
     flags = cpu_flags()
     out.print(f"CPU {cpu_name()} | {' '.join(k for k, v in flags.items() if v)} | threads {args.threads} | "

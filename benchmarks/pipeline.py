@@ -60,7 +60,8 @@ def main(argv=None) -> dict:
 
     # In-process: one engine, one question at a time.
     from specsot_mq.loader import load_generator
-    from specsot_mq.sot.engine import SoTConfig, SoTEngine
+    from specsot_mq.sot.engine import SoTEngine
+    from specsot_mq.sot.flow import SoTConfig
 
     gen = load_generator(args.model, args.dtype, "cpu", 2048, 8, args.draft)
     engine = SoTEngine(gen, SoTConfig(point_tokens=args.max_tokens, skeleton_tokens=args.max_tokens))

@@ -37,7 +37,8 @@ from decode import (add_dtype_option, chosen_dtype, cpu_name, load_prompts, load
 from specsot_mq.generate import Generator  # noqa: E402
 from specsot_mq.stopping import LoopWatch  # noqa: E402
 from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
-from specsot_mq.sot.engine import SoTConfig, SoTEngine  # noqa: E402
+from specsot_mq.sot.engine import SoTEngine  # noqa: E402
+from specsot_mq.sot.flow import SoTConfig, answer_tokens  # noqa: E402
 from specsot_mq.speculative import TreeParams  # noqa: E402
 from specsot_mq.sot.router import route  # noqa: E402
 from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
@@ -88,7 +89,7 @@ def main(argv=None) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    phases: dict[str, list] = {}  # SpecSoT's phase stats over the questions: name -> [PhaseStats]
+    phases: dict[str, list] = {}  # SpecSoT's phase stats over the questions: name -> [{"tokens", "steps", "seconds"}]
 
     def run(engine: str, question: str) -> tuple[float, int, str]:
         """(seconds to the complete answer, tokens generated, mode)."""
@@ -103,11 +104,12 @@ def main(argv=None) -> dict:
         if engine == "eagle":
             done = eagle_gen.generate(question, params)
             return time.perf_counter() - start, len(done.token_ids), "direct"
-        final = (sot if engine == "sot" else specsot).generate(question, params)
+        answer = (sot if engine == "sot" else specsot).generate(question, params)
         if engine == "specsot" and question != WARM_UP:
-            for name, stats in final.phases.items():
-                phases.setdefault(name, []).append(stats)
-        return time.perf_counter() - start, final.tokens, final.mode
+            for name, stats in answer.stats.items():
+                if isinstance(stats, dict):
+                    phases.setdefault(name, []).append(stats)
+        return time.perf_counter() - start, answer_tokens(answer), answer.mode
 
     out.print(
         f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | {len(questions)} questions ({source}) "
@@ -189,16 +191,17 @@ def time_answers(engines, questions, run, quiet: bool, row_of=lambda q: {}) -> l
 
 
 def phase_table(phases: dict[str, list], out: Console) -> dict:
-    """SpecSoT's time per phase over all questions: seconds, tokens, tokens/s and tau (mean tokens
-    per verify step over all of the phase's steps); printed as a table, returned for the JSON line."""
+    """SpecSoT's time per phase over all questions: seconds, tokens, tokens/s and tau (tokens per
+    decoder step of a sequence, over all of the phase's steps); printed as a table, returned for
+    the JSON line."""
     table = Table(title="where SpecSoT's time goes (all questions)")
     for col in ("phase", "questions", "seconds", "tokens", "tok/s", "tau"):
         table.add_column(col, justify="left" if col == "phase" else "right")
     summary = {}
     for name, stats in phases.items():
-        seconds, tokens = sum(p.seconds for p in stats), sum(p.tokens for p in stats)
-        steps = sum(p.steps for p in stats if p.tau)
-        tau = round(sum(p.tau * p.steps for p in stats if p.tau) / steps, 3) if steps else None
+        seconds, tokens = sum(p["seconds"] for p in stats), sum(p["tokens"] for p in stats)
+        steps = sum(p["steps"] for p in stats)
+        tau = round(tokens / steps, 3) if steps else None
         summary[name] = {"questions": len(stats), "seconds": round(seconds, 2), "tokens": tokens, "tau": tau}
         table.add_row(name, str(len(stats)), f"{seconds:.1f}", str(tokens), f"{tokens / seconds:.1f}" if seconds else "-",
                       "-" if tau is None else f"{tau:.2f}")  # fmt: skip

@@ -58,7 +58,8 @@ def ask(
     from specsot_mq.cli.display import AnswerView
     from specsot_mq.loader import load_generator
     from specsot_mq.sampling import SamplingParams
-    from specsot_mq.sot.engine import SoTConfig, SoTEngine
+    from specsot_mq.sot.engine import SoTEngine
+    from specsot_mq.sot.flow import SoTConfig
     from specsot_mq.speculative import TreeParams
 
     if question == "-":

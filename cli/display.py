@@ -1,5 +1,6 @@
-"""Terminal views of a streamed answer: a live skeleton and one row per point on a terminal,
-plain text when stdout is a pipe (progress to stderr, the answer alone on stdout)."""
+"""Terminal views of a streamed answer (the events of messages.ClientEvent, from the in-process
+engine or the stages alike): a live skeleton and one row per point on a terminal; plain text when
+stdout is a pipe (the skeleton and progress to stderr, the answer alone on stdout, streamed)."""
 
 from __future__ import annotations
 
@@ -11,52 +12,52 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from specsot_mq.sot.engine import AnswerDelta, Final, PointDelta, PointDone, SkeletonDelta
+from specsot_mq.messages import Answer, AnswerText, MergePlan, PointEnd, PointText, Reassign, SkeletonText
+from specsot_mq.sot.flow import summary
 
 
 class AnswerView:
-    """Feed it the engine's events (`view(event)`); it draws them."""
+    """Feed it a request's events (`view(event)`); it draws them."""
 
     def __init__(self, out: Console, err: Console):
         self.out, self.err = out, err
         self.skeleton = ""
+        self.mode = None  # the plan's, once it came
         self.points: dict[int, list] = {}  # index -> [text, done]
-        self.direct = False
+        self.streamed = False  # answer text went to stdout (piped)
         self.live = Live(console=out, refresh_per_second=8, transient=True) if out.is_terminal else None
 
     def __call__(self, event) -> None:
-        if isinstance(event, SkeletonDelta):
+        if isinstance(event, SkeletonText):
             self.skeleton += event.text
             if not self.live:
                 self.err.out(event.text, end="", highlight=False)
-        elif isinstance(event, PointDelta):
-            self._end_skeleton_line()
-            self.points.setdefault(event.index, ["", False])[0] += event.text
-        elif isinstance(event, PointDone):
-            self._end_skeleton_line()
-            self.points.setdefault(event.index, ["", False])[1] = True
-            if not self.live:
-                self.err.print(f"[dim]point {event.index} done ({len(event.token_ids)} tokens)[/]")
-        elif isinstance(event, AnswerDelta):
-            if self.skeleton and not self.direct:  # a skeleton that went direct: its line ends first
-                self._end_skeleton_line()
-            self.direct = True
-            if self.live is None:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-        elif isinstance(event, Final):
+        elif isinstance(event, MergePlan):
+            self.mode = event.mode
+            if self.skeleton and not self.live:  # the streamed skeleton's line ends first
+                self.err.print()
+        elif isinstance(event, (PointText, PointEnd)) and self.mode == "sot":
+            point = self.points.setdefault(event.index, ["", False])
+            if isinstance(event, PointText):
+                point[0] += event.text
+            else:
+                point[1] = True
+                if not self.live:
+                    self.err.print(f"[dim]point {event.index} done ({event.tokens} tokens)[/]")
+        elif isinstance(event, Reassign):  # their stage died: these points start again elsewhere
+            for index in event.indices:
+                self.points[index] = ["", False]
+        elif isinstance(event, AnswerText) and self.live is None:
+            self.streamed = True
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, Answer):
             self._finish(event)
             return
         if self.live is not None:
             if not self.live.is_started:
                 self.live.start()
             self.live.update(self._render())
-
-    def _end_skeleton_line(self) -> None:
-        """Piped output: the streamed skeleton ends with a line break before the point lines (or
-        the direct answer it turned into)."""
-        if not self.live and not self.points:
-            self.err.print()
 
     def _render(self):
         parts = [Panel(Text(self.skeleton.strip()), title="skeleton", border_style="cyan")]
@@ -70,11 +71,11 @@ class AnswerView:
             parts.append(table)
         return Group(*parts)
 
-    def _finish(self, final: Final) -> None:
+    def _finish(self, answer: Answer) -> None:
         if self.live is not None and self.live.is_started:
             self.live.stop()
-        if final.mode == "sot" or self.live is not None:
-            self.out.print(final.answer, highlight=False, markup=False)
-        else:
+        if self.streamed:
             sys.stdout.write("\n")
-        self.err.print(f"[dim]{final.summary()} · {final.reason}[/]")
+        else:
+            self.out.print(answer.answer, highlight=False, markup=False)
+        self.err.print(f"[dim]{summary(answer)} · {answer.reason}[/]")

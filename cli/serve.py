@@ -310,6 +310,7 @@ async def _chat_turn(gateway: tuple, question, history, params, mode, rid, conso
     """One answer in chat; gateway: (client address, CURVE keys or None)."""
     from specsot_mq.client import Client
     from specsot_mq.messages import Answer, Failed, MergePlan, PointText, Reassign, SkeletonText
+    from specsot_mq.sot.flow import summary
 
     titles, texts = {}, {}
 
@@ -346,19 +347,9 @@ async def _chat_turn(gateway: tuple, question, history, params, mode, rid, conso
                         live.stop()
                         live = None
                     console.print(msg.answer)
-                    console.print(f"[dim]{_stats_line(msg)}[/]")
+                    console.print(f"[dim]{summary(msg)}[/]")
                     return msg.answer
         finally:
             if live:
                 live.stop()
     return None
-
-
-def _stats_line(answer) -> str:
-    """The engine's one-line summary (Final.summary) of an Answer from the stages."""
-    from specsot_mq.sot.engine import Final, PhaseStats
-
-    phases = {name: PhaseStats(p["tokens"], p["seconds"], p["tokens"] / p["steps"] if p.get("steps") else None)
-              for name, p in answer.stats.items() if isinstance(p, dict)}  # fmt: skip
-    return Final(answer.answer, answer.mode, answer.reason, answer.skeleton, points=answer.points, phases=phases,
-                 seconds=answer.stats.get("seconds", 0.0)).summary()  # fmt: skip

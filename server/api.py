@@ -13,8 +13,9 @@ What a body may hold (anything else is a 400 that names it):
 The extension field `specsot` of a response body, and of the last stream chunk, says how the
 answer was made: mode, reason, skeleton, points [{index, title, text}], phases {name: {tokens,
 steps, seconds, tau}} and seconds. Stream chunks before it carry the pipeline's progress in the
-same field: {"skeleton": text}, {"plan": {...}}, {"point": {"index", "text"}}, and
-{"restart": {"indices", "stage"}} when points start again on another stage (theirs died).
+same field: {"skeleton": text}, {"plan": {...}}, {"point": {"index", "text"}}, {"point_end":
+{"index", "finish", "tokens"}}, and {"restart": {"indices", "stage"}} when points start again on
+another stage (theirs died).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from specsot_mq.messages import Answer, MergePlan, PointText, Reassign, SkeletonText
+from specsot_mq.messages import Answer, MergePlan, PointEnd, PointText, Reassign, SkeletonText
 from specsot_mq.sampling import SamplingParams
 
 COMMON = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
@@ -194,6 +195,8 @@ def progress(msg) -> dict | None:
         return {"plan": {"mode": msg.mode, "reason": msg.reason, "points": [{"index": i, "title": t} for i, t in msg.points]}}
     if isinstance(msg, PointText):
         return {"point": {"index": msg.index, "text": msg.text}}
+    if isinstance(msg, PointEnd):
+        return {"point_end": {"index": msg.index, "finish": msg.finish, "tokens": msg.tokens}}
     if isinstance(msg, Reassign):  # their stage died: these points start again from nothing
         return {"restart": {"indices": msg.indices, "stage": msg.stage}}
     return None

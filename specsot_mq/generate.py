@@ -401,16 +401,22 @@ class Generator:
         prompt's last delta has finish_reason set. `shared`: the prompts' common prefix length
         (computed once, see layout.py)."""
         params = params or SamplingParams()
-        waiting = [Job(n, self.prompt_ids(p), params, shared, 0) for n, p in enumerate(prompts)]
+        jobs = [Job(n, self.prompt_ids(p), params, shared, 0) for n, p in enumerate(prompts)]
+        yield from self.run_jobs(jobs, decoder or self.new_decoder(params), max_parallel)
+
+    def run_jobs(self, jobs: list[Job], decoder: Decoder, max_parallel: int | None = None) -> Iterator[tuple[object, Delta]]:
+        """Jobs decoded together, at most `max_parallel` (default: every cache slot) at once, in
+        order; a waiting job takes the slot of the first to finish. Yields (job key, Delta)."""
         if max_parallel is not None and max_parallel < 1:
             raise SpecSotError(f"max_parallel must be at least 1, got {max_parallel}")
+        waiting = list(jobs)
 
         def admit(room: int) -> list[Job]:
             taken = waiting[:room]
             del waiting[:room]
             return taken
 
-        yield from self.run(admit, decoder or self.new_decoder(params), max_parallel)
+        yield from self.run(admit, decoder, max_parallel)
 
     def run(
         self,

@@ -209,7 +209,7 @@ class PointText:
 
 @dataclass(slots=True)
 class PointEnd:
-    """A point finished (branch -> merge)."""
+    """A point finished (branch -> merge -> gateway -> client)."""
 
     rid: str
     index: int
@@ -249,6 +249,12 @@ class Failed:
 
     rid: str
     error: str
+
+
+# What a client sees of a request, in order, from the stages or the in-process engine alike
+# (sot/flow.py): the skeleton's text, the plan, each point's text and end (Reassign: points that
+# start again elsewhere), the merged answer's text, then the Answer or Failed.
+ClientEvent = SkeletonText | MergePlan | PointText | PointEnd | Reassign | AnswerText | Answer | Failed
 
 
 # -- client <-> gateway only -------------------------------------------------------------------

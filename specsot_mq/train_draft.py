@@ -36,7 +36,7 @@ from specsot_mq.prompts import load_format
 from specsot_mq.quant import QEmbedding, QLinear
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.speculative import TreeParams
-from specsot_mq.sot.engine import SoTConfig, finished_lines, point_params, point_prompts, skeleton_params
+from specsot_mq.sot.flow import SoTConfig, finished_lines, point_params, point_prompts, skeleton_params
 from specsot_mq.tokenizer import chat_prompt_ids
 
 console = Console(stderr=True)

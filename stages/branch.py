@@ -3,11 +3,9 @@ other requests in one running batch, each request's prompts sharing their prefix
 
 from __future__ import annotations
 
-import time
-
-from specsot_mq.generate import Job
 from specsot_mq.messages import BranchTask, PointEnd, PointText, ids
-from specsot_mq.stages.worker import DeviceStage, Progress, batch_key
+from specsot_mq.sot.flow import Progress, task_jobs
+from specsot_mq.stages.worker import DeviceStage, batch_key
 
 
 class BranchStage(DeviceStage):
@@ -19,13 +17,9 @@ class BranchStage(DeviceStage):
         await super().start()  # self.running: rid -> {point index: its Progress}
 
     def accept(self, msg: BranchTask, params) -> None:
-        prefix = msg.prefix.tolist()
-        now = time.monotonic()
         # A request may send more points later (a dead stage's, rerouted here).
-        self.running.setdefault(msg.rid, {}).update({i: Progress(now) for i in msg.indices})
-        jobs = [Job((msg.rid, i), prefix + s.tolist(), params, len(prefix), msg.rid, msg.keep)
-                for i, s in zip(msg.indices, msg.suffixes)]  # fmt: skip
-        self.worker.submit(jobs, batch_key(msg.rid, params))
+        self.running.setdefault(msg.rid, {}).update({i: Progress() for i in msg.indices})
+        self.worker.submit(task_jobs(msg), batch_key(msg.rid, params))
 
     def on_delta(self, key, delta) -> None:
         rid, index = key
@@ -35,7 +29,7 @@ class BranchStage(DeviceStage):
         progress = points[index]
         self.tokens += len(delta.token_ids)
         progress.add(delta)
-        if delta.text:
+        if delta.text or delta.token_ids:  # tokens whose text is still held back (a stop string may follow) too
             self.post(self.merge, PointText(rid, index, delta.text, ids(delta.token_ids)))
         if delta.finish_reason:
             del points[index]

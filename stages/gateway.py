@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from specsot_mq.messages import (
-    Abort, Answer, AnswerText, Ask, Down, Reassign, Reroute, Cancel, Failed, Heartbeat, Membership, MergePlan, PointText, Ready,
+    Abort, Answer, AnswerText, Ask, Down, Reassign, Reroute, Cancel, Failed, Heartbeat, Membership, MergePlan, PointEnd, PointText, Ready,
     SkeletonText, Status, StatusQuery, WireError, decode, encode,
 )  # fmt: skip
 from specsot_mq.client import secure
@@ -74,6 +74,13 @@ class _Shown:
     texts: dict[str, str] = field(default_factory=dict)  # stream -> text sent
     tokens: dict[str, int] = field(default_factory=dict)  # stream -> token ids sent
     written: dict[str, tuple[int, int]] = field(default_factory=dict)  # stream -> (chars, tokens) of this attempt
+    ended: set[int] = field(default_factory=set)  # points whose PointEnd was sent
+
+    def forget(self, index: int) -> None:
+        """A point starts again from nothing, and the client knows (Reassign)."""
+        for record in (self.texts, self.tokens, self.written):
+            record.pop(f"point {index}", None)
+        self.ended.discard(index)
 
     def fresh(self, stream: str, text: str, tokens: int) -> tuple[str, int] | None:
         """A new piece of `stream` from the current attempt: (its text the client has not seen,
@@ -154,8 +161,14 @@ class Gateway(Stage):
             if not request.planned:  # a redo plans the same points
                 request.planned = True
                 await self._send_client(request.client, dataclasses.replace(msg, rid=rid))
+        elif isinstance(msg, PointEnd):
+            if msg.index not in request.shown.ended:  # a redo ends it again
+                request.shown.ended.add(msg.index)
+                await self._send_client(request.client, dataclasses.replace(msg, rid=rid))
         elif isinstance(msg, Reassign):
             request.holders.add(msg.stage)
+            for index in msg.indices:
+                request.shown.forget(index)
             await self._send_client(request.client, dataclasses.replace(msg, rid=rid))
         elif isinstance(msg, Answer):
             self._forget(rid)

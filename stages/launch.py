@@ -62,7 +62,7 @@ class LaunchOptions:
 
 def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
     """Plan a topology in a new run folder and start every stage; SpecSotError on a bad option."""
-    from specsot_mq.sot.engine import SoTConfig
+    from specsot_mq.sot.flow import SoTConfig
 
     sot = {"max_points": options.max_points, "point_tokens": options.point_tokens,
            "skeleton_tokens": options.skeleton_tokens, "prompt_format": options.prompt_format}  # fmt: skip

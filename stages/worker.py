@@ -18,9 +18,7 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -184,22 +182,6 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-@dataclass(slots=True)
-class Progress:
-    """One decoding job's counts so far (a skeleton, a point), for its request's stats."""
-
-    started: float  # time.monotonic() when it was queued
-    tokens: int = 0
-    steps: int = 0  # deltas it got: decoder steps that gave it tokens
-
-    def add(self, delta: Delta) -> None:
-        self.tokens += len(delta.token_ids)
-        self.steps += 1
-
-    def seconds(self) -> float:
-        return time.monotonic() - self.started
 
 
 class DeviceStage(Stage):

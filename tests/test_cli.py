@@ -70,12 +70,14 @@ def test_piped_view_ends_the_skeleton_line_before_a_direct_answer(capsys):
     from rich.console import Console
 
     from specsot_mq.cli.display import AnswerView
-    from specsot_mq.sot.engine import AnswerDelta, Final, SkeletonDelta
+    from specsot_mq.messages import Answer, AnswerText, MergePlan, PointText, SkeletonText, ids
 
     err = io.StringIO()
     view = AnswerView(Console(file=io.StringIO()), Console(file=err, width=200))
-    for event in [SkeletonDelta("1."), SkeletonDelta(" One point"), AnswerDelta("The"), AnswerDelta(" answer."),
-                  Final("The answer.", "direct", "skeleton says direct", "")]:  # fmt: skip
+    for event in [SkeletonText("r", "1.", ids([])), SkeletonText("r", " One point", ids([1])),
+                  MergePlan("r", "direct", "skeleton says direct", "", [[0, ""]], {"local": [0]}, {}),
+                  PointText("r", 0, "The", ids([2])), AnswerText("r", "The"), AnswerText("r", " answer."),
+                  Answer("r", "The answer.", "direct", "skeleton says direct", "", [], {})]:  # fmt: skip
         view(event)
     assert err.getvalue().startswith("1. One point\n")
     assert capsys.readouterr().out == "The answer.\n"

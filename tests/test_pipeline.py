@@ -105,12 +105,13 @@ def tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu0,127.0.0.1#cpu1", poi
 def reference(tiny_model):
     """What the in-process engine answers, with the same model, head and settings."""
     from specsot_mq.loader import load_generator
-    from specsot_mq.sot.engine import SoTConfig, SoTEngine
+    from specsot_mq.sot.engine import SoTEngine
+    from specsot_mq.sot.flow import SoTConfig
 
     model, draft = tiny_model
     gen = load_generator(str(model), "fp32", "cpu", 512, 8, str(draft))
     engine = SoTEngine(gen, SoTConfig(sot="always", point_tokens=12, skeleton_tokens=16))
-    skeleton = "".join(e.text for e in engine.stream(QUESTION, PARAMS) if type(e).__name__ == "SkeletonDelta")
+    skeleton = "".join(e.text for e in engine.stream(QUESTION, PARAMS) if type(e).__name__ == "SkeletonText")
     expanded = list(engine.expand(QUESTION, PLAN, PARAMS))[-1]
     direct = engine.generate("What is 17 * 23?", PARAMS)
     return skeleton, expanded, direct

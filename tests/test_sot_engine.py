@@ -7,10 +7,9 @@ import torch
 from conftest import ours_from_hf, tiny_hf
 from specsot_mq.generate import Generator
 from specsot_mq.sampling import SamplingParams
-from specsot_mq.sot.engine import (
-    AnswerDelta, Final, PointDone, SkeletonDelta, SoTConfig, SoTEngine, finished_lines, point_params, point_prompts,
-    skeleton_params,
-)  # fmt: skip
+from specsot_mq.messages import Answer, AnswerText, PointText, SkeletonText
+from specsot_mq.sot.engine import SoTEngine
+from specsot_mq.sot.flow import SoTConfig, finished_lines, point_params, point_prompts, skeleton_params
 from specsot_mq.sot.parser import Plan, Point, parse_skeleton
 from specsot_mq.prompts import load_format
 from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
@@ -29,10 +28,19 @@ def tiny(default_model_dir):
     return Generator(model, tok, max_len=512, num_slots=5)
 
 
+def point_ids(events) -> dict[int, list[int]]:
+    """Each point's tokens, from its streamed text."""
+    out = {}
+    for e in events:
+        if isinstance(e, PointText):
+            out.setdefault(e.index, []).extend(e.token_ids.tolist())
+    return out
+
+
 def expand(gen, max_parallel):
     engine = SoTEngine(gen, SoTConfig(max_parallel=max_parallel, point_tokens=12, layout="batching"))
     events = list(engine.expand("How do I start running?", PLAN, PARAMS))
-    return engine, {e.index: e.token_ids for e in events if isinstance(e, PointDone)}, events[-1]
+    return engine, point_ids(events), events[-1]
 
 
 def test_points_decoded_together_equal_each_prompt_decoded_alone(tiny):
@@ -182,15 +190,15 @@ def test_bim_layout_equals_batching(tiny, tiny_eagle, max_parallel, eagle):
     gen = tiny_eagle if eagle else tiny
     engine = SoTEngine(gen, SoTConfig(max_parallel=max_parallel, point_tokens=12, layout="bim"))
     events = list(engine.expand("How do I start running?", PLAN, PARAMS))
-    bim = {e.index: e.token_ids for e in events if isinstance(e, PointDone)}
+    bim = point_ids(events)
     assert bim == expand(tiny, max_parallel=5)[1]
-    assert (events[-1].phases["points"].tau is not None) == eagle  # drafted when it has a head
+    assert events[-1].stats["points"]["tokens"] == sum(map(len, bim.values()))
 
 
 def test_questions_that_do_not_decompose_go_direct(tiny):
     engine = SoTEngine(tiny, SoTConfig(max_parallel=5))
     final = engine.generate("What is 17 * 23?", PARAMS)
-    assert isinstance(final, Final) and final.mode == "direct" and not final.points
+    assert isinstance(final, Answer) and final.mode == "direct" and not final.points
     assert final.answer == tiny.generate("What is 17 * 23?", PARAMS).text
 
 
@@ -220,11 +228,11 @@ def test_plan_format_direct_reply_is_answered_directly(default_model_dir):
     gen = Generator(scripted(tok, chain), tok, max_len=256, num_slots=2)
     engine = SoTEngine(gen, SoTConfig(sot="always", prompt_format="plan", max_parallel=2))
     events = list(engine.stream(question, SamplingParams(max_tokens=12)))
-    assert "".join(e.text for e in events if isinstance(e, SkeletonDelta)) == "[DIRECT]"
+    assert "".join(e.text for e in events if isinstance(e, SkeletonText)) == "[DIRECT]"
     final = events[-1]
     assert final.mode == "direct" and "the model chose [DIRECT]" in final.reason
-    assert final.answer == "".join(e.text for e in events if isinstance(e, AnswerDelta)) == " Hi"
-    assert final.phases["skeleton"].tokens == len(tag)  # it stopped at the tag, not at max tokens
+    assert final.answer == "".join(e.text for e in events if isinstance(e, AnswerText)) == " Hi"
+    assert final.stats["skeleton"]["tokens"] == len(tag)  # it stopped at the tag, not at max tokens
 
 
 # MT-bench first turns 3-5 (writing), as they stand in ../shared/data/mt_bench_questions.jsonl:
@@ -255,12 +263,12 @@ def test_real_model_phases_equal_plain_greedy(default_model_dir):
         final = events[-1]
         sk_prompt = engine.format.skeleton_ids(gen.tokenizer, question)
         skeleton = plain.generate(sk_prompt, skeleton_params(engine.config, params))
-        assert final.skeleton_ids == skeleton.token_ids
-        assert "".join(e.text for e in events if isinstance(e, SkeletonDelta)) == final.skeleton
+        assert [t for e in events if isinstance(e, SkeletonText) for t in e.token_ids.tolist()] == skeleton.token_ids
+        assert "".join(e.text for e in events if isinstance(e, SkeletonText)) == final.skeleton
         assert final.mode == "sot" and len(final.points) >= 3, (question[:60], final.skeleton)
         plan = parse_skeleton(finished_lines(final.skeleton, skeleton.finish_reason), 8)
         prefix, suffixes = point_prompts(engine.gen.tokenizer, engine.format, question, plan)
-        done = {e.index: e.token_ids for e in events if isinstance(e, PointDone)}
+        done = point_ids(events)
         for index, suffix in suffixes.items():
             want = plain.generate(prefix + suffix, point_params(engine.config, params, plan)).token_ids
             assert done[index] == want, (question[:60], index)

@@ -12,7 +12,7 @@ from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
-from specsot_mq.sot.engine import SoTConfig, finished_lines, point_params, skeleton_params, skeleton_text
+from specsot_mq.sot.flow import SoTConfig, finished_lines, point_params, skeleton_params, skeleton_text
 from specsot_mq.sot.parser import Plan, Point, parse_plan_direct, parse_skeleton
 from specsot_mq.sot.router import route
 from specsot_mq.sot.scheduler import (

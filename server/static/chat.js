@@ -118,7 +118,13 @@ function assistantView(msg) {
       for (const i of indices) {
         const el = div.querySelector(`.point[data-index="${i}"] .text bdi`);
         if (el) el.textContent = "";
+        const row = div.querySelector(`.point[data-index="${i}"]`);
+        if (row) row.classList.remove("done");
       }
+    },
+    pointEnd(index) {
+      const row = div.querySelector(`.point[data-index="${index}"]`);
+      if (row) row.classList.add("done");
     },
     point(index, text) {
       // The row shows the newest text: the line is right-to-left (the ellipsis goes first), the
@@ -253,6 +259,7 @@ async function ask(text) {
       if (!final && ext.plan && ext.plan.mode === "sot") view.plan(ext.plan.points);
       if (!final && ext.point) view.point(ext.point.index, ext.point.text);
       if (!final && ext.restart) view.restart(ext.restart.indices);
+      if (!final && ext.point_end) view.pointEnd(ext.point_end.index);
       if (choice && choice.delta && choice.delta.content) { msg.content += choice.delta.content; view.answer(msg.content, false); }
       if (final) { msg.how = ext; view.answer(msg.content, true); view.done(ext); }
       box.scrollTop = box.scrollHeight;

@@ -1,0 +1,338 @@
+"""A request's Skeleton-of-Thought flow, written once:
+
+    route -> skeleton -> parse -> (direct | schedule -> points) -> merge
+
+as pure steps over the wire messages (specsot_mq/messages.py), with no model and no sockets:
+
+    flow = Flow(SoTConfig(), tokenizer)
+    first = flow.route(ask)                 # a Skeleton (the direct way), or a Skeletoning to decode
+    skeleton = first.done(finish)           # after first.add(delta) for each delta of its job
+    planned = flow.parse(skeleton)          # the points, or the direct way
+    plan, tasks = flow.assign(planned, devices)   # a MergePlan, and a BranchTask per device
+    merging = Merging(flow.format)          # fed MergePlan, PointText, PointEnd and Reassign,
+    events = merging.feed(msg, src)         # returns what the client sees next, Answer last
+
+The stage processes run one step each (stages/skeleton|parse|schedule|branch|merge.py); the
+in-process engine (sot/engine.py) runs them in turn on one generator. A client gets the same
+events either way: SkeletonText, MergePlan, PointText, PointEnd, AnswerText, then Answer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from specsot_mq.errors import SpecSotError
+from specsot_mq.generate import Delta, Job
+from specsot_mq.layout import check_layout
+from specsot_mq.messages import (
+    Answer, AnswerText, Ask, BranchTask, MergePlan, Planned, PointEnd, PointText, Reassign, Skeleton, SkeletonText,
+    ids, params_from_wire, params_to_wire,
+)  # fmt: skip
+from specsot_mq.prompts import common_prefix, direct_ids, history_end, load_format
+from specsot_mq.sampling import SamplingParams
+from specsot_mq.sot.ordered import OrderedAnswer
+from specsot_mq.sot.parser import Plan, Point, item_starts
+from specsot_mq.sot.router import MODES, route
+from specsot_mq.sot.scheduler import DeviceProfile, schedule
+
+
+@dataclass(slots=True)
+class SoTConfig:
+    """How a request's answer is split and bounded."""
+
+    sot: str = "auto"  # auto | always | never (see sot/router.py)
+    prompt_format: str = "sot"
+    max_points: int = 8
+    max_parallel: int = 8  # points decoding at once (cache slots)
+    skeleton_tokens: int = 128
+    point_tokens: int = 160
+    layout: str = "batching"  # branches: "batching" (a cache slot each) or "bim" (one slot, see layout.py)
+
+    def __post_init__(self):
+        load_format(self.prompt_format)  # an unknown name fails here, naming the known ones
+        check_layout(self.layout)
+        if self.sot not in MODES:
+            raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got '{self.sot}'")
+        for flag, value, low in (("--max-points", self.max_points, 2), ("--max-parallel", self.max_parallel, 1)):
+            if value < low:
+                raise SpecSotError(f"{flag} must be at least {low}, got {value}")
+
+
+@dataclass(slots=True)
+class Progress:
+    """One decoding job's counts so far (a skeleton, a point), for its request's stats."""
+
+    started: float = field(default_factory=time.monotonic)  # when it was queued
+    tokens: int = 0
+    steps: int = 0  # deltas it got: decoder steps that gave it tokens
+
+    def add(self, delta: Delta) -> None:
+        self.tokens += len(delta.token_ids)
+        self.steps += 1
+
+    def seconds(self) -> float:
+        return time.monotonic() - self.started
+
+    def stats(self) -> dict:
+        return {"tokens": self.tokens, "steps": self.steps, "seconds": self.seconds()}
+
+
+@dataclass(slots=True)
+class Skeletoning:
+    """A request whose skeleton is being decoded: its job, and the text so far."""
+
+    ask: Ask
+    reason: str  # why the router sent it the SoT way
+    job: Job
+    text: str  # its prefilled beginning, then what the job wrote
+    stats: dict  # the request's prompt size
+    fmt: object
+    progress: Progress = field(default_factory=Progress)
+
+    def first(self) -> SkeletonText:
+        """The skeleton's prefilled beginning, for the client."""
+        return SkeletonText(self.ask.rid, self.text, ids([]))
+
+    def add(self, delta: Delta) -> SkeletonText | None:
+        """The job's new tokens; the client's next text, if any."""
+        self.progress.add(delta)
+        text = skeleton_text(self.fmt, delta)
+        self.text += text
+        return SkeletonText(self.ask.rid, text, ids(delta.token_ids)) if text or delta.token_ids else None
+
+    def done(self, finish: str) -> Skeleton:
+        ask = self.ask
+        return Skeleton(ask.rid, ask.question, ask.params, "sot", self.reason, self.text,
+                        self.stats | {"skeleton": self.progress.stats()}, finish, ask.history)  # fmt: skip
+
+
+class Flow:
+    """The steps of a request, over one prompt format and tokenizer (parse needs no tokenizer)."""
+
+    def __init__(self, config: SoTConfig, tokenizer=None):
+        self.config, self.tokenizer = config, tokenizer
+        self.format = load_format(config.prompt_format)
+
+    def route(self, ask: Ask) -> Skeleton | Skeletoning:
+        """Direct (a Skeleton with no text), or the skeleton to decode. Raises SpecSotError on a
+        bad `ask.sot`; `ask.params` must be checked already."""
+        decision = route(ask.question, ask.sot)
+        # The request's prompt size as a plain chat server counts it (the API's usage.prompt_tokens).
+        stats = {"prompt_tokens": len(direct_ids(self.tokenizer, ask.question, ask.history))}
+        if not decision.use_sot:
+            return Skeleton(ask.rid, ask.question, ask.params, "direct", decision.reason, "", stats, history=ask.history)
+        fmt, tok = self.format, self.tokenizer
+        prompt = fmt.skeleton_ids(tok, ask.question, ask.history)
+        keep = history_end(lambda h: fmt.skeleton_ids(tok, ask.question, h), ask.history)
+        job = Job((ask.rid, 0), prompt, skeleton_params(self.config, params_from_wire(ask.params)), keep=keep)
+        return Skeletoning(ask, decision.reason, job, fmt.skeleton_prefix, stats, fmt)
+
+    def parse(self, msg: Skeleton, plan: Callable[[str], Plan] | None = None) -> Planned:
+        """The skeleton's plan of points, or the direct way when it is not a usable list; `plan`:
+        a replacement parser (text -> Plan)."""
+        mode, reason, points = msg.mode, msg.reason, []
+        if mode == "sot":
+            text = finished_lines(msg.text, msg.finish)
+            parsed = plan(text) if plan is not None else self.format.plan(text, self.config.max_points)
+            if parsed.kind == "plan":
+                points = [[p.index, p.title, p.predicted_tokens or 0] for p in parsed.points]
+                reason = parsed.reason or "planned"
+            else:
+                mode, reason = "direct", f"skeleton says direct: {parsed.reason}"
+        return Planned(msg.rid, msg.question, msg.params, mode, reason, msg.text, points, msg.stats, msg.history)
+
+    def assign(self, msg: Planned, devices: list[DeviceProfile]) -> tuple[MergePlan, list[tuple[str, BranchTask]]]:
+        """The points spread over the devices, longest predicted first (LPT; a direct answer goes
+        whole to the first device), with their prompts: one shared prefix, a short suffix each."""
+        fmt, tok = self.format, self.tokenizer
+        if msg.mode != "sot":
+            branch = devices[0].name
+            prompt = direct_ids(tok, msg.question, msg.history)
+            plan = MergePlan(msg.rid, "direct", msg.reason, "", [[0, ""]], {branch: [0]}, msg.stats)
+            # The whole prompt is kept: the next turn's begins with it (this question, then its answer).
+            return plan, [(branch, BranchTask(msg.rid, msg.params, ids([]), [0], [ids(prompt)], len(prompt)))]
+        plan = Plan("plan", [Point(i, title, predicted or None) for i, title, predicted in msg.points])
+        prefix, suffixes = point_prompts(tok, fmt, msg.question, plan, msg.history)
+        assignments = [a for a in schedule(plan.points, devices) if a.point_indices]
+        points = [[p.index, p.title] for p in plan.points]
+        merge_plan = MergePlan(msg.rid, "sot", msg.reason, msg.skeleton, points,
+                               {a.device: a.point_indices for a in assignments}, msg.stats)  # fmt: skip
+        wire = params_to_wire(point_params(self.config, params_from_wire(msg.params), plan))
+        first = plan.points[0]
+        keep = history_end(lambda h: fmt.point_ids(tok, msg.question, "", first.index, first.title, h), msg.history)
+        return merge_plan, [(a.device, BranchTask(msg.rid, wire, ids(prefix), a.point_indices,
+                                                  [ids(suffixes[i]) for i in a.point_indices], keep))
+                            for a in assignments]  # fmt: skip
+
+
+def task_jobs(task: BranchTask) -> list[Job]:
+    """A branch task's prompts as jobs of one prefix group (the prefix computed once)."""
+    prefix = task.prefix.tolist()
+    params = params_from_wire(task.params)
+    return [Job((task.rid, i), prefix + s.tolist(), params, len(prefix), task.rid, task.keep)
+            for i, s in zip(task.indices, task.suffixes)]  # fmt: skip
+
+
+@dataclass(slots=True)
+class Merging:
+    """A request's points as they arrive, merged into its answer: fed MergePlan, PointText,
+    PointEnd and Reassign (from `src`, a branch stage), it returns the messages for the client,
+    the whole Answer last. A point's first text can overtake the plan (they come from different
+    stages). After a Reassign only the new stage's messages about those points count.
+    `merge`: a replacement merger (plan, texts -> answer), whose answer is streamed whole at the end."""
+
+    fmt: object
+    merge: Callable[[MergePlan, dict[int, str]], str] | None = None
+    plan: MergePlan | None = None
+    texts: dict[int, list[str]] = field(default_factory=dict)  # point index -> its text so far, in pieces
+    ends: dict[int, PointEnd] = field(default_factory=dict)  # point index -> how it ended
+    ordered: OrderedAnswer | None = None  # the merged answer's text released so far (a planned answer)
+    owner: dict[int, str] = field(default_factory=dict)  # point index -> the branch stage that decodes it
+    released: int = 0  # characters of a direct answer sent as AnswerText (a redo sends only what goes beyond)
+    done: bool = False
+
+    def feed(self, msg, src: str) -> list:
+        out = []
+        if isinstance(msg, Reassign):  # points that start again on another stage: what they wrote is dropped
+            for index in msg.indices:
+                self.owner[index] = msg.stage
+                self.texts.pop(index, None)
+                self.ends.pop(index, None)
+                if self.ordered is not None:
+                    self.ordered.restart(index)
+            return [msg]
+        if isinstance(msg, (PointText, PointEnd)) and self.owner.get(msg.index, src) != src:
+            return []  # from a stage that no longer decodes this point (it died; its last messages arrive late)
+        streams = self.merge is None
+        if isinstance(msg, MergePlan):
+            self.plan = msg
+            self.owner = {i: stage for stage, indices in msg.branches.items() for i in indices} | self.owner
+            out.append(msg)
+            if streams and msg.mode == "sot":  # what arrived before the plan is released now
+                self.ordered = OrderedAnswer(self.fmt, [(i, t) for i, t in msg.points])
+                out += [self.ordered.add(index, "".join(parts)) for index, parts in self.texts.items()]
+                out += [self.ordered.end(index) for index in self.ends]
+            elif streams:
+                out.append(self._direct_text())
+            out += list(self.ends.values())
+        elif isinstance(msg, PointText):
+            self.texts.setdefault(msg.index, []).append(msg.text)
+            out.append(msg)
+            if self.ordered is not None:
+                out.append(self.ordered.add(msg.index, msg.text))
+            elif self.plan is not None and streams:
+                out.append(self._direct_text())
+        elif isinstance(msg, PointEnd):
+            self.ends[msg.index] = msg
+            if self.plan is not None:
+                out.append(msg)
+            if self.ordered is not None:
+                out.append(self.ordered.end(msg.index))
+        # Released answer text (strings) goes out as AnswerText, where there is any.
+        out = [AnswerText(msg.rid, m) if isinstance(m, str) else m for m in out if m != ""]
+        return out + self._answer()
+
+    def _direct_text(self) -> str:
+        """A direct answer's new text: what its point wrote beyond what was sent (after a redo on
+        another stage, greedy decoding writes the same again)."""
+        text = "".join(self.texts.get(0, []))
+        new = text[self.released :]
+        self.released = max(self.released, len(text))
+        return new
+
+    def _answer(self) -> list:
+        plan = self.plan
+        if plan is None or self.done or len(self.ends) < sum(len(v) for v in plan.branches.values()):
+            return []
+        self.done = True
+        texts = {i: "".join(parts) for i, parts in self.texts.items()}
+        ends = self.ends.values()
+        stats = dict(plan.stats)
+        stats["points" if plan.mode == "sot" else "direct"] = {
+            "tokens": sum(e.tokens for e in ends), "steps": sum(e.steps for e in ends),
+            "seconds": max((e.seconds for e in ends), default=0.0)}  # fmt: skip
+        points = [[i, title, texts.get(i, "")] for i, title in plan.points] if plan.mode == "sot" else []
+        finish = "length" if any(e.finish == "length" for e in ends) else "stop"
+        answer = self.merge(plan, texts) if self.merge is not None else merged(self.fmt, plan, texts)
+        whole = [AnswerText(plan.rid, answer)] if self.merge is not None and answer else []
+        return [*whole, Answer(plan.rid, answer, plan.mode, plan.reason, plan.skeleton, points, stats, finish)]
+
+
+def merged(fmt, plan: MergePlan, texts: dict[int, str]) -> str:
+    """The answer from the plan and every point's text (index -> text)."""
+    if plan.mode != "sot":
+        return texts.get(0, "")
+    return fmt.merge([(index, title, texts.get(index, "")) for index, title in plan.points])
+
+
+def summary(answer: Answer) -> str:
+    """One line about a finished answer: mode, points, tokens, time, rate and each phase's tau
+    (tokens per decoder step of a sequence)."""
+    phases = {name: p for name, p in answer.stats.items() if isinstance(p, dict)}
+    tokens = sum(p["tokens"] for p in phases.values())
+    seconds = answer.stats.get("seconds", 0.0)
+    taus = [f"{name} {p['tokens'] / p['steps']:.2f}" for name, p in phases.items() if p.get("steps")]
+    return (f"mode {answer.mode} · {len(answer.points)} points · {tokens} tokens · {seconds:.2f} s · "
+            f"{tokens / seconds if seconds else 0.0:.1f} tok/s" + (f" · tau {', '.join(taus)}" if taus else ""))  # fmt: skip
+
+
+def answer_tokens(answer: Answer) -> int:
+    """Tokens the answer's phases decoded."""
+    return sum(p["tokens"] for p in answer.stats.values() if isinstance(p, dict))
+
+
+def skeleton_params(config: SoTConfig, params: SamplingParams) -> SamplingParams:
+    """The skeleton phase's settings: its own length cap, a stop past the point cap, the prompt
+    format's own stops ("DIRECT]" in the plan format), and an end at a point listed again, on a
+    line of its own or run on inside a line (the parser would drop it, and a small model that
+    repeats one point tends to repeat them all)."""
+    stops = (f"\n{config.max_points + 1}.", *load_format(config.prompt_format).skeleton_stop)
+    return replace(_bounded(params, config.skeleton_tokens, stops), stop_repeated_line=True, stop_repeated_item=True)
+
+
+def skeleton_text(fmt, delta: Delta) -> str:
+    """A skeleton delta's text; a stop string of the format's own that is a decision (the plan
+    format's "DIRECT]") stays in it, a blank line that ends the list does not."""
+    keep = delta.stop in fmt.skeleton_stop and delta.stop.strip()
+    return delta.text + (delta.stop if keep else "")
+
+
+def finished_lines(skeleton: str, finish_reason: str | None) -> str:
+    """The skeleton the parser reads: when it was cut off (its length cap, or a loop that the
+    loop stops ended), its last line, or its last item where items run on in one line (as the
+    parser reads them), is unfinished or a repeat and is left out."""
+    if finish_reason in ("length", "repeat"):
+        cut = max([skeleton.rfind("\n")] + [start for start, _, _ in item_starts(skeleton)])
+        if cut > 0:
+            return skeleton[:cut].rstrip()
+    return skeleton
+
+
+def point_params(config: SoTConfig, params: SamplingParams, plan: Plan) -> SamplingParams:
+    """A point's settings: its own length cap and its ends: the end of its first paragraph (the
+    format's stop), where a numbered line (another point) would begin, or where it starts to
+    write the plan out again inline ("1. Title" of any point), or a line that repeats one of its
+    earlier lines (a loop of short lines, which repeat_stop's 16 tokens miss). Stops count only
+    past the point's leading whitespace, so a point that opens with a blank line is not empty."""
+    stops = (*(f"\n{i}." for i in range(1, config.max_points + 2)), *load_format(config.prompt_format).point_stop,
+             *(f"{p.index}. {p.title}" for p in plan.points))  # fmt: skip
+    bounded = _bounded(params, config.point_tokens, (*params.stop, *stops))
+    return replace(bounded, stop_after_text=True, stop_repeated_line=True)
+
+
+def point_prompts(tokenizer, fmt, question: str, plan: Plan, history: list[dict] = ()) -> tuple[list[int], dict[int, list[int]]]:
+    """The points' shared prefix (earlier turns, instructions, question, the plan as a clean
+    list: the longest beginning all their prompts have in common) and each point's suffix; a
+    point's full prompt, prefix + suffix, is exactly `fmt.point_ids` of that point."""
+    outline = "\n".join(f"{p.index}. {p.title}" for p in plan.points)
+    prompts = {p.index: fmt.point_ids(tokenizer, question, outline, p.index, p.title, history) for p in plan.points}
+    # Every suffix keeps at least one token.
+    shared = min(len(common_prefix(list(prompts.values()))), min(map(len, prompts.values())) - 1)
+    return next(iter(prompts.values()))[:shared], {index: p[shared:] for index, p in prompts.items()}
+
+
+def _bounded(params: SamplingParams, max_tokens: int, stop: tuple[str, ...]) -> SamplingParams:
+    """The request's sampling settings with a phase's own length cap and stop strings."""
+    return replace(params, max_tokens=min(max_tokens, params.max_tokens), stop=tuple(stop))
