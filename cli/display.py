@@ -71,9 +71,13 @@ class AnswerView:
             parts.append(table)
         return Group(*parts)
 
-    def _finish(self, answer: Answer) -> None:
+    def close(self) -> None:
+        """Stop drawing (an answer that ended, or was stopped)."""
         if self.live is not None and self.live.is_started:
             self.live.stop()
+
+    def _finish(self, answer: Answer) -> None:
+        self.close()
         if self.streamed:
             sys.stdout.write("\n")
         else:

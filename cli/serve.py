@@ -307,49 +307,21 @@ async def _cancel(gateway: tuple, rid: str) -> None:
 
 
 async def _chat_turn(gateway: tuple, question, history, params, mode, rid, console: Console) -> str | None:
-    """One answer in chat; gateway: (client address, CURVE keys or None)."""
+    """One answer in chat, drawn as `ask` draws it; gateway: (client address, CURVE keys or None)."""
+    from specsot_mq.cli.display import AnswerView
     from specsot_mq.client import Client
-    from specsot_mq.messages import Answer, Failed, MergePlan, PointText, Reassign, SkeletonText
-    from specsot_mq.sot.flow import summary
+    from specsot_mq.messages import Answer, Failed
 
-    titles, texts = {}, {}
-
-    def rows() -> Table:
-        table = Table(show_header=False, box=None, expand=True)
-        table.add_column("point", no_wrap=True)
-        table.add_column("text", overflow="ellipsis", no_wrap=True, ratio=1)
-        for index, title in titles.items():
-            table.add_row(f"[bold]{index}. {title}[/]" if index else "[bold]answer[/]", texts.get(index, "")[-160:].replace("\n", " "))
-        return table
-
+    view = AnswerView(console, console)
     async with Client(gateway[0], keys=gateway[1]) as client:
-        live = None
         try:
             async for msg in client.ask(question, params, mode, rid=rid, timeout=600, history=history):
-                if isinstance(msg, SkeletonText):
-                    console.print(msg.text, end="", style="dim")
-                elif isinstance(msg, MergePlan):
-                    console.print()
-                    titles = {i: t for i, t in msg.points}
-                    live = Live(rows(), console=console, refresh_per_second=8, transient=True)
-                    live.start()
-                elif isinstance(msg, PointText):
-                    texts[msg.index] = texts.get(msg.index, "") + msg.text
-                    if live:
-                        live.update(rows())
-                elif isinstance(msg, Reassign):  # their stage died: these points start again elsewhere
-                    texts.update(dict.fromkeys(msg.indices, ""))
-                elif isinstance(msg, Failed):
+                if isinstance(msg, Failed):
                     console.print(f"[red]error:[/] {msg.error}")
                     return None
-                elif isinstance(msg, Answer):
-                    if live:
-                        live.stop()
-                        live = None
-                    console.print(msg.answer)
-                    console.print(f"[dim]{summary(msg)}[/]")
+                view(msg)
+                if isinstance(msg, Answer):
                     return msg.answer
         finally:
-            if live:
-                live.stop()
+            view.close()
     return None

@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -63,23 +63,39 @@ class Completion:
         return (len(self.token_ids) - 1) / decode if decode > 0 and len(self.token_ids) > 1 else 0.0
 
 
+@dataclass(slots=True)
+class SeqState:
+    """What a decoder knows of one running sequence between its steps; the loop keeps it in the
+    sequence's record (_Sequence) and hands it back to every step."""
+
+    last: int  # its newest token, fed to its next step (the root of its next draft tree)
+    index: NgramIndex | None = None  # its tokens so far, for prompt lookup
+    logits: torch.Tensor | None = None  # EAGLE: [Vd] draft logits at the position before `last` (its children)
+    feature: torch.Tensor | None = None  # EAGLE: [H] the head's predicted feature at `last`'s position
+    # EAGLE: (tokens, base features) decided by steps that drafted nothing; the draft reads them
+    # before it next drafts, and until then logits and feature are stale
+    unread: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+
+
 class Decoder(Protocol):
     """What the loop drives: plain decoding here, speculative decoding elsewhere.
 
     Sequences are named 0..max_sequences-1 (a cache slot each in the batching layout, see
-    layout.py). prefill() starts sequences (also while others run),
-    step() returns new tokens for every running sequence, drop() ends one.
+    layout.py). prefill() starts sequences (also while others run) and returns their states,
+    step() advances the running ones given their states, drop() ends one.
     """
 
     max_sequences: int  # sequences that can run at once
 
-    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, list[int]]:
-        """Start sequence s on prompts[s]; return each one's first token. The first `shared`
-        tokens of every prompt are the same: they are computed once (or, with prefix_from, taken
-        from that sequence's cache, which already holds them) and shared."""
+    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, SeqState]:
+        """Start sequence s on prompts[s]; return each one's state, its first token as `last`.
+        The first `shared` tokens of every prompt are the same: they are computed once (or, with
+        prefix_from, taken from that sequence's cache, which already holds them) and shared."""
         ...
 
-    def step(self) -> dict[int, list[int]]: ...
+    def step(self, running: dict[int, SeqState]) -> dict[int, list[int]]:
+        """One step of every running sequence (their states updated in place); each one's new tokens."""
+        ...
 
     def drop(self, slot: int) -> None: ...
 
@@ -111,49 +127,44 @@ class PlainDecoder:
         self.model, self.sampler = model, sampler
         self.layout = new_layout(layout, model, cache)
         self.max_sequences = self.layout.max_sequences
-        self.last: dict[int, int] = {}  # running sequence -> the token fed to its next step
         self.lookup = lookup if sampler.params.greedy else 0
-        self.index: dict[int, NgramIndex] = {}  # running sequence -> its tokens, for lookup
         self.stats = SpecStats() if self.lookup else None  # what lookup drafted and got accepted (tau)
 
-    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, list[int]]:
+    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, SeqState]:
         pre = self.layout.prefill(prompts, shared, prefix_from)
-        first = dict(zip(pre.slots, self.sampler(pre.last_logits).tolist()))
-        self.last.update(first)
-        if self.lookup:
-            self.index.update({slot: NgramIndex(prompts[slot] + [tok]) for slot, tok in first.items()})
-        return {slot: [tok] for slot, tok in first.items()}
+        first = zip(pre.slots, self.sampler(pre.last_logits).tolist())
+        return {slot: SeqState(tok, NgramIndex(prompts[slot] + [tok]) if self.lookup else None) for slot, tok in first}
 
-    def step(self) -> dict[int, list[int]]:
-        seqs = sorted(self.last)  # in slot order: a run of consecutive slots is read in place (KVCache.view)
+    def step(self, running: dict[int, SeqState]) -> dict[int, list[int]]:
+        seqs = sorted(running)  # in slot order: a run of consecutive slots is read in place (KVCache.view)
         if self.lookup:
-            return self._lookup_step(seqs)
-        ids = [[self.last[s]] for s in seqs]
+            return self._lookup_step(seqs, running)
+        ids = [[running[s].last] for s in seqs]
         logits, _ = self.layout.forward(seqs, ids, [[self.layout.length(s)] for s in seqs])
         self.layout.commit(seqs, [[0]] * len(seqs))
-        self.last = dict(zip(seqs, self.sampler(logits[:, -1]).tolist()))
-        return {seq: [tok] for seq, tok in self.last.items()}
+        for seq, tok in zip(seqs, self.sampler(logits[:, -1]).tolist()):
+            running[seq].last = tok
+        return {seq: [running[seq].last] for seq in seqs}
 
-    def _lookup_step(self, seqs: list[int]) -> dict[int, list[int]]:
+    def _lookup_step(self, seqs: list[int], running: dict[int, SeqState]) -> dict[int, list[int]]:
         """A step whose rows are chains: the step's token, then the copied ones (a draft tree of
         one path, verified and accepted as the EAGLE decoder's are)."""
         start = time.perf_counter()
         cap = min(self.lookup // len(seqs), self.layout.room(seqs) - 1)
         dev = self.model.device
-        chains = [graft(root_only(self.last[s], self.layout.length(s), dev), self.index[s].propose(cap)) for s in seqs]
+        states = [running[s] for s in seqs]
+        chains = [graft(root_only(st.last, self.layout.length(s), dev), st.index.propose(cap)) for s, st in zip(seqs, states)]
         logits, _ = self.layout.forward(seqs, [c.tokens for c in chains], [c.positions for c in chains])  # causal
         results = [accept_greedy(c, logits[i, : c.size]) for i, c in enumerate(chains)]
         self.layout.commit(seqs, [[0] + res.nodes for res in results])
-        for seq, res in zip(seqs, results):
-            self.index[seq].extend(res.tokens)
-        self.last = {seq: res.tokens[-1] for seq, res in zip(seqs, results)}
+        for st, res in zip(states, results):
+            st.index.extend(res.tokens)
+            st.last = res.tokens[-1]
         self.stats.count(chains, results, [1] * len(chains))  # every node past the root is lookup's
         self.stats.verify_seconds += time.perf_counter() - start
         return {seq: res.tokens for seq, res in zip(seqs, results)}
 
     def drop(self, seq: int) -> None:
-        self.last.pop(seq, None)
-        self.index.pop(seq, None)
         self.layout.drop(seq)
 
     def room(self, seqs: list[int]) -> int:
@@ -237,11 +248,12 @@ class _Output:
 
 @dataclass(slots=True)
 class _Sequence:
-    """One running sequence of the loop: its job and its output's state (the decoder keeps its
-    cache and draft state, by slot)."""
+    """One running sequence: its job, its output's state and its decoder's (the cache it lives
+    in is named by its slot, the key it runs under)."""
 
     job: Job
     out: _Output
+    state: SeqState | None = None  # from its prefill on
 
 
 class _Batch:
@@ -290,13 +302,19 @@ class _Batch:
             for slot, job in zip(slots, members):
                 self.running[slot] = _Sequence(job, _Output(self.gen.tokenizer, job.params, self.gen.eos_ids))
             shared = members[0].shared if group is not None else 0
-            new.update(self.gen._start(self.decoder, {slot: job.ids for slot, job in zip(slots, members)}, shared, src))
+            for slot, state in self.gen._start(self.decoder, {slot: job.ids for slot, job in zip(slots, members)},
+                                               shared, src).items():  # fmt: skip
+                self.running[slot].state = state
+                new[slot] = [state.last]
             for slot, job in zip(slots, members):
                 if job.keep:
                     self.gen._store(self.decoder, slot, job.ids[: job.keep])
             if group is not None:
                 self.holder[group] = slots[0]
         return new
+
+    def states(self) -> dict[int, SeqState]:
+        return {slot: seq.state for slot, seq in self.running.items()}
 
     def end(self, slot: int) -> None:
         del self.running[slot]
@@ -449,11 +467,11 @@ class Generator:
             # Grad mode is per thread and a caller may run the loop's steps on another thread than
             # the one that started it, so inference mode is entered around each model call.
             with torch.inference_mode():
-                new = decoder.step() if batch.running else {}  # the running sequences' next tokens
+                new = decoder.step(batch.states()) if batch.running else {}  # the running sequences' next tokens
                 new.update(batch.start(jobs))  # the admitted ones' first
 
-    def _start(self, decoder: Decoder, prompts: dict[int, list[int]], shared: int, src: int | None) -> dict[int, list[int]]:
-        """Prefill admitted prompts (their first tokens each): a group's shared prefix is taken
+    def _start(self, decoder: Decoder, prompts: dict[int, list[int]], shared: int, src: int | None) -> dict[int, SeqState]:
+        """Prefill admitted prompts (their states, see Decoder.prefill): a group's shared prefix is taken
         from the slot that holds it (src), else from the prefix store (the longest stored
         beginning of it, the rest computed once), else computed once; prompts of no group that
         begin with a stored prefix start from it (one prefill per prefix runs all their own

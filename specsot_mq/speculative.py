@@ -31,6 +31,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from specsot_mq.draft import DraftHead
 from specsot_mq.errors import SpecSotError
+from specsot_mq.generate import SeqState
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.layout import new_layout
 from specsot_mq.lookup import NgramIndex
@@ -91,16 +92,6 @@ class TreeParams:
         return self.topk + (self.depth - 1) * self.topk * self.topk
 
 
-@dataclass(slots=True)
-class DraftState:
-    """Where the draft stands for one running sequence between steps. While the sequence has
-    tokens the draft has not read yet (EagleDecoder.unread), logits and feature are stale."""
-
-    root: int  # x_n: decided, not yet in either cache
-    logits: torch.Tensor  # [Vd] draft logits at position n-1: the root's children
-    feature: torch.Tensor  # [H] the head's predicted feature at position n (the root's)
-
-
 class EagleDecoder:
     """Speculative decoding with an EAGLE head; sequence i uses slot i of the draft cache, and of
     the base cache in the batching layout."""
@@ -124,19 +115,14 @@ class EagleDecoder:
         # Tree entries and padded extends go past the base length; give the draft cache room for them.
         room = (self.tree.depth + 1) * (self.tree.topk + 1)
         self.draft_cache = draft_cache or head.new_cache(cache.num_slots, cache.capacity + room)
-        self.state: dict[int, DraftState] = {}  # running slot -> its draft state
-        # running slot -> (tokens, their base features) decided by steps that drafted nothing: the
-        # draft reads them only before it next drafts (see step), so a batch too large to draft
-        # for costs no draft-head forwards at all
-        self.unread: dict[int, list[tuple[list[int], torch.Tensor]]] = {}
+        # Each running sequence's draft state is its SeqState (logits, feature, unread), which the
+        # loop hands to every step. What a cache slot holds outlives its sequence:
         # slot -> F at its shared prefix's last position (kept after a drop: a later prompt with
         # the same prefix may copy it from that slot)
         self.prefix_feature: dict[int, torch.Tensor] = {}
         # slot -> [(first position, features from there)] of its latest prefill, until its next
         # step: what keep() reads a prompt's feature at any length from
         self.fresh: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        # running slot -> its tokens so far, indexed for prompt lookup (greedy, tree.lookup > 0)
-        self.index: dict[int, NgramIndex] = {}
         self.stats = SpecStats(accepted_at_depth=[0] * self.tree.depth)
 
     @property
@@ -145,7 +131,7 @@ class EagleDecoder:
 
     # -- the Decoder protocol ------------------------------------------------------------------
 
-    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, list[int]]:
+    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, SeqState]:
         """Base pass over the prompts (shared prefix once, see layout.py), then the draft's:
         draft position i reads (x_{i+1}, F_i), so the shared part of the draft cache is positions
         0..shared-2 and each prompt's own part starts at shared-1, with the prefix's last feature."""
@@ -182,28 +168,29 @@ class EagleDecoder:
         ids = torch.tensor([x + [0] * (t - len(x)) for x in tokens], device=dev)
         positions = torch.arange(d0, d0 + t, device=dev).expand(len(tokens), t)
         hidden, logits = self.head(ids, feats, positions, self.draft_cache, slots=pre.slots)
+        lookup = self.tree.lookup and self.sampler.params.greedy
+        states = {}
         for row, (slot, root, x) in enumerate(zip(pre.slots, roots, tokens)):
             own = (shared, pre.features[row, : len(prompts[slot]) - shared])
             self.fresh[slot] = (self.fresh.get(slot, []) if slot == prefix_from and pre.prefix_features is not None else []) + [own]
             self.draft_cache.truncate(slot, d0 + len(x))
-            self.state[slot] = DraftState(root, logits[row, len(x) - 1], hidden[row, len(x) - 1])
-            self.unread.pop(slot, None)
-            if self.tree.lookup and self.sampler.params.greedy:
-                self.index[slot] = NgramIndex(prompts[slot] + [root])
+            states[slot] = SeqState(root, NgramIndex(prompts[slot] + [root]) if lookup else None,
+                                    logits[row, len(x) - 1], hidden[row, len(x) - 1])  # fmt: skip
         self.stats.draft_seconds += time.perf_counter() - start
-        return {slot: [root] for slot, root in zip(pre.slots, roots)}
+        return states
 
-    def step(self) -> dict[int, list[int]]:
-        seqs = sorted(self.state)  # in slot order: a run of consecutive slots is read in place (KVCache.view)
+    def step(self, running: dict[int, SeqState]) -> dict[int, list[int]]:
+        seqs = sorted(running)  # in slot order: a run of consecutive slots is read in place (KVCache.view)
+        states = [running[s] for s in seqs]
         start = time.perf_counter()
         self.fresh.clear()
         budget = self.budget(seqs)
-        if budget or any(len(u) >= self.unread_limit for u in self.unread.values()):
-            self.draft_extend(seqs)
-        trees = self.draft(seqs, budget)
+        if budget or any(len(st.unread) >= self.unread_limit for st in states):
+            self.draft_extend(seqs, states)
+        trees = self.draft(seqs, states, budget)
         drafted = [t.size for t in trees]  # nodes beyond these come from prompt lookup alone
-        if self.index:
-            trees = self.graft_lookup(seqs, trees)
+        if states[0].index is not None:
+            trees = self.graft_lookup(seqs, states, trees)
         mid = time.perf_counter()
         logits, features = self.verify(seqs, trees)
         results = [self.accept(tree, logits[i, : tree.size]) for i, tree in enumerate(trees)]
@@ -211,11 +198,11 @@ class EagleDecoder:
         end = time.perf_counter()
         # What the step decided goes to the draft before its next tree (draft_extend), not now:
         # while the batch is too large to draft for, the head is never run.
-        for i, (seq, res) in enumerate(zip(seqs, results)):
-            self.unread.setdefault(seq, []).append((res.tokens, features[i, [0] + res.nodes]))
-            self.state[seq].root = res.tokens[-1]
-            if seq in self.index:
-                self.index[seq].extend(res.tokens)
+        for i, (st, res) in enumerate(zip(states, results)):
+            st.unread.append((res.tokens, features[i, [0] + res.nodes]))
+            st.last = res.tokens[-1]
+            if st.index is not None:
+                st.index.extend(res.tokens)
         self.stats.draft_seconds += mid - start
         self.stats.verify_seconds += end - mid
         self.stats.count(trees, results, drafted)
@@ -223,9 +210,6 @@ class EagleDecoder:
 
     def drop(self, seq: int) -> None:
         self.fresh.pop(seq, None)
-        self.state.pop(seq, None)
-        self.unread.pop(seq, None)
-        self.index.pop(seq, None)
         self.layout.drop(seq)
 
     def room(self, seqs: list[int]) -> int:
@@ -256,15 +240,14 @@ class EagleDecoder:
         verify_budget = max(tp.max_batch_tokens, tp.num_draft_tokens + 1)
         return max(0, min(tp.num_draft_tokens, verify_budget // len(seqs) - 1, self.layout.room(seqs) - 1))
 
-    def draft(self, seqs: list[int], budget: int) -> list[DraftTree]:
+    def draft(self, seqs: list[int], states: list[SeqState], budget: int) -> list[DraftTree]:
         """Grow one EAGLE-2 tree of `budget` nodes per sequence (the draft must have read every
         decided token: draft_extend); the draft cache is left as it was."""
         tp, head = self.tree, self.head
         dev = self.model.device
-        states = [self.state[s] for s in seqs]
         lengths = [self.layout.length(s) for s in seqs]
         if not budget:
-            return [root_only(st.root, n, dev) for st, n in zip(states, lengths)]
+            return [root_only(st.last, n, dev) for st, n in zip(states, lengths)]
         gen = None if self.sampler.params.greedy else self.sampler.generator
         logq, q = self._draft_dist(torch.stack([s.logits for s in states]))
         search = start_search(logq, tp.topk, gen)
@@ -290,18 +273,18 @@ class EagleDecoder:
         if gen is not None:
             qs = self._tree_q(search, torch.cat(expanded, 1), torch.cat(qs, 1), kept)
         return [
-            make_tree(search, i, kept[i], st.root, n, head.d2t, None if gen is None else qs[i])
+            make_tree(search, i, kept[i], st.last, n, head.d2t, None if gen is None else qs[i])
             for i, (st, n) in enumerate(zip(states, lengths))
         ]
 
-    def graft_lookup(self, seqs: list[int], trees: list[DraftTree]) -> list[DraftTree]:
+    def graft_lookup(self, seqs: list[int], states: list[SeqState], trees: list[DraftTree]) -> list[DraftTree]:
         """Each tree with its sequence's prompt-lookup guess grafted on (tree.graft): up to
         tree.lookup tokens alone, fewer as more sequences share the forward (max_batch_tokens
         split between them, as for the draft nodes; see benchmarks/HISTORY.md), and as long as
         the base cache has room."""
         room = self.layout.room(seqs)
         cap = min(self.tree.lookup, max(self.tree.max_batch_tokens, self.tree.lookup) // len(seqs))
-        return [graft(t, self.index[s].propose(min(cap, room - t.size))) for s, t in zip(seqs, trees)]
+        return [graft(t, st.index.propose(min(cap, room - t.size))) for st, t in zip(states, trees)]
 
     def verify(self, seqs: list[int], trees: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor]:
         """One base forward over every tree; returns (logits [B, T, V], features [B, T, F*H]),
@@ -315,15 +298,18 @@ class EagleDecoder:
             return accept_greedy(tree, logits)
         return accept_sampled(tree, logits, self.sampler.probs, self.head.d2t, self.sampler.generator)
 
-    def draft_extend(self, seqs: list[int]) -> None:
+    def draft_extend(self, seqs: list[int], states: list[SeqState]) -> None:
         """Feed the draft what the last steps decided (unread), each row in one forward: the
         accepted tokens and bonus tokens at the positions after its real length, with the base
         features of the root and accepted nodes they follow; the last output seeds the next tree."""
-        rows = [s for s in seqs if self.unread.get(s)]
+        rows = [(s, st) for s, st in zip(seqs, states) if st.unread]
         if not rows:
             return
         dev = self.model.device
-        chunks = [self.unread.pop(s) for s in rows]
+        chunks = [st.unread for _, st in rows]
+        rows, states = [s for s, _ in rows], [st for _, st in rows]
+        for st in states:
+            st.unread = []
         ids = [torch.tensor([x for tokens, _ in chunk for x in tokens], device=dev) for chunk in chunks]
         lens = [len(x) for x in ids]
         starts = [self.draft_cache.lengths[s] for s in rows]
@@ -335,10 +321,9 @@ class EagleDecoder:
         positions = torch.stack([torch.arange(n, n + t, device=dev).clamp(max=n + k - 1)
                                  for n, k in zip(starts, lens)])  # fmt: skip
         hidden, logits = self.head(tokens, feats, positions, self.draft_cache, slots=rows)
-        for i, (seq, k, n) in enumerate(zip(rows, lens, starts)):
+        for i, (seq, st, k, n) in enumerate(zip(rows, states, lens, starts)):
             self.draft_cache.truncate(seq, n + k)
-            state = self.state[seq]
-            state.logits, state.feature = logits[i, k - 1], hidden[i, k - 1]
+            st.logits, st.feature = logits[i, k - 1], hidden[i, k - 1]
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from specsot_mq.client import Client
 from specsot_mq.devices import parse_devices
 from specsot_mq.errors import SpecSotError
 from specsot_mq.messages import (
-    BROADCAST, Abort, Answer, AnswerText, Ask, BranchTask, Failed, Membership, Planned, PointText, Reassign, encode, ids,
+    BROADCAST, Abort, Answer, AnswerText, Ask, BranchTask, Envelope, Failed, Membership, Planned, PointText, Reassign, encode, ids,
 )  # fmt: skip
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
@@ -275,6 +275,51 @@ def test_a_branch_killed_with_no_way_around_fails_its_request_by_name_and_the_re
     assert isinstance(messages[-1], Failed) and f"stage {victim} stopped" in messages[-1].error, messages[-1]
     assert took < 15
     assert isinstance(after, Answer), after
+
+
+def test_a_ring_gateway_restarts_what_was_in_flight_once_and_the_client_sees_one_stream(tmp_path):
+    """The gateway alone (fake stages): a sampled request gets a seed at admission; when a ring
+    branch stage dies, the request starts again as rid~1 with the same question and seed, the
+    old attempt is aborted everywhere and its late messages dropped, and the client gets only
+    text beyond what it had, under its own id."""
+    from specsot_mq.messages import SkeletonText
+    from specsot_mq.stages.base import RunSpec
+    from specsot_mq.stages.gateway import Gateway
+
+    kinds = {"gateway": "gateway", "skeleton": "skeleton", "parse": "parse", "schedule": "schedule",
+             "branch@a": "branch", "branch@b": "branch", "merge": "merge"}  # fmt: skip
+    sent, client = [], []
+
+    async def send(dst, msg):
+        sent.append((dst, msg))
+
+    async def scenario():
+        gateway = Gateway("gateway", RunSpec("ring", {}, kinds, {}, {}, {}, f"ipc://{tmp_path}/c.sock"), send)
+        await gateway.start()
+        gateway._send_client = lambda _, msg: asyncio.sleep(0, client.append(msg))
+        try:
+            for entry in gateway.health.values():
+                entry.up = entry.ever_up = True
+            await gateway._from_client(b"c", Ask("r", "How do I start running?", {"temperature": 0.7}, "always"))
+            await gateway._from_client(b"c", Ask("g", "How do I start running?", {}, "always"))
+            first = {msg.rid: msg for dst, msg in sent if isinstance(msg, Ask)}
+            await gateway.handle(Envelope(SkeletonText("r", "1. Warm", ids([1, 2])), "gateway", "skeleton"))
+            gateway.health["branch@a"].up = False
+            await gateway._stage_down("branch@a", 5.0)
+            again = [msg for _, msg in sent if isinstance(msg, Ask) and msg.rid.startswith("r~")]
+            aborted = {(dst, msg.rid) for dst, msg in sent if isinstance(msg, Abort)}
+            for rid, text, tokens in (("r", " late", [9]), ("r~1", "1. Warm up", [1, 2, 3])):
+                await gateway.handle(Envelope(SkeletonText(rid, text, ids(tokens)), "gateway", "skeleton"))
+        finally:
+            await gateway.stop()
+        return first, again, aborted
+
+    first, again, aborted = asyncio.run(scenario())
+    assert isinstance(first["r"].params["seed"], int) and "seed" not in first["g"].params  # greedy needs none
+    assert len(again) == 1 and again[0].rid == "r~1" and again[0].params == first["r"].params
+    assert {("skeleton", "r"), ("merge", "r"), ("branch@b", "r"), ("skeleton", "g")} <= aborted  # both restarted
+    texts = [(m.rid, m.text, m.token_ids.tolist()) for m in client if isinstance(m, SkeletonText)]
+    assert texts == [("r", "1. Warm", [1, 2]), ("r", " up", [3])]
 
 
 def test_a_restarted_requests_client_gets_each_stream_once():

@@ -122,16 +122,17 @@ def test_trees_shrink_with_the_batch_down_to_plain_steps(base):
     gen = Generator(base, CharTokenizer(), max_len=64)
     decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY), TreeParams(12, 5, 4, max_batch_tokens=6))
     with torch.inference_mode():
-        decoder.prefill({0: [BOS, 5, 6, 7]})
-        assert decoder.draft([0], decoder.budget([0]))[0].size - 1 == 12
+        running = decoder.prefill({0: [BOS, 5, 6, 7]})
+        assert decoder.draft([0], [running[0]], decoder.budget([0]))[0].size - 1 == 12
     tree = TreeParams(num_draft_tokens=5, depth=5, topk=4, max_batch_tokens=6)
     for n, nodes in ((1, 5), (2, 2), (4, 0)):
         prompts = [[BOS, 5 + i, 6, 7] for i in range(n)]
         gen = Generator(base, CharTokenizer(), max_len=64, num_slots=n)
         decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY), tree)
         with torch.inference_mode():
-            decoder.prefill({i: p for i, p in enumerate(prompts)})
-            assert [t.size - 1 for t in decoder.draft(list(range(n)), decoder.budget(list(range(n))))] == [nodes] * n
+            running = decoder.prefill({i: p for i, p in enumerate(prompts)})
+            trees = decoder.draft(list(running), list(running.values()), decoder.budget(list(running)))
+            assert [t.size - 1 for t in trees] == [nodes] * n
         decoder = EagleDecoder(base, OracleHead(base), gen.cache, Sampler(GREEDY), tree)
         got = gen.generate_many(prompts, GREEDY, decoder=decoder)
         assert [c.token_ids for c in got] == [c.token_ids for c in gen.generate_many(prompts, GREEDY)]
@@ -196,8 +197,9 @@ def test_accepted_path_is_compacted_in_place(base):
     cache = base.new_cache(1, 64)
     decoder = EagleDecoder(base, OracleHead(base), cache, Sampler(GREEDY), TREE)
     with torch.inference_mode():
-        first = decoder.prefill({0: prompt})[0]
-        new = decoder.step()[0]
+        running = decoder.prefill({0: prompt})
+        first = [running[0].last]
+        new = decoder.step(running)[0]
     assert len(new) > 2  # several drafted tokens accepted, plus the bonus
     kept = prompt + first + new[:-1]  # the bonus is the next root: not in the cache yet
     assert cache.lengths[0] == len(kept)
@@ -215,12 +217,13 @@ def test_draft_cache_after_steps_equals_one_fresh_draft_pass(base, layers):
     head = random_head(base, seed=3, layers=layers)
     decoder = EagleDecoder(base, head, base.new_cache(1, 64), Sampler(GREEDY), TREE)
     with torch.inference_mode():
-        ids = prompt + decoder.prefill({0: prompt})[0]
+        running = decoder.prefill({0: prompt})
+        ids = prompt + [running[0].last]
         for _ in range(4):
-            ids += decoder.step()[0]
+            ids += decoder.step(running)[0]
         n = len(ids) - 1  # the last token is the root: in neither cache
-        decoder.draft_extend([0])  # the draft reads the last step's tokens before its next tree
-        assert decoder.draft_cache.lengths[0] == n and not decoder.unread
+        decoder.draft_extend([0], [running[0]])  # the draft reads the last step's tokens before its next tree
+        assert decoder.draft_cache.lengths[0] == n and not running[0].unread
         layers = head.cfg.feature_layers
         out = base(torch.tensor([ids[:n]]), torch.arange(n)[None], base.new_cache(1, 64), hidden_layers=layers)
         fresh = head.new_cache(1, 64)
@@ -371,14 +374,14 @@ def test_shared_prefix_prefill_fills_both_caches_as_separate_prefills_do(base, l
     with torch.inference_mode():
         roots = shared.prefill(prompts, shared=len(prefix))
         want = {s: alone.prefill({s: p})[s] for s, p in prompts.items()}
-    assert roots == want
+    assert {s: st.last for s, st in roots.items()} == {s: st.last for s, st in want.items()}
     for s, p in prompts.items():
         n = len(p)
         assert shared.layout.cache.lengths[s] == n and shared.draft_cache.lengths[s] == n
         for a, b in ((shared.layout.cache, alone.layout.cache), (shared.draft_cache, alone.draft_cache)):
             torch.testing.assert_close(a.k[:, s, :, :n], b.k[:, s, :, :n], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(a.v[:, s, :, :n], b.v[:, s, :, :n], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(shared.state[s].logits, alone.state[s].logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(roots[s].logits, want[s].logits, atol=1e-4, rtol=1e-4)
 
 
 def test_shared_prefix_and_admission_with_eagle_equal_plain_decoding(base):
