@@ -282,7 +282,10 @@ def test_prompt_lookup_is_off_when_sampling(base):
     for tree in (TREE, LOOKUP):
         decoder = EagleDecoder(base, random_head(base), gen.cache, Sampler(params), tree)
         runs.append(gen.generate([BOS, 5, 6, 7], params, decoder=decoder).token_ids)
-        assert decoder.stats.lookup_accepted == 0 and not decoder.index
+        assert decoder.stats.lookup_accepted == 0
+        with torch.inference_mode():
+            assert decoder.prefill({0: [BOS, 5, 6, 7]})[0].index is None  # no lookup index kept
+        decoder.drop(0)
     assert runs[0] == runs[1]
 
 
