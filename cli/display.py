@@ -40,10 +40,8 @@ class AnswerView:
             point = self.points.setdefault(event.index, ["", False])
             if isinstance(event, PointText):
                 point[0] += event.text
-            else:
+            else:  # (piped, the answer streaming on stdout is the progress: no lines in between)
                 point[1] = True
-                if not self.live:
-                    self.err.print(f"[dim]point {event.index} done ({event.tokens} tokens)[/]")
         elif isinstance(event, Reassign):  # their stage died: these points start again elsewhere
             for index in event.indices:
                 self.points[index] = ["", False]
