@@ -16,15 +16,14 @@ class SkeletonStage(DeviceStage):
     async def start(self) -> None:
         self.slots = self.spec.skeleton_slots
         self.parse = self.spec.named("parse")[0]
+        self.flow = Flow(SoTConfig(**self.spec.sot))  # its tokenizer: the model's, once loaded
         await super().start()  # self.running: rid -> its Skeletoning
-        self.flow = Flow(SoTConfig(**self.spec.sot), self.gen.tokenizer)
+        self.flow.tokenizer = self.gen.tokenizer
 
     def build(self):
-        from specsot_mq.prompts import load_format
-
         gen = super().build()
         # Every skeleton prompt begins the same way: compute that once (before any request).
-        gen.keep_prefix(load_format(SoTConfig(**self.spec.sot).prompt_format).skeleton_head(gen.tokenizer))
+        gen.keep_prefix(self.flow.format.skeleton_head(gen.tokenizer))
         return gen
 
     def accept(self, msg: Ask, params) -> None:
