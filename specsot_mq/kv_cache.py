@@ -11,6 +11,8 @@ freed; later writes overwrite), copy a prefix into other slots (branches sharing
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -34,8 +36,8 @@ class KVCache:
         device: torch.device | str = "cpu",
     ):
         shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, device)
+        self.v = _zeros(shape, dtype, device)
         self.capacity = capacity
         self.lengths = [0] * num_slots
         self._where: tuple = ((), None, None)  # (slots, starts, T) of the last scattered write, its indices
@@ -77,8 +79,10 @@ class KVCache:
     # -- data --------------------------------------------------------------------------------
 
     def write(self, layer: int, slots: Sequence[int], starts: Sequence[int], k: torch.Tensor, v: torch.Tensor):
-        """Store new entries k, v [B, kv_heads, T, head_dim] of batch row b at slots[b], from starts[b]."""
+        """Store new entries k, v [B, kv_heads, T, head_dim] of batch row b at slots[b], from starts[b]
+        (converted to the cache's dtype)."""
         t = k.shape[2]
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         if len(set(starts)) == 1 and _is_range(slots):
             s0, st = slots[0], starts[0]
             self.k[layer, s0 : s0 + len(slots), :, st : st + t] = k
@@ -145,6 +149,17 @@ class KVCache:
             self.k[:, d, :, :length].copy_(self.k[:, src_slot, :, :length])
             self.v[:, d, :, :length].copy_(self.v[:, src_slot, :, :length])
             self.lengths[d] = length
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed tensor; on a CPU, over an anonymous memory map, whose pages the OS hands out (zeroed)
+    when first written: a cache of thousands of positions per slot takes the memory of the positions
+    used, not of its capacity."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    memory = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
 
 
 def _is_range(slots: Sequence[int]) -> bool:

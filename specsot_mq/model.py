@@ -123,8 +123,18 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: t
     kv = keys.shape[1]
     g = h // kv
     q = q.reshape(b, t, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # an fp16 cache (cache_dtype) read with grad on
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)
     return out.view(b, kv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
+
+
+def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype for activations in `dtype`: float16 where the native attention runs
+    them (float32 on a CPU with the kernels; it reads fp16 keys and values at half the bytes, and
+    rounds what it stores to nearest even), else the activations' own."""
+    if dtype == torch.float32 and torch.device(device).type == "cpu" and native() is not None:
+        return torch.float16
+    return dtype
 
 
 def _native_for(x: torch.Tensor):
@@ -194,8 +204,11 @@ class LlamaModel(nn.Module):
                     m.prepack()
         return self
 
-    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
-        return KVCache.for_model(self.cfg, num_slots, capacity, self.dtype, self.device)
+    def new_cache(self, num_slots: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A cache of `num_slots` sequences of up to `capacity` tokens, in `dtype` (default:
+        cache_dtype's choice for this model)."""
+        dtype = dtype or cache_dtype(self.dtype, self.device)
+        return KVCache.for_model(self.cfg, num_slots, capacity, dtype, self.device)
 
     def forward(
         self,

@@ -1,4 +1,5 @@
-"""Our Llama-family decoder against transformers' own implementations (fp32, max abs diff <= 1e-4)."""
+"""Our Llama-family decoder against transformers' own implementations (fp32, max abs diff <= 1e-4,
+with a cache in the activations' dtype; the fp16 cache the native kernels default to, within 2e-3)."""
 
 import pytest
 import torch
@@ -7,6 +8,11 @@ from conftest import ours_from_hf, tiny_hf
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 TOL = 1e-4
+
+
+def new_cache(model, slots: int, capacity: int):
+    """A cache in the model's own dtype: these tests check the model's arithmetic exactly."""
+    return model.new_cache(slots, capacity, model.dtype)
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -22,13 +28,36 @@ def test_prefill_and_incremental_decode_match_transformers(arch, prepack):
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits
-        cache = ours.new_cache(2, 32)
+        cache = new_cache(ours, 2, 32)
         pre = ours(ids[:, :8], torch.arange(8).expand(2, 8), cache).logits
         assert (pre - ref[:, :8]).abs().max() <= TOL
         for t in range(8, 12):  # one token at a time against the cache
             step = ours(ids[:, t : t + 1], torch.full((2, 1), t), cache).logits
             assert (step[:, 0] - ref[:, t]).abs().max() <= TOL
     assert cache.lengths == [12, 12]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_default_fp16_cache_stays_near_transformers(arch):
+    """With the native kernels an fp32 model's cache holds keys and values in fp16 (half the bytes
+    to read per step): prefill and steps stay within 2e-3 of transformers' fp32 logits."""
+    from specsot_mq.quant import native
+
+    if native() is None:
+        pytest.skip("the native kernels are not built here: the cache stays fp32")
+    hf = tiny_hf(arch)
+    ours = ours_from_hf(hf)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        cache = ours.new_cache(2, 32)
+        assert cache.k.dtype == torch.float16
+        pre = ours(ids[:, :8], torch.arange(8).expand(2, 8), cache).logits
+        err = [(pre - ref[:, :8]).abs().max()]
+        for t in range(8, 12):
+            err.append((ours(ids[:, t : t + 1], torch.full((2, 1), t), cache).logits[:, 0] - ref[:, t]).abs().max())
+    assert max(err) <= 2e-3
+    assert max(err) > 0  # the fp16 rounding is there: this is not the exact fp32 path
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -47,7 +76,7 @@ def test_tree_mask_step_matches_each_path_decoded_alone(arch):
     n = len(tokens)
     mask = torch.tensor([[j in anc[i] for j in range(n)] for i in range(n)])[None]
     with torch.no_grad():
-        cache = ours.new_cache(1, 32)
+        cache = new_cache(ours, 1, 32)
         ours(torch.tensor([prefix]), torch.arange(5)[None], cache)
         positions = torch.tensor([[5 + d for d in depth]])
         tree = ours(torch.tensor([tokens]), positions, cache, mask=mask).logits[0]
@@ -62,7 +91,7 @@ def test_rows_of_different_lengths_in_one_batch():
     hf = tiny_hf("llama")
     ours = ours_from_hf(hf, prepack=True)
     seqs = [[1, 2, 3, 4, 5, 6], [9, 8, 7], [40, 41, 42, 43]]
-    cache = ours.new_cache(4, 32)
+    cache = new_cache(ours, 4, 32)
     with torch.no_grad():
         for slot, s in zip([3, 0, 2], seqs):  # non-consecutive slots exercise the gather path
             ours(torch.tensor([s[:-1]]), torch.arange(len(s) - 1)[None], cache, slots=[slot])
@@ -79,7 +108,7 @@ def test_full_mask_over_cache_gives_branch_isolation():
     hf = tiny_hf("qwen2")
     ours = ours_from_hf(hf)
     prefix, a, b = [3, 1, 4, 1], [5, 9], [2, 6]
-    cache = ours.new_cache(1, 32)
+    cache = new_cache(ours, 1, 32)
     with torch.no_grad():
         ours(torch.tensor([prefix]), torch.arange(4)[None], cache)
         mask = torch.zeros(1, 4, 8, dtype=torch.bool)
@@ -97,7 +126,7 @@ def test_sliding_window_matches_mistral():
     ours = ours_from_hf(hf)
     ids = list(range(10, 22))
     with torch.no_grad():
-        cache = ours.new_cache(1, 32)
+        cache = new_cache(ours, 1, 32)
         out = ours(torch.tensor([ids[:8]]), torch.arange(8)[None], cache).logits[0]
         step = ours(torch.tensor([ids[8:9]]), torch.tensor([[8]]), cache).logits[0]
     ref = hf_logits(hf, ids[:9])
@@ -111,7 +140,7 @@ def test_hidden_states_are_counted_as_transformers_counts_them():
     ids = torch.tensor([[4, 8, 15, 16, 23]])
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True).hidden_states
-        out = ours(ids, torch.arange(5)[None], ours.new_cache(1, 8), hidden_layers=(2, 0, 1))
+        out = ours(ids, torch.arange(5)[None], new_cache(ours, 1, 8), hidden_layers=(2, 0, 1))
     assert [h.shape for h in out.hidden] == [ref[2].shape, ref[0].shape, ref[1].shape]
     for got, want in zip(out.hidden, (ref[2], ref[0], ref[1])):
         assert (got - want).abs().max() <= TOL
@@ -121,11 +150,11 @@ def test_last_only_logits_and_bad_mask_shape():
     ours = ours_from_hf(tiny_hf("llama"))
     ids = torch.tensor([[4, 8, 15]])
     with torch.no_grad():
-        full = ours(ids, torch.arange(3)[None], ours.new_cache(1, 8)).logits
-        last = ours(ids, torch.arange(3)[None], ours.new_cache(1, 8), last_only=True).logits
+        full = ours(ids, torch.arange(3)[None], new_cache(ours, 1, 8)).logits
+        last = ours(ids, torch.arange(3)[None], new_cache(ours, 1, 8), last_only=True).logits
         assert last.shape == (1, 1, 97) and (last[:, 0] - full[:, -1]).abs().max() <= 1e-5
         with pytest.raises(ValueError, match="mask must be"):
-            ours(ids, torch.arange(3)[None], ours.new_cache(1, 8), mask=torch.ones(1, 3, 5, dtype=torch.bool))
+            ours(ids, torch.arange(3)[None], new_cache(ours, 1, 8), mask=torch.ones(1, 3, 5, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -134,7 +163,7 @@ def test_bf16_and_fp32_run_and_agree_roughly(dtype):
     ours = ours_from_hf(hf).to(dtype).prepack()
     ids = torch.tensor([[4, 8, 15, 16]])
     with torch.no_grad():
-        out = ours(ids, torch.arange(4)[None], ours.new_cache(1, 8)).logits.float()
+        out = ours(ids, torch.arange(4)[None], new_cache(ours, 1, 8)).logits.float()
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     assert (out - hf(ids).logits).abs().max() < 0.1
 

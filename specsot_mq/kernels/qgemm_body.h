@@ -151,13 +151,21 @@ static inline __m256 hsum8x8(const __m256* a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// 8 floats from a row of the KV cache: float32, or fp16 (the cache's default with the native
+// kernels: half the bytes to read, converted exactly to float32 on load).
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // One query row of attention: out[D] = softmax(q . keys[i]) . values[i] over the n keys listed in
-// `keys_at` (indices into keys/values rows, each D floats at a stride), D a multiple of 8;
+// `keys_at` (indices into keys/values rows, each D elements at a stride), D a multiple of 8;
 // scores has room for n + 8 floats. Every sum runs over the listed keys in order (a score is one
 // fixed reduction tree), so a query gets the same bits whatever other queries, masked keys or
 // cache length share its call: what keeps tree verification lossless.
-void attend_row(const float* q, const float* keys, const float* values, int64_t stride, int64_t D,
-                const int32_t* keys_at, int64_t n, float* scores, float* out) {
+template <class E>
+static inline void attend_row_t(const float* q, const E* keys, const E* values, int64_t stride, int64_t D,
+                                const int32_t* keys_at, int64_t n, float* scores, float* out) {
     if (n == 0) {
         for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
         return;
@@ -165,14 +173,14 @@ void attend_row(const float* q, const float* keys, const float* values, int64_t 
     for (int64_t i = 0; i < n; i += 8) {
         const int m = static_cast<int>(n - i < 8 ? n - i : 8);
         __m256 acc[8];
-        const float* k[8];
+        const E* k[8];
         for (int j = 0; j < 8; ++j) {
             acc[j] = _mm256_setzero_ps();
             k[j] = keys + keys_at[i + (j < m ? j : 0)] * stride;
         }
         for (int64_t d = 0; d < D; d += 8) {
             const __m256 qd = _mm256_loadu_ps(q + d);
-            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), acc[j]);
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, load8(k[j] + d), acc[j]);
         }
         _mm256_storeu_ps(scores + i, hsum8x8(acc));
     }
@@ -204,11 +212,28 @@ void attend_row(const float* q, const float* keys, const float* values, int64_t 
         for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; ++j) {
             const __m256 p = _mm256_set1_ps(scores[j]);
-            const float* v = values + keys_at[j] * stride + d0;
-            for (int c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            const E* v = values + keys_at[j] * stride + d0;
+            for (int c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
         }
         for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
     }
+}
+
+void attend_row(const float* q, const float* keys, const float* values, int64_t stride, int64_t D,
+                const int32_t* keys_at, int64_t n, float* scores, float* out) {
+    attend_row_t(q, keys, values, stride, D, keys_at, n, scores, out);
+}
+
+void attend_row(const float* q, const uint16_t* keys, const uint16_t* values, int64_t stride, int64_t D,
+                const int32_t* keys_at, int64_t n, float* scores, float* out) {
+    attend_row_t(q, keys, values, stride, D, keys_at, n, scores, out);
+}
+
+// n floats (n a multiple of 8) to fp16, rounded to nearest even: how keys and values enter an
+// fp16 cache.
+void to_half(const float* x, int64_t n, uint16_t* y) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
 }
 
 }  // namespace SPECSOT_ISA

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
+#include <type_traits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -22,6 +22,9 @@ SPECSOT_DECLARE(avx2)
 SPECSOT_DECLARE(vnni)
 namespace avx2 {
 void attend_row(const float*, const float*, const float*, int64_t, int64_t, const int32_t*, int64_t, float*, float*);
+void attend_row(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, const int32_t*, int64_t, float*,
+                float*);
+void to_half(const float*, int64_t, uint16_t*);
 }
 
 namespace {
@@ -162,10 +165,10 @@ std::vector<int64_t> visible_keys(const std::optional<torch::Tensor>& bias, int6
 }
 
 // out [B, T, H, D] from q [B, T, H, D] (contiguous), with batch row b's keys and values for kv
-// head h at key_base(b) + h * head_stride (rows of D floats).
-template <class Base>
+// head h at key_base(b) + h * kstride (rows of D elements of type E: float, or fp16 bits).
+template <class E, class KeyBase, class ValueBase>
 void attend_all(const float* q, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D, int64_t L,
-                const int32_t* lists, const std::vector<int64_t>& counts, Base key_base, Base value_base,
+                const int32_t* lists, const std::vector<int64_t>& counts, KeyBase key_base, ValueBase value_base,
                 int64_t kstride, int64_t vstride, float* out) {
     const int64_t G = H / KV;
     const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(L * D / 8, 1));
@@ -173,16 +176,30 @@ void attend_all(const float* q, int64_t B, int64_t T, int64_t H, int64_t KV, int
         std::vector<float> scores(L + 8);
         for (int64_t i = i0; i < i1; ++i) {
             const int64_t r = i / H, h = i % H, b = r / T;
-            avx2::attend_row(q + i * D, key_base(b) + (h / G) * kstride, value_base(b) + (h / G) * vstride, D, D,
-                             lists + r * L, counts[r], scores.data(), out + i * D);
+            const E* keys = key_base(b) + (h / G) * kstride;
+            const E* values = value_base(b) + (h / G) * vstride;
+            avx2::attend_row(q + i * D, keys, values, D, D, lists + r * L, counts[r], scores.data(), out + i * D);
         }
     });
+}
+
+// The cache's element type: float32, or fp16 read as its 16-bit pattern.
+bool is_half(const torch::Tensor& t) {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kHalf,
+                "the native attention reads float32 or float16 keys and values");
+    return t.scalar_type() == torch::kHalf;
+}
+
+template <class E>
+E* elements(const torch::Tensor& t) {
+    if constexpr (std::is_same_v<E, float>) return t.data_ptr<float>();
+    else return reinterpret_cast<uint16_t*>(t.data_ptr<at::Half>());
 }
 
 }  // namespace
 
 // Grouped-query attention: q [B, T, H, D] float32 (the scale folded in), keys and values
-// [B, KV, L, D] (rows of D floats; views of the cache are read in place), bias as
+// [B, KV, L, D] (float32 or float16, rows of D elements; views of the cache are read in place), bias as
 // model.attention_bias builds it, or None (every key visible). Returns [B, T, H * D].
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, std::optional<torch::Tensor> bias) {
     TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32, "attention wants float32 q [B, T, H, D]");
@@ -190,24 +207,30 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
     const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
     const int64_t KV = keys.size(1), L = keys.size(2);
     TORCH_CHECK(D % 8 == 0 && H % KV == 0, "attention wants head_dim a multiple of 8 and H a multiple of KV");
+    const bool half = is_half(keys);
     for (const auto& kv : {keys, values})
-        TORCH_CHECK(kv.scalar_type() == torch::kFloat32 && kv.stride(3) == 1 && kv.stride(2) == D,
-                    "attention wants float32 keys/values with rows of head_dim contiguous floats");
+        TORCH_CHECK(kv.scalar_type() == keys.scalar_type() && kv.stride(3) == 1 && kv.stride(2) == D,
+                    "attention wants keys and values of one dtype with rows of head_dim contiguous elements");
     auto lists = torch::empty({B * T, std::max<int64_t>(L, 1)}, torch::kInt32);
     const auto counts = visible_keys(bias, B, T, L, lists.data_ptr<int32_t>());
     auto out = torch::empty({B, T, H * D}, torch::kFloat32);
-    const float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
-    const int64_t ks0 = keys.stride(0), vs0 = values.stride(0);
-    attend_all(q.data_ptr<float>(), B, T, H, KV, D, L, lists.data_ptr<int32_t>(), counts,
-               std::function<const float*(int64_t)>([&](int64_t b) { return kp + b * ks0; }),
-               std::function<const float*(int64_t)>([&](int64_t b) { return vp + b * vs0; }), keys.stride(1),
-               values.stride(1), out.data_ptr<float>());
+    auto run = [&](auto element) {
+        using E = decltype(element);
+        const E *kp = elements<E>(keys), *vp = elements<E>(values);
+        const int64_t ks0 = keys.stride(0), vs0 = values.stride(0);
+        attend_all<E>(q.data_ptr<float>(), B, T, H, KV, D, L, lists.data_ptr<int32_t>(), counts,
+                      [&](int64_t b) { return kp + b * ks0; }, [&](int64_t b) { return vp + b * vs0; },
+                      keys.stride(1), values.stride(1), out.data_ptr<float>());
+    };
+    if (half) run(uint16_t{});
+    else run(float{});
     return out;
 }
 
 // A decoder layer's whole attention on a layer of the KV cache: qkv [B, T, (H + 2 KV) * D] (the
 // fused projection's output), cos and sin [B, T, D] (model.rope_tables' sign-folded sin at each
-// position), kcache and vcache [slots, KV, capacity, D] (the layer's cache, written in place),
+// position), kcache and vcache [slots, KV, capacity, D] (the layer's cache, float32 or float16,
+// written in place: fp16 rounds to nearest even),
 // batch row b at cache slot slots[b] from position starts[b]. Rotates q and k, stores k and v,
 // attends as `attention` does (bias over the L = max(starts) + T first positions, or None) and
 // returns [B, T, H * D].
@@ -223,9 +246,10 @@ torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
     TORCH_CHECK(cos.numel() == B * T * D && sin.numel() == B * T * D, "attend_cached: cos/sin must be [B, T, D]");
     TORCH_CHECK(static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(starts.size()) == B,
                 "attend_cached: one slot and start per batch row");
+    const bool fp16 = is_half(kcache);
     for (const auto& c : {kcache, vcache})
-        TORCH_CHECK(c.scalar_type() == torch::kFloat32 && c.is_contiguous() && c.dim() == 4 && c.size(1) == KV &&
-                        c.size(3) == D, "attend_cached wants a contiguous float32 cache layer [slots, KV, capacity, D]");
+        TORCH_CHECK(c.scalar_type() == kcache.scalar_type() && c.is_contiguous() && c.dim() == 4 && c.size(1) == KV &&
+                        c.size(3) == D, "attend_cached wants a contiguous cache layer [slots, KV, capacity, D]");
     const int64_t capacity = kcache.size(2);
     int64_t L = 0;
     for (int64_t b = 0; b < B; ++b) {
@@ -235,32 +259,44 @@ torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
     }
     const int64_t half = D / 2, F = (H + 2 * KV) * D, slot_stride = KV * capacity * D, head_stride = capacity * D;
     const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-    float *kc = kcache.data_ptr<float>(), *vc = vcache.data_ptr<float>();
     auto q = torch::empty({B, T, H, D}, torch::kFloat32);
     float* qp = q.data_ptr<float>();
     // rotate-half rope: x * cos + [x2, x1] * sin, sin's first half negated
     auto rope = [&](const float* x, const float* c, const float* s, float* y) {
         for (int64_t i = 0; i < D; ++i) y[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
     };
-    at::parallel_for(0, B * T, 1, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-            const int64_t b = r / T, t = r % T;
-            const float *x = xp + r * F, *c = cp + r * D, *s = sp + r * D;
-            for (int64_t h = 0; h < H; ++h) rope(x + h * D, c, s, qp + (r * H + h) * D);
-            for (int64_t h = 0; h < KV; ++h) {
-                const int64_t at = slots[b] * slot_stride + h * head_stride + (starts[b] + t) * D;
-                rope(x + (H + h) * D, c, s, kc + at);
-                std::memcpy(vc + at, x + (H + KV + h) * D, D * sizeof(float));
-            }
-        }
-    });
     auto lists = torch::empty({B * T, std::max<int64_t>(L, 1)}, torch::kInt32);
     const auto counts = visible_keys(bias, B, T, L, lists.data_ptr<int32_t>());
     auto out = torch::empty({B, T, H * D}, torch::kFloat32);
-    attend_all(qp, B, T, H, KV, D, L, lists.data_ptr<int32_t>(), counts,
-               std::function<const float*(int64_t)>([&](int64_t b) { return kc + slots[b] * slot_stride; }),
-               std::function<const float*(int64_t)>([&](int64_t b) { return vc + slots[b] * slot_stride; }),
-               head_stride, head_stride, out.data_ptr<float>());
+    auto run = [&](auto element) {
+        using E = decltype(element);
+        E *kc = elements<E>(kcache), *vc = elements<E>(vcache);
+        at::parallel_for(0, B * T, 1, [&](int64_t r0, int64_t r1) {
+            std::vector<float> k(D);
+            for (int64_t r = r0; r < r1; ++r) {
+                const int64_t b = r / T, t = r % T;
+                const float *x = xp + r * F, *c = cp + r * D, *s = sp + r * D;
+                for (int64_t h = 0; h < H; ++h) rope(x + h * D, c, s, qp + (r * H + h) * D);
+                for (int64_t h = 0; h < KV; ++h) {
+                    const int64_t at = slots[b] * slot_stride + h * head_stride + (starts[b] + t) * D;
+                    if constexpr (std::is_same_v<E, float>) {
+                        rope(x + (H + h) * D, c, s, kc + at);
+                        std::memcpy(vc + at, x + (H + KV + h) * D, D * sizeof(float));
+                    } else {
+                        rope(x + (H + h) * D, c, s, k.data());
+                        avx2::to_half(k.data(), D, kc + at);
+                        avx2::to_half(x + (H + KV + h) * D, D, vc + at);
+                    }
+                }
+            }
+        });
+        attend_all<E>(qp, B, T, H, KV, D, L, lists.data_ptr<int32_t>(), counts,
+                      [&](int64_t b) -> const E* { return kc + slots[b] * slot_stride; },
+                      [&](int64_t b) -> const E* { return vc + slots[b] * slot_stride; }, head_stride, head_stride,
+                      out.data_ptr<float>());
+    };
+    if (fp16) run(uint16_t{});
+    else run(float{});
     return out;
 }
 
