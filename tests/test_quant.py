@@ -79,6 +79,27 @@ def test_kernel_matches_dequantized_product(isa, kind, shape):
     assert rel < 0.01, rel
 
 
+@pytest.mark.parametrize("fused", ["norm", "glu", "residual"])
+def test_fused_norm_glu_and_residual_match_torch(isa, fused):
+    """What a decoder layer runs around its linears, inside the kernel call: an RMSNorm before,
+    silu(gate) * up before, or the residual after, against the same steps in torch ops."""
+    from specsot_mq.model import RMSNorm
+
+    torch.manual_seed(3)
+    blocks = quant.quantize(torch.randn(96, 320) * 0.05, "q4")
+    layer = QLinear(blocks)
+    reference = QLinear(blocks)
+    reference.packed, reference.weight = None, torch.nn.Parameter(blocks.dequantize(), requires_grad=False)
+    x = torch.randn(6, 640 if fused == "glu" else 320) * 3
+    norm = RMSNorm(320, 1e-5)
+    norm.weight.data = torch.rand(320) + 0.5
+    kwargs = {"norm": dict(norm=norm), "glu": dict(glu=True), "residual": dict(residual=torch.randn(6, 96))}[fused]
+    want, got = reference(x, **kwargs), layer(x, **kwargs)
+    assert (got - want).norm() / want.norm() < 0.01
+    assert torch.equal(torch.cat([layer(x[i : i + 1], **{k: v[i : i + 1] if k == "residual" else v for k, v in kwargs.items()})
+                                  for i in range(6)]), got)  # fmt: skip
+
+
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_rows_are_bit_identical_whatever_the_batch(isa, kind):
     torch.manual_seed(1)

@@ -151,6 +151,65 @@ static inline __m256 hsum8x8(const __m256* a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+static inline float hsum(__m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+// Row x of a layer's input, as the layer reads it, quantized: x itself, RMS-normalised and
+// weighted (norm != nullptr), or silu(x[:K]) * x[K:] (glu, x holding 2K floats); then int8 values
+// q, the scale d (x ~ d * q) and d * sum(q) per block of 32 (K a multiple of 32). buf holds K
+// floats. Vector code throughout, each sum in a fixed order: a row's bits do not depend on the
+// other rows of its call.
+void quantize_input(const float* x, int64_t K, const float* norm, float eps, bool glu, float* buf, int8_t* q,
+                    float* d, float* s) {
+    const float* row = x;
+    if (norm != nullptr) {
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t i = 0; i < K; i += 8) ss = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), ss);
+        const __m256 r = _mm256_set1_ps(1.f / std::sqrt(hsum(ss) / static_cast<float>(K) + eps));
+        for (int64_t i = 0; i < K; i += 8)
+            _mm256_storeu_ps(buf + i, _mm256_mul_ps(_mm256_loadu_ps(norm + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), r)));
+        row = buf;
+    } else if (glu) {
+        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+        for (int64_t i = 0; i < K; i += 8) {
+            const __m256 g = _mm256_loadu_ps(x + i);
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+            _mm256_storeu_ps(buf + i, _mm256_mul_ps(silu, _mm256_loadu_ps(x + K + i)));
+        }
+        row = buf;
+    }
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t b = 0; b < K / 32; ++b, row += 32, q += 32) {
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; ++j) {
+            v[j] = _mm256_loadu_ps(row + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, amax);
+        float top = lanes[0];
+        for (int j = 1; j < 8; ++j) top = lanes[j] > top ? lanes[j] : top;
+        const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+        __m256i n[4];
+        for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest, ties to even
+        const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+        // int32 lanes -> int8, back in input order (packs interleave 128-bit halves)
+        const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[0], n[1]), 0xD8);
+        const __m256i x16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[2], n[3]), 0xD8);
+        const __m256i b8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(w16, x16), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b8);
+        int32_t sums[8];
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums), total);
+        const int sum = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+        d[b] = top / 127.f;
+        s[b] = d[b] * static_cast<float>(sum);
+    }
+}
+
 // 8 floats from a row of the KV cache: float32, or fp16 (the cache's default with the native
 // kernels: half the bytes to read, converted exactly to float32 on load).
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

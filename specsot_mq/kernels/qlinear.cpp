@@ -25,6 +25,7 @@ void attend_row(const float*, const float*, const float*, int64_t, int64_t, cons
 void attend_row(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, const int32_t*, int64_t, float*,
                 float*);
 void to_half(const float*, int64_t, uint16_t*);
+void quantize_input(const float*, int64_t, const float*, float, bool, float*, int8_t*, float*, float*);
 }
 
 namespace {
@@ -44,42 +45,7 @@ bool cpu_has_avx2() {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-// Row m of x -> int8 values, the block scale d (x ~ d * q) and d * sum(q) per block of 32.
-void quantize_row(const float* x, int64_t nblocks, int8_t* q, float* d, float* s) {
-    for (int64_t b = 0; b < nblocks; ++b, x += 32, q += 32) {
-        float amax = 0.f;
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-        const float scale = amax / 127.f;
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
-        for (int i = 0; i < 32; ++i) {
-            const int v = static_cast<int>(std::nearbyint(x[i] * inv));
-            q[i] = static_cast<int8_t>(v);
-            sum += v;
-        }
-        d[b] = scale;
-        s[b] = scale * static_cast<float>(sum);
-    }
-}
-
 }  // namespace
-
-// The input row m as the layer reads it, into buf [K]: x itself, RMS-normalised and weighted
-// (norm), or silu(first half) * second half (glu, x being [M, 2K]).
-const float* prepare_row(const float* x, int64_t K, const float* norm, float eps, bool glu, float* buf) {
-    if (norm != nullptr) {
-        float ss = 0.f;
-        for (int64_t i = 0; i < K; ++i) ss += x[i] * x[i];
-        const float r = 1.f / std::sqrt(ss / static_cast<float>(K) + eps);
-        for (int64_t i = 0; i < K; ++i) buf[i] = norm[i] * (x[i] * r);
-        return buf;
-    }
-    if (glu) {
-        for (int64_t i = 0; i < K; ++i) buf[i] = x[i] / (1.f + std::exp(-x[i])) * x[K + i];
-        return buf;
-    }
-    return x;
-}
 
 // y = f(x) W^T (+ residual): x float32 [M, K] (K a multiple of 32; [M, 2K] with glu), w the packed
 // uint8 weight of format 4 or 8 with N output columns; f is the identity, an RMSNorm with
@@ -113,8 +79,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N,
     at::parallel_for(0, M, std::max<int64_t>(1, 64 / nblocks), [&](int64_t m0, int64_t m1) {
         std::vector<float> buf(K);
         for (int64_t m = m0; m < m1; ++m) {
-            const float* row = prepare_row(xp + m * stride, K, np, static_cast<float>(eps), glu, buf.data());
-            quantize_row(row, nblocks, qp + m * K, dp + m * nblocks, sp + m * nblocks);
+            avx2::quantize_input(xp + m * stride, K, np, static_cast<float>(eps), glu, buf.data(), qp + m * K,
+                                 dp + m * nblocks, sp + m * nblocks);
         }
     });
 
