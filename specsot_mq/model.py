@@ -82,12 +82,26 @@ class DecoderLayer(nn.Module):
         self.gate_up = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
 
+    def native_weights(self) -> tuple | None:
+        """The layer's weights as the native decoder_layer call takes them, where it can run the
+        whole layer: every linear quantized with the kernels, no biases, no q/k norms."""
+        linears = (self.qkv, self.o, self.gate_up, self.down)
+        if self.q_norm is not None or self.cfg.head_dim % 8 or not all(
+            isinstance(m, QLinear) and m.packed is not None and m.bias is None and m.out_features % 8 == 0 for m in linears
+        ):
+            return None
+        (qkv, o, gate_up, down), norms = ((m.packed, int(m.kind[1]), m.out_features) for m in linears), (self.input_norm, self.post_norm)
+        return (norms[0].weight, norms[0].eps, *qkv, *o, norms[1].weight, norms[1].eps, *gate_up, *down)
+
     def forward(self, x, cos, sin, cache: KVCache, layer: int, slots, starts, kv_len, bias):
         cfg = self.cfg
         b, t, _ = x.shape
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self.qkv(x, norm=self.input_norm)
         kernel = _native_for(x) if self.q_norm is None and isinstance(cache, KVCache) else None
+        if kernel is not None and (weights := self.native_weights()) is not None:
+            # the whole layer in one native call: the same steps as below, with no Python between
+            return kernel.decoder_layer(x, *weights, cos, sin, cache.k[layer], cache.v[layer], slots, starts, bias, nh, nkv)
+        qkv = self.qkv(x, norm=self.input_norm)
         if kernel is not None and d % 8 == 0:
             # rope, the cache write and attention in one native call, each row's sums in one
             # fixed order (see attention())

@@ -100,6 +100,37 @@ def test_fused_norm_glu_and_residual_match_torch(isa, fused):
                                   for i in range(6)]), got)  # fmt: skip
 
 
+def test_one_native_call_per_layer_computes_what_the_modules_compute(isa, monkeypatch):
+    """DecoderLayer runs a quantized layer as one native call (decoder_layer); the same layer
+    module by module (QLinear, attend_cached) gives the same bits: a prefill, a step of rows at
+    different lengths, and a tree-masked verify."""
+    from conftest import ours_from_hf, tiny_hf
+
+    from specsot_mq.model import DecoderLayer
+
+    model = ours_from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128))
+    names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "o", "gate_up", "down")]
+    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
+    assert all(layer.native_weights() is not None for layer in model.layers)
+    gen = torch.Generator().manual_seed(0)
+    prompt, step, tree = (torch.randint(0, 97, shape, generator=gen) for shape in [(2, 9), (2, 1), (2, 3)])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
+
+    def run():
+        cache = model.new_cache(2, 32)
+        with torch.no_grad():
+            out = [model(prompt, torch.arange(9).expand(2, 9), cache).logits]
+            cache.truncate(1, 7)
+            out.append(model(step, torch.tensor([[9], [7]]), cache).logits)
+            out.append(model(tree, torch.tensor([[10, 11, 11], [8, 9, 9]]), cache, mask=mask).logits)
+        return out
+
+    fused = run()
+    monkeypatch.setattr(DecoderLayer, "native_weights", lambda self: None)
+    for a, b in zip(fused, run()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_rows_are_bit_identical_whatever_the_batch(isa, kind):
     torch.manual_seed(1)

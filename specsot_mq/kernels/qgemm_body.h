@@ -217,32 +217,14 @@ static inline __m256 load8(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// One query row of attention: out[D] = softmax(q . keys[i]) . values[i] over the n keys listed in
-// `keys_at` (indices into keys/values rows, each D elements at a stride), D a multiple of 8;
-// scores has room for n + 8 floats. Every sum runs over the listed keys in order (a score is one
-// fixed reduction tree), so a query gets the same bits whatever other queries, masked keys or
-// cache length share its call: what keeps tree verification lossless.
-template <class E>
-static inline void attend_row_t(const float* q, const E* keys, const E* values, int64_t stride, int64_t D,
-                                const int32_t* keys_at, int64_t n, float* scores, float* out) {
-    if (n == 0) {
-        for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
-        return;
-    }
-    for (int64_t i = 0; i < n; i += 8) {
-        const int m = static_cast<int>(n - i < 8 ? n - i : 8);
-        __m256 acc[8];
-        const E* k[8];
-        for (int j = 0; j < 8; ++j) {
-            acc[j] = _mm256_setzero_ps();
-            k[j] = keys + keys_at[i + (j < m ? j : 0)] * stride;
-        }
-        for (int64_t d = 0; d < D; d += 8) {
-            const __m256 qd = _mm256_loadu_ps(q + d);
-            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, load8(k[j] + d), acc[j]);
-        }
-        _mm256_storeu_ps(scores + i, hsum8x8(acc));
-    }
+// The sums of 4 vectors' 8 lanes each: [sum a0, sum a1, sum a2, sum a3], every one in the same tree.
+static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 w = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
+}
+
+// softmax in place over scores[0, n) (room for n + 8); returns 1 / the sum of the exponentials.
+static inline float softmax_unnormalised(float* scores, int64_t n) {
     __m256 top8 = _mm256_set1_ps(-INFINITY);
     for (int64_t i = 0; i < n; i += 8) {
         const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)),
@@ -263,29 +245,99 @@ static inline void attend_row_t(const float* q, const E* keys, const E* values, 
         _mm256_storeu_ps(scores + i, p);
         total = _mm256_add_ps(total, p);
     }
-    _mm256_storeu_ps(lanes, total);
-    const float inv = 1.f / (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        const int chunks = static_cast<int>((D - d0 < 64 ? D - d0 : 64) / 8);
-        __m256 acc[8];
-        for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-            const __m256 p = _mm256_set1_ps(scores[j]);
-            const E* v = values + keys_at[j] * stride + d0;
-            for (int c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
+    return 1.f / hsum(total);
+}
+
+// Ask for a cache row of D elements ahead of its use (rows are gathered through an index list).
+template <class E>
+static inline void prefetch_row(const E* row, int64_t D) {
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(E)); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+
+// out[g * D + 8c ..] for c < C (8C columns of each of the G heads): sum over the n listed keys of
+// their softmax weight (scores[g * room + j]) times their value row, scaled by inv[g].
+template <class E, int G, int C>
+static inline void weigh_values(const E* values, int64_t stride, const int32_t* keys_at, int64_t n,
+                                const float* scores, int64_t room, const float* inv, int64_t D, float* out) {
+    __m256 acc[G][C];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+        const E* v = values + keys_at[j] * stride;
+        if (j + 8 < n) prefetch_row(values + keys_at[j + 8] * stride, 8 * C);
+        __m256 p[G];
+        for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(scores[g * room + j]);
+        for (int c = 0; c < C; ++c) {
+            const __m256 vv = load8(v + 8 * c);
+            for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(p[g], vv, acc[g][c]);
         }
-        for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+    }
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + g * D + 8 * c, _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
+}
+
+// G query heads that share one kv head, over one query row's visible keys: out[g * D ..] =
+// softmax(q_g . keys[i]) . values[i] over the n keys listed in `keys_at` (indices into
+// keys/values rows of D elements at a stride; D a multiple of 8). Each key row is loaded once for
+// all G heads. scores has room for G * (n + 8) floats. Every sum runs over the listed keys in order,
+// each score in one fixed tree, so a query gets the same bits whatever other queries, masked keys or
+// cache length share its call: what keeps tree verification lossless.
+template <class E, int G>
+static inline void attend_heads(const float* q, const E* keys, const E* values, int64_t stride, int64_t D,
+                                const int32_t* keys_at, int64_t n, float* scores, float* out) {
+    const int64_t room = n + 8;
+    if (n == 0) {
+        for (int64_t d = 0; d < G * D; ++d) out[d] = 0.f;
+        return;
+    }
+    for (int64_t i = 0; i < n; i += 4) {
+        const E* k[4];
+        for (int j = 0; j < 4; ++j) k[j] = keys + keys_at[i + j < n ? i + j : i] * stride;
+        for (int j = 12; j < 16 && i + j < n; ++j) prefetch_row(keys + keys_at[i + j] * stride, D);
+        __m256 acc[G][4];
+        for (int g = 0; g < G; ++g)
+            for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            for (int j = 0; j < 4; ++j) {
+                const __m256 kd = load8(k[j] + d);
+                for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), kd, acc[g][j]);
+            }
+        }
+        for (int g = 0; g < G; ++g)
+            _mm_storeu_ps(scores + g * room + i, hsum4x8(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+    }
+    float inv[G];
+    for (int g = 0; g < G; ++g) inv[g] = softmax_unnormalised(scores + g * room, n);
+    int64_t d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) weigh_values<E, G, 4>(values + d0, stride, keys_at, n, scores, room, inv, D, out + d0);
+    for (; d0 < D; d0 += 8) weigh_values<E, G, 1>(values + d0, stride, keys_at, n, scores, room, inv, D, out + d0);
+}
+
+// attend_heads for any number of heads per kv head, up to 4 at a time.
+template <class E>
+static inline void attend_group_t(const float* q, const E* keys, const E* values, int64_t stride, int64_t D,
+                                  const int32_t* keys_at, int64_t n, int64_t heads, float* scores, float* out) {
+    for (int64_t g0 = 0; g0 < heads; g0 += 4) {
+        const float* qg = q + g0 * D;
+        float* og = out + g0 * D;
+        switch (heads - g0 < 4 ? heads - g0 : 4) {
+            case 4: attend_heads<E, 4>(qg, keys, values, stride, D, keys_at, n, scores, og); break;
+            case 3: attend_heads<E, 3>(qg, keys, values, stride, D, keys_at, n, scores, og); break;
+            case 2: attend_heads<E, 2>(qg, keys, values, stride, D, keys_at, n, scores, og); break;
+            default: attend_heads<E, 1>(qg, keys, values, stride, D, keys_at, n, scores, og); break;
+        }
     }
 }
 
-void attend_row(const float* q, const float* keys, const float* values, int64_t stride, int64_t D,
-                const int32_t* keys_at, int64_t n, float* scores, float* out) {
-    attend_row_t(q, keys, values, stride, D, keys_at, n, scores, out);
+void attend_group(const float* q, const float* keys, const float* values, int64_t stride, int64_t D,
+                  const int32_t* keys_at, int64_t n, int64_t heads, float* scores, float* out) {
+    attend_group_t(q, keys, values, stride, D, keys_at, n, heads, scores, out);
 }
 
-void attend_row(const float* q, const uint16_t* keys, const uint16_t* values, int64_t stride, int64_t D,
-                const int32_t* keys_at, int64_t n, float* scores, float* out) {
-    attend_row_t(q, keys, values, stride, D, keys_at, n, scores, out);
+void attend_group(const float* q, const uint16_t* keys, const uint16_t* values, int64_t stride, int64_t D,
+                  const int32_t* keys_at, int64_t n, int64_t heads, float* scores, float* out) {
+    attend_group_t(q, keys, values, stride, D, keys_at, n, heads, scores, out);
 }
 
 // n floats (n a multiple of 8) to fp16, rounded to nearest even: how keys and values enter an

@@ -21,9 +21,10 @@
 SPECSOT_DECLARE(avx2)
 SPECSOT_DECLARE(vnni)
 namespace avx2 {
-void attend_row(const float*, const float*, const float*, int64_t, int64_t, const int32_t*, int64_t, float*, float*);
-void attend_row(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, const int32_t*, int64_t, float*,
-                float*);
+void attend_group(const float*, const float*, const float*, int64_t, int64_t, const int32_t*, int64_t, int64_t, float*,
+                  float*);
+void attend_group(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, const int32_t*, int64_t, int64_t,
+                  float*, float*);
 void to_half(const float*, int64_t, uint16_t*);
 void quantize_input(const float*, int64_t, const float*, float, bool, float*, int8_t*, float*, float*);
 }
@@ -137,14 +138,15 @@ void attend_all(const float* q, int64_t B, int64_t T, int64_t H, int64_t KV, int
                 const int32_t* lists, const std::vector<int64_t>& counts, KeyBase key_base, ValueBase value_base,
                 int64_t kstride, int64_t vstride, float* out) {
     const int64_t G = H / KV;
-    const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(L * D / 8, 1));
-    at::parallel_for(0, B * T * H, grain, [&](int64_t i0, int64_t i1) {
-        std::vector<float> scores(L + 8);
+    const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(G * L * D / 8, 1));
+    at::parallel_for(0, B * T * KV, grain, [&](int64_t i0, int64_t i1) {
+        std::vector<float> scores(std::min<int64_t>(G, 4) * (L + 8));
         for (int64_t i = i0; i < i1; ++i) {
-            const int64_t r = i / H, h = i % H, b = r / T;
-            const E* keys = key_base(b) + (h / G) * kstride;
-            const E* values = value_base(b) + (h / G) * vstride;
-            avx2::attend_row(q + i * D, keys, values, D, D, lists + r * L, counts[r], scores.data(), out + i * D);
+            const int64_t r = i / KV, h = i % KV, b = r / T;
+            const E* keys = key_base(b) + h * kstride;
+            const E* values = value_base(b) + h * vstride;
+            avx2::attend_group(q + i * G * D, keys, values, D, D, lists + r * L, counts[r], G, scores.data(),
+                               out + i * G * D);
         }
     });
 }
@@ -266,6 +268,27 @@ torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
     return out;
 }
 
+// One whole decoder layer on quantized weights, in one call (what model.DecoderLayer runs through
+// its modules, with no Python between the steps): x [B, T, hidden] float32; RMSNorm (in_norm),
+// the fused q/k/v projection, rope + cache write + attention (attend_cached), the output
+// projection plus x, RMSNorm (post_norm), gate/up, silu(gate) * up, down plus the residual.
+// Each linear is (packed weight, format, output columns), as qlinear takes them.
+torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor in_norm, double in_eps, torch::Tensor qkv, int64_t qkv_fmt,
+                            int64_t qkv_n, torch::Tensor o, int64_t o_fmt, int64_t o_n, torch::Tensor post_norm,
+                            double post_eps, torch::Tensor gate_up, int64_t gate_up_fmt, int64_t gate_up_n,
+                            torch::Tensor down, int64_t down_fmt, int64_t down_n, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor kcache, torch::Tensor vcache, std::vector<int64_t> slots,
+                            std::vector<int64_t> starts, std::optional<torch::Tensor> bias, int64_t H, int64_t KV) {
+    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32, "decoder_layer wants float32 x [B, T, hidden]");
+    const int64_t B = x.size(0), T = x.size(1), hidden = x.size(2);
+    const auto rows = x.reshape({B * T, hidden});
+    const auto q = qlinear(rows, qkv, qkv_fmt, qkv_n, in_norm, in_eps, false, std::nullopt);
+    const auto attended = attend_cached(q.view({B, T, qkv_n}), cos, sin, kcache, vcache, slots, starts, bias, H, KV);
+    const auto h = qlinear(attended.view({B * T, -1}), o, o_fmt, o_n, std::nullopt, 0.0, false, rows);
+    const auto gu = qlinear(h, gate_up, gate_up_fmt, gate_up_n, post_norm, post_eps, false, std::nullopt);
+    return qlinear(gu, down, down_fmt, down_n, std::nullopt, 0.0, true, h).view({B, T, down_n});
+}
+
 std::string isa() { return cpu_has_vnni() ? "avx512-vnni" : (cpu_has_avx2() ? "avx2" : "none"); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -274,5 +297,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("eps") = 0.0, py::arg("glu") = false, py::arg("residual") = py::none());
     m.def("attention", &attention, "grouped-query attention, each query row's sums in cache order");
     m.def("attend_cached", &attend_cached, "rope, KV-cache write and attention of one decoder layer");
+    m.def("decoder_layer", &decoder_layer, "a whole decoder layer on quantized weights (norms, attention, MLP)");
     m.def("isa", &isa, "the instruction set the kernels run with on this CPU ('none': unsupported)");
 }
