@@ -84,7 +84,21 @@ class DecoderLayer(nn.Module):
 
     def native_weights(self) -> tuple | None:
         """The layer's weights as the native decoder_layer call takes them, where it can run the
-        whole layer: every linear quantized with the kernels, no biases, no q/k norms."""
+        whole layer: every linear quantized with the kernels, no biases, no q/k norms. Worked out
+        once: setting an attribute (a swapped linear) or moving the module forgets it."""
+        if "_native" not in self.__dict__:
+            self.__dict__["_native"] = self._native_weights()
+        return self.__dict__["_native"]
+
+    def __setattr__(self, name, value):
+        self.__dict__.pop("_native", None)
+        super().__setattr__(name, value)
+
+    def _apply(self, *args, **kwargs):
+        self.__dict__.pop("_native", None)
+        return super()._apply(*args, **kwargs)
+
+    def _native_weights(self) -> tuple | None:
         linears = (self.qkv, self.o, self.gate_up, self.down)
         if self.q_norm is not None or self.cfg.head_dim % 8 or not all(
             isinstance(m, QLinear) and m.packed is not None and m.bias is None and m.out_features % 8 == 0 for m in linears

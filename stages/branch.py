@@ -4,7 +4,8 @@ other requests in one running batch, each request's prompts sharing their prefix
 from __future__ import annotations
 
 from specsot_mq.messages import BranchTask, PointEnd, PointText, ids
-from specsot_mq.sot.flow import Progress, task_jobs
+from specsot_mq.prompts import load_format
+from specsot_mq.sot.flow import Progress, SoTConfig, task_jobs
 from specsot_mq.stages.worker import DeviceStage, batch_key
 
 
@@ -15,6 +16,13 @@ class BranchStage(DeviceStage):
         self.slots = int(self.spec.profiles[self.name]["max_parallel"])
         self.merge = self.spec.named("merge")[0]
         await super().start()  # self.running: rid -> {point index: its Progress}
+
+    def build(self):
+        gen = super().build()
+        # Every point prompt and direct answer begins the same way: compute that once.
+        for head in load_format(SoTConfig(**self.spec.sot).prompt_format).answer_heads(gen.tokenizer):
+            gen.keep_prefix(head)
+        return gen
 
     def accept(self, msg: BranchTask, params) -> None:
         # A request may send more points later (a dead stage's, rerouted here).

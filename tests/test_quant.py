@@ -110,8 +110,9 @@ def test_one_native_call_per_layer_computes_what_the_modules_compute(isa, monkey
 
     model = ours_from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128))
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "o", "gate_up", "down")]
+    assert model.layers[0].native_weights() is None  # float linears: module by module
     model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
-    assert all(layer.native_weights() is not None for layer in model.layers)
+    assert all(layer.native_weights() is not None for layer in model.layers)  # the swap was seen
     gen = torch.Generator().manual_seed(0)
     prompt, step, tree = (torch.randint(0, 97, shape, generator=gen) for shape in [(2, 9), (2, 1), (2, 3)])
     mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)

@@ -115,6 +115,23 @@ def test_a_kept_prefix_gives_the_same_tokens_and_computes_only_the_rest(tiny, ti
     assert widths[calls] == (2, max(len(prompt), len(other)) - len(head))  # both own parts, one forward
 
 
+def test_the_engine_keeps_every_prompt_beginning_that_no_question_changes(tiny):
+    """The skeleton prompt's instructions, a point prompt's and a direct answer's system prompt and
+    instructions up to the question: each is in the prefix store once the engine is made, and
+    begins every such prompt."""
+    from specsot_mq.prompts import direct_ids
+
+    gen = Generator(tiny.model, tiny.tokenizer, max_len=512, num_slots=2)
+    fmt = load_format("sot")
+    SoTEngine(gen, SoTConfig(max_parallel=2))
+    skeleton, (point, direct) = fmt.skeleton_head(tiny.tokenizer), fmt.answer_heads(tiny.tokenizer)
+    assert all(head in gen.prefixes for head in (skeleton, point, direct)) and len(gen.prefixes) == 3
+    q = "How do I start running?"
+    assert fmt.point_ids(tiny.tokenizer, q, "1. Shoes\n2. Pace", 2, "Pace")[: len(point)] == point
+    assert direct_ids(tiny.tokenizer, q)[: len(direct)] == direct
+    assert len(point) > 10 and len(direct) > 5  # instructions and a system prompt, not an empty match
+
+
 @pytest.mark.parametrize("eagle", [False, True])
 def test_a_conversations_earlier_turns_are_computed_once_across_its_turns(tiny, tiny_eagle, eagle, monkeypatch):
     """A job's `keep` puts its prompt's first tokens in the prefix store after its prefill; the

@@ -63,6 +63,15 @@ class PromptFormat:
         instructions, worked examples): worth computing once (Generator.keep_prefix)."""
         return common_prefix([self.skeleton_ids(tokenizer, q) for q in ("Why?", "List three colours.")])
 
+    def answer_heads(self, tokenizer) -> list[list[int]]:
+        """The tokens every point prompt, and every direct answer's prompt, begins with whatever
+        the question (the system prompt and the instructions up to the question): each worth
+        computing once where points and direct answers are decoded."""
+        def head(ids):
+            return common_prefix([ids(q) for q in ("Why?", "List three colours.")])
+
+        return [head(lambda q: self.point_ids(tokenizer, q, "1. A", 1, "A")), head(lambda q: direct_ids(tokenizer, q))]
+
     def point_ids(self, tokenizer, question: str, skeleton: str, index: int, title: str,
                   history: list[dict] = ()) -> list[int]:  # fmt: skip
         """Chat prompt that expands one point, prefilled with the point's number and title: the

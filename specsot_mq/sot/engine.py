@@ -41,7 +41,8 @@ class SoTEngine:
         self.flow = Flow(self.config, gen.tokenizer)
         self.format = self.flow.format
         self.device = device or DeviceProfile("local", 1.0, 1.0, 1.0, self.config.max_parallel)
-        gen.keep_prefix(self.format.skeleton_head(gen.tokenizer))  # the same for every question
+        for head in (self.format.skeleton_head(gen.tokenizer), *self.format.answer_heads(gen.tokenizer)):
+            gen.keep_prefix(head)  # the same for every question
 
     def stream(self, question: str, params: SamplingParams | None = None, history: list[dict] = ()) -> Iterator[ClientEvent]:
         """Answer one question, yielding events as the skeleton and the points grow; `history`:
