@@ -4,7 +4,8 @@ For each shape (B rows x T new tokens over a K-token cache; a causal mask over t
 when T > 1, as a draft chain has, rows at different lengths when B > 1, in consecutive cache
 slots or in every other one) it times the whole
 forward, then the same forward again with its linear layers (by kind), its attention and its
-KV-cache writes timed call by call (medians over the runs, as for the whole forward); the rest is
+KV-cache writes timed call by call (a quantized layer, one native call in the first forward, runs
+module by module in the second: the same arithmetic, a little more Python) (medians over the runs, as for the whole forward); the rest is
 everything else (norms, rope, Python; with the native kernels, the attention column holds the
 one call that also rotates q and k and writes the cache, and cache writes are 0). Next to it, the floor: the weight bytes one forward reads
 over the memory bandwidth measured in the same run. A table of all the linear layers alone at
@@ -113,12 +114,17 @@ def timed_parts(model, totals: dict):
     for cls in LINEARS:
         cls.forward = timed(cls)
     model_module.attention, KVCache.write, model_module._native_for = attend, store, timed_native_for
+    # A quantized layer normally runs as one native call; run it module by module here (the same
+    # arithmetic) so that each part can be timed.
+    layer_weights = model_module.DecoderLayer.native_weights
+    model_module.DecoderLayer.native_weights = lambda self: None
     try:
         yield
     finally:
         for cls in LINEARS:
             cls.forward = forwards[cls]
         model_module.attention, KVCache.write, model_module._native_for = attention, write, native_for
+        model_module.DecoderLayer.native_weights = layer_weights
 
 
 def step_inputs(b: int, t: int, vocab: int, gen: torch.Generator):
