@@ -104,8 +104,9 @@ class DecoderLayer(nn.Module):
             isinstance(m, QLinear) and m.packed is not None and m.bias is None and m.out_features % 8 == 0 for m in linears
         ):
             return None
-        (qkv, o, gate_up, down), norms = ((m.packed, int(m.kind[1]), m.out_features) for m in linears), (self.input_norm, self.post_norm)
-        return (norms[0].weight, norms[0].eps, *qkv, *o, norms[1].weight, norms[1].eps, *gate_up, *down)
+        qkv, o, gate_up, down = ((m.packed, int(m.kind[1]), m.out_features) for m in linears)
+        first, second = (self.input_norm.weight, self.input_norm.eps), (self.post_norm.weight, self.post_norm.eps)
+        return (*first, *qkv, *o, *second, *gate_up, *down)
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, slots, starts, kv_len, bias):
         cfg = self.cfg

@@ -144,13 +144,7 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-// The 8 sums of 8 vectors' lanes, as one vector: every sum in the same tree, wherever it lands.
-static inline __m256 hsum8x8(const __m256* a) {
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
+// The sum of a vector's 8 lanes, in one fixed tree.
 static inline float hsum(__m256 v) {
     float lanes[8];
     _mm256_storeu_ps(lanes, v);
