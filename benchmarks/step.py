@@ -4,8 +4,9 @@ For each shape (B rows x T new tokens over a K-token cache; a causal mask over t
 when T > 1, as a draft chain has, rows at different lengths when B > 1, in consecutive cache
 slots or in every other one) it times the whole
 forward, then the same forward again with its linear layers (by kind), its attention and its
-KV-cache writes timed call by call (a quantized layer, one native call in the first forward, runs
-module by module in the second: the same arithmetic, a little more Python) (medians over the runs, as for the whole forward); the rest is
+KV-cache writes timed call by call (medians over the runs, as for the whole forward; a quantized
+layer, one native call in the first forward, runs module by module in the second: the same
+arithmetic, a little more Python); the rest is
 everything else (norms, rope, Python; with the native kernels, the attention column holds the
 one call that also rotates q and k and writes the cache, and cache writes are 0). Next to it, the floor: the weight bytes one forward reads
 over the memory bandwidth measured in the same run. A table of all the linear layers alone at

@@ -151,6 +151,15 @@ static inline float hsum(__m256 v) {
     return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
+// The largest of a vector's 8 lanes.
+static inline float hmax(__m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    float top = lanes[0];
+    for (int j = 1; j < 8; ++j) top = lanes[j] > top ? lanes[j] : top;
+    return top;
+}
+
 // Row x of a layer's input, as the layer reads it, quantized: x itself, RMS-normalised and
 // weighted (norm != nullptr), or silu(x[:K]) * x[K:] (glu, x holding 2K floats); then int8 values
 // q, the scale d (x ~ d * q) and d * sum(q) per block of 32 (K a multiple of 32). buf holds K
@@ -183,10 +192,7 @@ void quantize_input(const float* x, int64_t K, const float* norm, float eps, boo
             v[j] = _mm256_loadu_ps(row + 8 * j);
             amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
         }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, amax);
-        float top = lanes[0];
-        for (int j = 1; j < 8; ++j) top = lanes[j] > top ? lanes[j] : top;
+        const float top = hmax(amax);
         const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
         __m256i n[4];
         for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest, ties to even
@@ -226,10 +232,7 @@ static inline float softmax_unnormalised(float* scores, int64_t n) {
         top8 = _mm256_max_ps(top8, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(scores + i),
                                                      _mm256_castsi256_ps(valid)));
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, top8);
-    float top = lanes[0];
-    for (int j = 1; j < 8; ++j) top = lanes[j] > top ? lanes[j] : top;
+    const float top = hmax(top8);
     __m256 total = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) {
         const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)),

@@ -151,11 +151,14 @@ void attend_all(const float* q, int64_t B, int64_t T, int64_t H, int64_t KV, int
     });
 }
 
-// The cache's element type: float32, or fp16 read as its 16-bit pattern.
-bool is_half(const torch::Tensor& t) {
+// run(E{}) with E the element type of the cache tensor t: float for float32, uint16_t (its bits)
+// for float16.
+template <class Run>
+void by_element(const torch::Tensor& t, Run run) {
     TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kHalf,
                 "the native attention reads float32 or float16 keys and values");
-    return t.scalar_type() == torch::kHalf;
+    if (t.scalar_type() == torch::kHalf) run(uint16_t{});
+    else run(float{});
 }
 
 template <class E>
@@ -163,6 +166,10 @@ E* elements(const torch::Tensor& t) {
     if constexpr (std::is_same_v<E, float>) return t.data_ptr<float>();
     else return reinterpret_cast<uint16_t*>(t.data_ptr<at::Half>());
 }
+
+// D floats into a cache row: copied, or rounded to fp16.
+void store_row(const float* x, int64_t D, float* row) { std::memcpy(row, x, D * sizeof(float)); }
+void store_row(const float* x, int64_t D, uint16_t* row) { avx2::to_half(x, D, row); }
 
 }  // namespace
 
@@ -175,23 +182,20 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
     const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
     const int64_t KV = keys.size(1), L = keys.size(2);
     TORCH_CHECK(D % 8 == 0 && H % KV == 0, "attention wants head_dim a multiple of 8 and H a multiple of KV");
-    const bool half = is_half(keys);
     for (const auto& kv : {keys, values})
         TORCH_CHECK(kv.scalar_type() == keys.scalar_type() && kv.stride(3) == 1 && kv.stride(2) == D,
                     "attention wants keys and values of one dtype with rows of head_dim contiguous elements");
     auto lists = torch::empty({B * T, std::max<int64_t>(L, 1)}, torch::kInt32);
     const auto counts = visible_keys(bias, B, T, L, lists.data_ptr<int32_t>());
     auto out = torch::empty({B, T, H * D}, torch::kFloat32);
-    auto run = [&](auto element) {
+    by_element(keys, [&](auto element) {
         using E = decltype(element);
         const E *kp = elements<E>(keys), *vp = elements<E>(values);
         const int64_t ks0 = keys.stride(0), vs0 = values.stride(0);
         attend_all<E>(q.data_ptr<float>(), B, T, H, KV, D, L, lists.data_ptr<int32_t>(), counts,
                       [&](int64_t b) { return kp + b * ks0; }, [&](int64_t b) { return vp + b * vs0; },
                       keys.stride(1), values.stride(1), out.data_ptr<float>());
-    };
-    if (half) run(uint16_t{});
-    else run(float{});
+    });
     return out;
 }
 
@@ -214,7 +218,6 @@ torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
     TORCH_CHECK(cos.numel() == B * T * D && sin.numel() == B * T * D, "attend_cached: cos/sin must be [B, T, D]");
     TORCH_CHECK(static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(starts.size()) == B,
                 "attend_cached: one slot and start per batch row");
-    const bool fp16 = is_half(kcache);
     for (const auto& c : {kcache, vcache})
         TORCH_CHECK(c.scalar_type() == kcache.scalar_type() && c.is_contiguous() && c.dim() == 4 && c.size(1) == KV &&
                         c.size(3) == D, "attend_cached wants a contiguous cache layer [slots, KV, capacity, D]");
@@ -236,7 +239,7 @@ torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
     auto lists = torch::empty({B * T, std::max<int64_t>(L, 1)}, torch::kInt32);
     const auto counts = visible_keys(bias, B, T, L, lists.data_ptr<int32_t>());
     auto out = torch::empty({B, T, H * D}, torch::kFloat32);
-    auto run = [&](auto element) {
+    by_element(kcache, [&](auto element) {
         using E = decltype(element);
         E *kc = elements<E>(kcache), *vc = elements<E>(vcache);
         at::parallel_for(0, B * T, 1, [&](int64_t r0, int64_t r1) {
@@ -247,14 +250,9 @@ torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                 for (int64_t h = 0; h < H; ++h) rope(x + h * D, c, s, qp + (r * H + h) * D);
                 for (int64_t h = 0; h < KV; ++h) {
                     const int64_t at = slots[b] * slot_stride + h * head_stride + (starts[b] + t) * D;
-                    if constexpr (std::is_same_v<E, float>) {
-                        rope(x + (H + h) * D, c, s, kc + at);
-                        std::memcpy(vc + at, x + (H + KV + h) * D, D * sizeof(float));
-                    } else {
-                        rope(x + (H + h) * D, c, s, k.data());
-                        avx2::to_half(k.data(), D, kc + at);
-                        avx2::to_half(x + (H + KV + h) * D, D, vc + at);
-                    }
+                    rope(x + (H + h) * D, c, s, k.data());
+                    store_row(k.data(), D, kc + at);
+                    store_row(x + (H + KV + h) * D, D, vc + at);
                 }
             }
         });
@@ -262,9 +260,7 @@ torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                       [&](int64_t b) -> const E* { return kc + slots[b] * slot_stride; },
                       [&](int64_t b) -> const E* { return vc + slots[b] * slot_stride; }, head_stride, head_stride,
                       out.data_ptr<float>());
-    };
-    if (fp16) run(uint16_t{});
-    else run(float{});
+    });
     return out;
 }
 

@@ -61,16 +61,14 @@ class PromptFormat:
     def skeleton_head(self, tokenizer) -> list[int]:
         """The tokens every skeleton prompt begins with, whatever the question (system prompt,
         instructions, worked examples): worth computing once (Generator.keep_prefix)."""
-        return common_prefix([self.skeleton_ids(tokenizer, q) for q in ("Why?", "List three colours.")])
+        return fixed_beginning(lambda q: self.skeleton_ids(tokenizer, q))
 
     def answer_heads(self, tokenizer) -> list[list[int]]:
         """The tokens every point prompt, and every direct answer's prompt, begins with whatever
         the question (the system prompt and the instructions up to the question): each worth
         computing once where points and direct answers are decoded."""
-        def head(ids):
-            return common_prefix([ids(q) for q in ("Why?", "List three colours.")])
-
-        return [head(lambda q: self.point_ids(tokenizer, q, "1. A", 1, "A")), head(lambda q: direct_ids(tokenizer, q))]
+        return [fixed_beginning(lambda q: self.point_ids(tokenizer, q, "1. A", 1, "A")),
+                fixed_beginning(lambda q: direct_ids(tokenizer, q))]  # fmt: skip
 
     def point_ids(self, tokenizer, question: str, skeleton: str, index: int, title: str,
                   history: list[dict] = ()) -> list[int]:  # fmt: skip
@@ -118,6 +116,11 @@ def check_history(history) -> list[dict]:
 def split_system(history: list[dict]) -> tuple[list[dict], list[dict]]:
     """(the system messages, the other turns) of a conversation's earlier turns."""
     return [m for m in history if m["role"] == "system"], [m for m in history if m["role"] != "system"]
+
+
+def fixed_beginning(prompt_ids) -> list[int]:
+    """The tokens that prompt_ids(question) begins with whatever the question."""
+    return common_prefix([prompt_ids(q) for q in ("Why?", "List three colours.")])
 
 
 def common_prefix(prompts: list[list[int]]) -> list[int]:
