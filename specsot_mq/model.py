@@ -82,10 +82,10 @@ class DecoderLayer(nn.Module):
         self.gate_up = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
 
-    def native_weights(self) -> tuple | None:
-        """The layer's weights as the native decoder_layer call takes them, where it can run the
-        whole layer: every linear quantized with the kernels, no biases, no q/k norms. Worked out
-        once: setting an attribute (a swapped linear) or moving the module forgets it."""
+    def native_weights(self):
+        """The layer's weights as the native kernels' `Layer`, where they can run the whole layer
+        (decoder_layers): every linear quantized with the kernels, no biases, no q/k norms. Worked
+        out once: setting an attribute (a swapped linear) or moving the module forgets it."""
         if "_native" not in self.__dict__:
             self.__dict__["_native"] = self._native_weights()
         return self.__dict__["_native"]
@@ -98,15 +98,16 @@ class DecoderLayer(nn.Module):
         self.__dict__.pop("_native", None)
         return super()._apply(*args, **kwargs)
 
-    def _native_weights(self) -> tuple | None:
+    def _native_weights(self):
         linears = (self.qkv, self.o, self.gate_up, self.down)
-        if self.q_norm is not None or self.cfg.head_dim % 8 or not all(
+        kernel = native()
+        if kernel is None or self.q_norm is not None or self.cfg.head_dim % 8 or not all(
             isinstance(m, QLinear) and m.packed is not None and m.bias is None and m.out_features % 8 == 0 for m in linears
         ):
             return None
         qkv, o, gate_up, down = ((m.packed, int(m.kind[1]), m.out_features) for m in linears)
         first, second = (self.input_norm.weight, self.input_norm.eps), (self.post_norm.weight, self.post_norm.eps)
-        return (*first, *qkv, *o, *second, *gate_up, *down)
+        return kernel.Layer(*first, *qkv, *o, *second, *gate_up, *down, self.cfg.num_heads, self.cfg.num_kv_heads)
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, slots, starts, kv_len, bias):
         cfg = self.cfg
@@ -115,7 +116,7 @@ class DecoderLayer(nn.Module):
         kernel = _native_for(x) if self.q_norm is None and isinstance(cache, KVCache) else None
         if kernel is not None and (weights := self.native_weights()) is not None:
             # the whole layer in one native call: the same steps as below, with no Python between
-            return kernel.decoder_layer(x, *weights, cos, sin, cache.k[layer], cache.v[layer], slots, starts, bias, nh, nkv)
+            return kernel.decoder_layers(x, [weights], layer, cos, sin, cache.k, cache.v, slots, starts, bias, [])[0]
         qkv = self.qkv(x, norm=self.input_norm)
         if kernel is not None and d % 8 == 0:
             # rope, the cache write and attention in one native call, each row's sums in one
@@ -233,6 +234,13 @@ class LlamaModel(nn.Module):
                     m.prepack()
         return self
 
+    def native_stack(self, x: torch.Tensor, cache: KVCache) -> list | None:
+        """Every layer's native weights, where the kernels can run all of them on x in one call."""
+        if _native_for(x) is None or not isinstance(cache, KVCache):
+            return None
+        stack = [layer.native_weights() for layer in self.layers]
+        return None if any(layer is None for layer in stack) else stack
+
     def new_cache(self, num_slots: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         """A cache of `num_slots` sequences of up to `capacity` tokens, in `dtype` (default:
         cache_dtype's choice for this model)."""
@@ -279,10 +287,16 @@ class LlamaModel(nn.Module):
         want = set(hidden_layers)
         saved = {}
         x = self.embed(input_ids).to(self.dtype)
-        for i, layer in enumerate(self.layers):
-            if i in want:
-                saved[i] = x
-            x = layer(x, cos, sin, cache, i, slots, starts, kv_len, bias)
+        if (stack := self.native_stack(x, cache)) is not None:
+            # every layer in one native call, with one team of threads (decoder_layers)
+            inner = sorted(i for i in want if i < len(self.layers))
+            x, *kept = native().decoder_layers(x, stack, 0, cos, sin, cache.k, cache.v, slots, starts, bias, inner)
+            saved.update(zip(inner, kept))
+        else:
+            for i, layer in enumerate(self.layers):
+                if i in want:
+                    saved[i] = x
+                x = layer(x, cos, sin, cache, i, slots, starts, kv_len, bias)
         # The final norm runs before last_only slices, so hidden state num_layers (EAGLE features)
         # covers every position like the other layers do; only the logits are last-only.
         x = self.norm(x)

@@ -100,10 +100,10 @@ def test_fused_norm_glu_and_residual_match_torch(isa, fused):
                                   for i in range(6)]), got)  # fmt: skip
 
 
-def test_one_native_call_per_layer_computes_what_the_modules_compute(isa, monkeypatch):
-    """DecoderLayer runs a quantized layer as one native call (decoder_layer); the same layer
-    module by module (QLinear, attend_cached) gives the same bits: a prefill, a step of rows at
-    different lengths, and a tree-masked verify."""
+def test_one_native_call_for_all_layers_computes_what_the_modules_compute(isa, monkeypatch):
+    """A quantized model runs all its layers as one native call (decoder_layers); the same layers
+    module by module (QLinear, attend_cached) give the same bits, logits and hidden states: a
+    prefill, a step of rows at different lengths, and a tree-masked verify."""
     from conftest import ours_from_hf, tiny_hf
 
     from specsot_mq.model import DecoderLayer
@@ -113,6 +113,8 @@ def test_one_native_call_per_layer_computes_what_the_modules_compute(isa, monkey
     assert model.layers[0].native_weights() is None  # float linears: module by module
     model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
     assert all(layer.native_weights() is not None for layer in model.layers)  # the swap was seen
+    with torch.no_grad():
+        assert model.native_stack(torch.zeros(1, 1, 64), model.new_cache(1, 4)) is not None  # one call for all
     gen = torch.Generator().manual_seed(0)
     prompt, step, tree = (torch.randint(0, 97, shape, generator=gen) for shape in [(2, 9), (2, 1), (2, 3)])
     mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
@@ -120,7 +122,8 @@ def test_one_native_call_per_layer_computes_what_the_modules_compute(isa, monkey
     def run():
         cache = model.new_cache(2, 32)
         with torch.no_grad():
-            out = [model(prompt, torch.arange(9).expand(2, 9), cache).logits]
+            first = model(prompt, torch.arange(9).expand(2, 9), cache, hidden_layers=(1, 0, len(model.layers)))
+            out = [first.logits, *first.hidden]
             cache.truncate(1, 7)
             out.append(model(step, torch.tensor([[9], [7]]), cache).logits)
             out.append(model(tree, torch.tensor([[10, 11, 11], [8, 9, 9]]), cache, mask=mask).logits)

@@ -262,7 +262,7 @@ static inline void weigh_values(const E* values, int64_t stride, const int32_t* 
         for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
         const E* v = values + keys_at[j] * stride;
-        if (j + 8 < n) prefetch_row(values + keys_at[j + 8] * stride, 8 * C);
+        if (j + 32 < n) prefetch_row(values + keys_at[j + 32] * stride, 8 * C);
         __m256 p[G];
         for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(scores[g * room + j]);
         for (int c = 0; c < C; ++c) {
@@ -291,7 +291,7 @@ static inline void attend_heads(const float* q, const E* keys, const E* values, 
     for (int64_t i = 0; i < n; i += 4) {
         const E* k[4];
         for (int j = 0; j < 4; ++j) k[j] = keys + keys_at[i + j < n ? i + j : i] * stride;
-        for (int j = 12; j < 16 && i + j < n; ++j) prefetch_row(keys + keys_at[i + j] * stride, D);
+        for (int j = 32; j < 36 && i + j < n; ++j) prefetch_row(keys + keys_at[i + j] * stride, D);
         __m256 acc[G][4];
         for (int g = 0; g < G; ++g)
             for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();

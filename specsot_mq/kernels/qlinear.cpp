@@ -3,6 +3,8 @@
 // column groups split over torch's own OpenMP threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
+#include <memory>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -48,6 +50,57 @@ bool cpu_has_avx2() {
 
 }  // namespace
 
+namespace {
+
+// Rows [m0, m1) of x (row stride `stride`) as a linear reads them (see quantize_input), quantized
+// into q [M, K], d and s [M, K / 32]. buf holds K floats.
+void quantize_rows(const float* x, int64_t stride, int64_t K, const float* norm, float eps, bool glu, int8_t* q,
+                   float* d, float* s, int64_t m0, int64_t m1, float* buf) {
+    const int64_t nb = K / 32;
+    for (int64_t m = m0; m < m1; ++m)
+        avx2::quantize_input(x + m * stride, K, norm, eps, glu, buf, q + m * K, d + m * nb, s + m * nb);
+}
+
+// A packed quantized weight (format 4 or 8, N output columns, K inputs), as quant.pack lays it out.
+struct Packed {
+    const uint8_t* w;
+    int64_t fmt, N, K, block_bytes;
+    GemmFn fn;
+
+    Packed(const torch::Tensor& t, int64_t fmt_, int64_t n) : fmt(fmt_), N(n) {
+        TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.is_contiguous(), "qlinear wants a packed uint8 weight");
+        TORCH_CHECK(fmt == 4 || fmt == 8, "qlinear format must be 4 or 8");
+        TORCH_CHECK(N % 8 == 0, "qlinear wants N a multiple of 8");
+        block_bytes = fmt == 4 ? 160 : 272;
+        TORCH_CHECK(t.numel() % ((N / 8) * block_bytes) == 0, "qlinear weight size does not match N");
+        K = 32 * (t.numel() / ((N / 8) * block_bytes));
+        w = t.data_ptr<uint8_t>();
+        const bool vnni = cpu_has_vnni();
+        fn = fmt == 4 ? (vnni ? vnni::gemm_q4 : avx2::gemm_q4) : (vnni ? vnni::gemm_q8 : avx2::gemm_q8);
+    }
+
+    // Column groups [g0, g1) of out [M, N] = rows x W^T (quantized rows q, d, s), plus residual
+    // [M, N] where given. Every element is one thread's, over the blocks in order.
+    void groups(int64_t g0, int64_t g1, const int8_t* q, const float* d, const float* s, int64_t M, float* out,
+                const float* residual) const {
+        if (g0 >= g1) return;
+        fn(w, block_bytes, K / 32, g0, g1, q, d, s, M, out, N);
+        if (residual != nullptr)
+            for (int64_t m = 0; m < M; ++m)
+                for (int64_t c = 8 * g0; c < 8 * g1; ++c) out[m * N + c] += residual[m * N + c];
+    }
+};
+
+// This thread's share [first, last) of n items split evenly over the team (inside a parallel region).
+std::pair<int64_t, int64_t> share(int64_t n) {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t per = n / threads, extra = n % threads;
+    const int64_t first = t * per + std::min(t, extra);
+    return {first, first + per + (t < extra ? 1 : 0)};
+}
+
+}  // namespace
+
 // y = f(x) W^T (+ residual): x float32 [M, K] (K a multiple of 32; [M, 2K] with glu), w the packed
 // uint8 weight of format 4 or 8 with N output columns; f is the identity, an RMSNorm with
 // `norm_weight` and `eps`, or (glu) silu(x[:, :K]) * x[:, K:]. Returns float32 [M, N].
@@ -55,51 +108,39 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N,
                       std::optional<torch::Tensor> norm_weight, double eps, bool glu,
                       std::optional<torch::Tensor> residual) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qlinear wants float32 [M, K] input");
-    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "qlinear wants a packed uint8 weight");
-    TORCH_CHECK(fmt == 4 || fmt == 8, "qlinear format must be 4 or 8");
-    TORCH_CHECK(N % 8 == 0, "qlinear wants N a multiple of 8");
+    const Packed lin(w, fmt, N);
     x = x.contiguous();
     const int64_t M = x.size(0), stride = x.size(1), K = glu ? stride / 2 : stride;
     TORCH_CHECK(K % 32 == 0, "qlinear wants K a multiple of 32");
+    TORCH_CHECK(K == lin.K, "qlinear weight size does not match N and K");
     const int64_t nblocks = K / 32, groups = N / 8;
-    const int64_t block_bytes = fmt == 4 ? 160 : 272;
-    TORCH_CHECK(w.numel() == groups * nblocks * block_bytes, "qlinear weight size does not match N and K");
     torch::Tensor nw;
     if (norm_weight.has_value()) {
         nw = norm_weight->to(torch::kFloat32).contiguous();
         TORCH_CHECK(nw.numel() == K, "qlinear norm weight must have K elements");
     }
-    const float* np = norm_weight.has_value() ? nw.data_ptr<float>() : nullptr;
-
+    torch::Tensor res;
+    if (residual.has_value()) {
+        TORCH_CHECK(residual->numel() == M * N, "qlinear residual must be [M, N]");
+        res = residual->reshape({M, N}).to(torch::kFloat32).contiguous();
+    }
     auto xq = torch::empty({M, K}, torch::kInt8);
     auto xd = torch::empty({M, nblocks}, torch::kFloat32);
     auto xs = torch::empty({M, nblocks}, torch::kFloat32);
-    const float* xp = x.data_ptr<float>();
     int8_t* qp = xq.data_ptr<int8_t>();
     float *dp = xd.data_ptr<float>(), *sp = xs.data_ptr<float>();
     at::parallel_for(0, M, std::max<int64_t>(1, 64 / nblocks), [&](int64_t m0, int64_t m1) {
         std::vector<float> buf(K);
-        for (int64_t m = m0; m < m1; ++m) {
-            avx2::quantize_input(xp + m * stride, K, np, static_cast<float>(eps), glu, buf.data(), qp + m * K,
-                                 dp + m * nblocks, sp + m * nblocks);
-        }
+        quantize_rows(x.data_ptr<float>(), stride, K, norm_weight.has_value() ? nw.data_ptr<float>() : nullptr,
+                      static_cast<float>(eps), glu, qp, dp, sp, m0, m1, buf.data());
     });
-
     torch::Tensor out = torch::empty({M, N}, torch::kFloat32);
-    const bool vnni = cpu_has_vnni();
-    GemmFn fn = fmt == 4 ? (vnni ? vnni::gemm_q4 : avx2::gemm_q4) : (vnni ? vnni::gemm_q8 : avx2::gemm_q8);
-    const uint8_t* wp = w.data_ptr<uint8_t>();
-    float* op = out.data_ptr<float>();
     // A chunk of column groups worth at least ~2k block dot products, so small matrices stay on
     // one thread instead of paying for a parallel region.
     const int64_t grain = std::max<int64_t>(1, 2048 / (nblocks * M));
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-        fn(wp, block_bytes, nblocks, g0, g1, qp, dp, sp, M, op, N);
+        lin.groups(g0, g1, qp, dp, sp, M, out.data_ptr<float>(), residual.has_value() ? res.data_ptr<float>() : nullptr);
     });
-    if (residual.has_value()) {
-        TORCH_CHECK(residual->numel() == M * N, "qlinear residual must be [M, N]");
-        out.add_(residual->reshape({M, N}).to(torch::kFloat32));
-    }
     return out;
 }
 
@@ -131,8 +172,22 @@ std::vector<int64_t> visible_keys(const std::optional<torch::Tensor>& bias, int6
     return counts;
 }
 
-// out [B, T, H, D] from q [B, T, H, D] (contiguous), with batch row b's keys and values for kv
-// head h at key_base(b) + h * kstride (rows of D elements of type E: float, or fp16 bits).
+// Attention items [i0, i1) of q [B, T, H, D] (contiguous; item i is query row r = i / KV with the
+// G = H / KV q heads of kv head h = i % KV) into out [B, T, H, D], with batch row b's keys and values
+// for kv head h at key_base(b) + h * kstride (rows of D elements of type E: float, or fp16 bits).
+// scores has room for min(G, 4) * (L + 8) floats.
+template <class E, class KeyBase, class ValueBase>
+void attend_items(int64_t i0, int64_t i1, const float* q, int64_t T, int64_t H, int64_t KV, int64_t D, int64_t L,
+                  const int32_t* lists, const int64_t* counts, KeyBase key_base, ValueBase value_base,
+                  int64_t kstride, int64_t vstride, float* scores, float* out) {
+    const int64_t G = H / KV;
+    for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = i / KV, h = i % KV, b = r / T;
+        avx2::attend_group(q + i * G * D, key_base(b) + h * kstride, value_base(b) + h * vstride, D, D,
+                           lists + r * L, counts[r], G, scores, out + i * G * D);
+    }
+}
+
 template <class E, class KeyBase, class ValueBase>
 void attend_all(const float* q, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D, int64_t L,
                 const int32_t* lists, const std::vector<int64_t>& counts, KeyBase key_base, ValueBase value_base,
@@ -141,13 +196,8 @@ void attend_all(const float* q, int64_t B, int64_t T, int64_t H, int64_t KV, int
     const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(G * L * D / 8, 1));
     at::parallel_for(0, B * T * KV, grain, [&](int64_t i0, int64_t i1) {
         std::vector<float> scores(std::min<int64_t>(G, 4) * (L + 8));
-        for (int64_t i = i0; i < i1; ++i) {
-            const int64_t r = i / KV, h = i % KV, b = r / T;
-            const E* keys = key_base(b) + h * kstride;
-            const E* values = value_base(b) + h * vstride;
-            avx2::attend_group(q + i * G * D, keys, values, D, D, lists + r * L, counts[r], G, scores.data(),
-                               out + i * G * D);
-        }
+        attend_items<E>(i0, i1, q, T, H, KV, D, L, lists, counts.data(), key_base, value_base, kstride, vstride,
+                        scores.data(), out);
     });
 }
 
@@ -199,13 +249,79 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
     return out;
 }
 
+namespace {
+
+// Where new cache entries go and what each query row sees: batch row b writes at slot slots[b] from
+// position starts[b]; lists and counts as visible_keys gives them, over L = max(starts) + T keys.
+struct Placement {
+    std::vector<int64_t> slots, starts, counts;
+    torch::Tensor lists;
+    int64_t B, T, L = 0;
+
+    Placement(std::vector<int64_t> slots_, std::vector<int64_t> starts_, const std::optional<torch::Tensor>& bias,
+              int64_t B_, int64_t T_, int64_t num_slots, int64_t capacity)
+        : slots(std::move(slots_)), starts(std::move(starts_)), B(B_), T(T_) {
+        TORCH_CHECK(static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(starts.size()) == B,
+                    "one cache slot and start per batch row");
+        for (int64_t b = 0; b < B; ++b) {
+            TORCH_CHECK(slots[b] >= 0 && slots[b] < num_slots && starts[b] >= 0 && starts[b] + T <= capacity,
+                        "cache slot or position out of the cache");
+            L = std::max(L, starts[b] + T);
+        }
+        lists = torch::empty({B * T, std::max<int64_t>(L, 1)}, torch::kInt32);
+        counts = visible_keys(bias, B, T, L, lists.data_ptr<int32_t>());
+    }
+};
+
+// Rows [r0, r1) of qkv [B * T, (H + 2 KV) * D] (a fused projection's output): q rotated into
+// q [B * T, H, D]; k rotated and v stored in one cache layer kc / vc [slots, KV, capacity, D] at
+// row b's slot and position. Rope is rotate-half: x * cos + [x2, x1] * sin, with cos and sin
+// [B * T, D] (model.rope_tables' sign-folded sin at each position). k holds D floats.
+template <class E>
+void rope_and_store(int64_t r0, int64_t r1, const float* qkv, const float* cos, const float* sin, int64_t H,
+                    int64_t KV, int64_t D, const Placement& at, E* kc, E* vc, int64_t capacity, float* q, float* k) {
+    const int64_t half = D / 2, F = (H + 2 * KV) * D;
+    auto rope = [&](const float* x, const float* c, const float* s, float* y) {
+        for (int64_t i = 0; i < D; ++i) y[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
+    };
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t b = r / at.T, t = r % at.T;
+        const float *x = qkv + r * F, *c = cos + r * D, *s = sin + r * D;
+        for (int64_t h = 0; h < H; ++h) rope(x + h * D, c, s, q + (r * H + h) * D);
+        for (int64_t h = 0; h < KV; ++h) {
+            const int64_t row = ((at.slots[b] * KV + h) * capacity + at.starts[b] + t) * D;
+            rope(x + (H + h) * D, c, s, k);
+            store_row(k, D, kc + row);
+            store_row(x + (H + KV + h) * D, D, vc + row);
+        }
+    }
+}
+
+// Attention items [i0, i1) (see attend_items) of rotated q over one cache layer kc / vc.
+template <class E>
+void attend_cache_items(int64_t i0, int64_t i1, const float* q, int64_t H, int64_t KV, int64_t D,
+                        const Placement& at, const E* kc, const E* vc, int64_t capacity, float* scores, float* out) {
+    const int64_t slot_stride = KV * capacity * D;
+    attend_items<E>(i0, i1, q, at.T, H, KV, D, at.L, at.lists.data_ptr<int32_t>(), at.counts.data(),
+                    [&](int64_t b) { return kc + at.slots[b] * slot_stride; },
+                    [&](int64_t b) { return vc + at.slots[b] * slot_stride; }, capacity * D, capacity * D, scores, out);
+}
+
+void check_cache_layer(const torch::Tensor& kcache, const torch::Tensor& vcache, int64_t dims, int64_t KV, int64_t D) {
+    for (const auto& c : {kcache, vcache})
+        TORCH_CHECK(c.scalar_type() == kcache.scalar_type() && c.is_contiguous() && c.dim() == dims &&
+                        c.size(dims - 3) == KV && c.size(dims - 1) == D && c.sizes() == kcache.sizes(),
+                    "the native attention wants a contiguous cache of [..., slots, KV, capacity, head_dim]");
+}
+
+}  // namespace
+
 // A decoder layer's whole attention on a layer of the KV cache: qkv [B, T, (H + 2 KV) * D] (the
-// fused projection's output), cos and sin [B, T, D] (model.rope_tables' sign-folded sin at each
-// position), kcache and vcache [slots, KV, capacity, D] (the layer's cache, float32 or float16,
-// written in place: fp16 rounds to nearest even),
-// batch row b at cache slot slots[b] from position starts[b]. Rotates q and k, stores k and v,
-// attends as `attention` does (bias over the L = max(starts) + T first positions, or None) and
-// returns [B, T, H * D].
+// fused projection's output), cos and sin [B, T, D], kcache and vcache [slots, KV, capacity, D]
+// (the layer's cache, float32 or float16, written in place: fp16 rounds to nearest even), batch
+// row b at cache slot slots[b] from position starts[b]. Rotates q and k, stores k and v, attends as
+// `attention` does (bias over the L = max(starts) + T first positions, or None) and returns
+// [B, T, H * D].
 torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kcache,
                             torch::Tensor vcache, std::vector<int64_t> slots, std::vector<int64_t> starts,
                             std::optional<torch::Tensor> bias, int64_t H, int64_t KV) {
@@ -216,73 +332,161 @@ torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
     const int64_t B = qkv.size(0), T = qkv.size(1), D = qkv.size(2) / (H + 2 * KV);
     TORCH_CHECK(qkv.size(2) == (H + 2 * KV) * D && D % 8 == 0 && H % KV == 0, "attend_cached: bad qkv width");
     TORCH_CHECK(cos.numel() == B * T * D && sin.numel() == B * T * D, "attend_cached: cos/sin must be [B, T, D]");
-    TORCH_CHECK(static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(starts.size()) == B,
-                "attend_cached: one slot and start per batch row");
-    for (const auto& c : {kcache, vcache})
-        TORCH_CHECK(c.scalar_type() == kcache.scalar_type() && c.is_contiguous() && c.dim() == 4 && c.size(1) == KV &&
-                        c.size(3) == D, "attend_cached wants a contiguous cache layer [slots, KV, capacity, D]");
+    check_cache_layer(kcache, vcache, 4, KV, D);
     const int64_t capacity = kcache.size(2);
-    int64_t L = 0;
-    for (int64_t b = 0; b < B; ++b) {
-        TORCH_CHECK(slots[b] >= 0 && slots[b] < kcache.size(0) && starts[b] >= 0 && starts[b] + T <= capacity,
-                    "attend_cached: slot or position out of the cache");
-        L = std::max(L, starts[b] + T);
-    }
-    const int64_t half = D / 2, F = (H + 2 * KV) * D, slot_stride = KV * capacity * D, head_stride = capacity * D;
-    const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    const Placement at(std::move(slots), std::move(starts), bias, B, T, kcache.size(0), capacity);
     auto q = torch::empty({B, T, H, D}, torch::kFloat32);
-    float* qp = q.data_ptr<float>();
-    // rotate-half rope: x * cos + [x2, x1] * sin, sin's first half negated
-    auto rope = [&](const float* x, const float* c, const float* s, float* y) {
-        for (int64_t i = 0; i < D; ++i) y[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
-    };
-    auto lists = torch::empty({B * T, std::max<int64_t>(L, 1)}, torch::kInt32);
-    const auto counts = visible_keys(bias, B, T, L, lists.data_ptr<int32_t>());
     auto out = torch::empty({B, T, H * D}, torch::kFloat32);
     by_element(kcache, [&](auto element) {
         using E = decltype(element);
         E *kc = elements<E>(kcache), *vc = elements<E>(vcache);
         at::parallel_for(0, B * T, 1, [&](int64_t r0, int64_t r1) {
             std::vector<float> k(D);
-            for (int64_t r = r0; r < r1; ++r) {
-                const int64_t b = r / T, t = r % T;
-                const float *x = xp + r * F, *c = cp + r * D, *s = sp + r * D;
-                for (int64_t h = 0; h < H; ++h) rope(x + h * D, c, s, qp + (r * H + h) * D);
-                for (int64_t h = 0; h < KV; ++h) {
-                    const int64_t at = slots[b] * slot_stride + h * head_stride + (starts[b] + t) * D;
-                    rope(x + (H + h) * D, c, s, k.data());
-                    store_row(k.data(), D, kc + at);
-                    store_row(x + (H + KV + h) * D, D, vc + at);
-                }
-            }
+            rope_and_store(r0, r1, qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), H, KV, D, at,
+                           kc, vc, capacity, q.data_ptr<float>(), k.data());
         });
-        attend_all<E>(qp, B, T, H, KV, D, L, lists.data_ptr<int32_t>(), counts,
-                      [&](int64_t b) -> const E* { return kc + slots[b] * slot_stride; },
-                      [&](int64_t b) -> const E* { return vc + slots[b] * slot_stride; }, head_stride, head_stride,
-                      out.data_ptr<float>());
+        const int64_t G = H / KV, L = at.L;
+        const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(G * L * D / 8, 1));
+        at::parallel_for(0, B * T * KV, grain, [&](int64_t i0, int64_t i1) {
+            std::vector<float> scores(std::min<int64_t>(G, 4) * (L + 8));
+            attend_cache_items<E>(i0, i1, q.data_ptr<float>(), H, KV, D, at, kc, vc, capacity, scores.data(),
+                                  out.data_ptr<float>());
+        });
     });
     return out;
 }
 
-// One whole decoder layer on quantized weights, in one call (what model.DecoderLayer runs through
-// its modules, with no Python between the steps): x [B, T, hidden] float32; RMSNorm (in_norm),
-// the fused q/k/v projection, rope + cache write + attention (attend_cached), the output
-// projection plus x, RMSNorm (post_norm), gate/up, silu(gate) * up, down plus the residual.
-// Each linear is (packed weight, format, output columns), as qlinear takes them.
-torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor in_norm, double in_eps, torch::Tensor qkv, int64_t qkv_fmt,
-                            int64_t qkv_n, torch::Tensor o, int64_t o_fmt, int64_t o_n, torch::Tensor post_norm,
-                            double post_eps, torch::Tensor gate_up, int64_t gate_up_fmt, int64_t gate_up_n,
-                            torch::Tensor down, int64_t down_fmt, int64_t down_n, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor kcache, torch::Tensor vcache, std::vector<int64_t> slots,
-                            std::vector<int64_t> starts, std::optional<torch::Tensor> bias, int64_t H, int64_t KV) {
-    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32, "decoder_layer wants float32 x [B, T, hidden]");
-    const int64_t B = x.size(0), T = x.size(1), hidden = x.size(2);
-    const auto rows = x.reshape({B * T, hidden});
-    const auto q = qlinear(rows, qkv, qkv_fmt, qkv_n, in_norm, in_eps, false, std::nullopt);
-    const auto attended = attend_cached(q.view({B, T, qkv_n}), cos, sin, kcache, vcache, slots, starts, bias, H, KV);
-    const auto h = qlinear(attended.view({B * T, -1}), o, o_fmt, o_n, std::nullopt, 0.0, false, rows);
-    const auto gu = qlinear(h, gate_up, gate_up_fmt, gate_up_n, post_norm, post_eps, false, std::nullopt);
-    return qlinear(gu, down, down_fmt, down_n, std::nullopt, 0.0, true, h).view({B, T, down_n});
+// One decoder layer on quantized weights, as the native stack runs it: RMSNorm (in_norm), the fused
+// q/k/v projection, rope + cache write + attention, the output projection plus the input, RMSNorm
+// (post_norm), gate/up, silu(gate) * up, down plus the residual. Each linear is a packed weight
+// with its format and output columns, as qlinear takes them; H q heads, KV kv heads.
+struct Layer {
+    torch::Tensor in_norm, post_norm, weights[4];
+    float in_eps, post_eps;
+    std::vector<Packed> linears;  // qkv, o, gate_up, down
+    int64_t H, KV, hidden, D, inter;
+
+    Layer(torch::Tensor in_norm_, double in_eps_, torch::Tensor qkv, int64_t qkv_fmt, int64_t qkv_n, torch::Tensor o,
+          int64_t o_fmt, int64_t o_n, torch::Tensor post_norm_, double post_eps_, torch::Tensor gate_up,
+          int64_t gate_up_fmt, int64_t gate_up_n, torch::Tensor down, int64_t down_fmt, int64_t down_n, int64_t H_,
+          int64_t KV_)
+        : in_norm(in_norm_.to(torch::kFloat32).contiguous()), post_norm(post_norm_.to(torch::kFloat32).contiguous()),
+          weights{qkv, o, gate_up, down}, in_eps(static_cast<float>(in_eps_)), post_eps(static_cast<float>(post_eps_)),
+          linears{Packed(qkv, qkv_fmt, qkv_n), Packed(o, o_fmt, o_n), Packed(gate_up, gate_up_fmt, gate_up_n),
+                  Packed(down, down_fmt, down_n)},
+          H(H_), KV(KV_) {
+        hidden = linears[0].K;
+        D = qkv_n / (H + 2 * KV);
+        inter = linears[3].K;
+        TORCH_CHECK(H % KV == 0 && D % 8 == 0 && qkv_n == (H + 2 * KV) * D, "decoder layer: bad head counts");
+        TORCH_CHECK(linears[1].K == H * D && o_n == hidden && linears[2].K == hidden && gate_up_n == 2 * inter &&
+                        down_n == hidden && in_norm.numel() == hidden && post_norm.numel() == hidden,
+                    "decoder layer: the weights' shapes do not fit together");
+    }
+};
+
+// Decoder layers run one after another on x [B, T, hidden] float32, in one call with one team of
+// threads: each step of a layer (quantizing rows, a linear's column groups, rope + cache writes,
+// attention) is split over the team, with a barrier between steps, so no parallel region is
+// started per step. Layer i reads and writes cache layer first + i of kcache / vcache
+// [layers, slots, KV, capacity, D]; slots, starts and bias as attend_cached takes them. Returns
+// [x after the last layer, then the input of layer i for each i in `save`]. Every value is what
+// the modules compute one by one (each element has one owner thread and a fixed order of sums).
+constexpr int64_t kOwnRows = 4;  // rows that each thread quantizes for itself (see decoder_layers)
+
+std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shared_ptr<Layer>> layers, int64_t first,
+                                          torch::Tensor cos, torch::Tensor sin, torch::Tensor kcache,
+                                          torch::Tensor vcache, std::vector<int64_t> slots, std::vector<int64_t> starts,
+                                          std::optional<torch::Tensor> bias, std::vector<int64_t> save) {
+    TORCH_CHECK(!layers.empty(), "decoder_layers wants at least one layer");
+    const Layer& top = *layers[0];
+    const int64_t H = top.H, KV = top.KV, D = top.D, hidden = top.hidden, G = H / KV, F = (H + 2 * KV) * D;
+    int64_t inter = 0;
+    for (const auto& l : layers) {
+        TORCH_CHECK(l->H == H && l->KV == KV && l->D == D && l->hidden == hidden, "decoder_layers: layers differ in shape");
+        inter = std::max(inter, l->inter);
+    }
+    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.size(2) == hidden,
+                "decoder_layers wants float32 x [B, T, hidden]");
+    const int64_t B = x.size(0), T = x.size(1), M = B * T;
+    cos = cos.to(torch::kFloat32).contiguous();
+    sin = sin.to(torch::kFloat32).contiguous();
+    TORCH_CHECK(cos.numel() == M * D && sin.numel() == M * D, "decoder_layers: cos/sin must be [B, T, D]");
+    check_cache_layer(kcache, vcache, 5, KV, D);
+    TORCH_CHECK(first >= 0 && first + static_cast<int64_t>(layers.size()) <= kcache.size(0),
+                "decoder_layers: more layers than the cache holds");
+    const int64_t capacity = kcache.size(3), layer_stride = kcache.stride(0);
+    const Placement at(std::move(slots), std::move(starts), bias, B, T, kcache.size(1), capacity);
+
+    auto state = x.contiguous().clone();  // the running hidden state, [B, T, hidden]
+    std::vector<torch::Tensor> kept;
+    for (const int64_t i : save) {
+        TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers.size()), "decoder_layers: save index out of range");
+        kept.push_back(torch::empty({B, T, hidden}, torch::kFloat32));
+    }
+    const int64_t K = std::max({hidden, H * D, inter});
+    auto f32 = [](int64_t n) { return torch::empty({std::max<int64_t>(n, 1)}, torch::kFloat32); };
+    auto xq_t = torch::empty({M * K}, torch::kInt8);
+    auto xd_t = f32(M * K / 32), xs_t = f32(M * K / 32), qkv_t = f32(M * F), q_t = f32(M * H * D),
+         att_t = f32(M * H * D), h_t = f32(M * hidden), gu_t = f32(M * 2 * inter);
+    int8_t* xq = xq_t.data_ptr<int8_t>();
+    float *xd = xd_t.data_ptr<float>(), *xs = xs_t.data_ptr<float>(), *qkv = qkv_t.data_ptr<float>(),
+          *q = q_t.data_ptr<float>(), *att = att_t.data_ptr<float>(), *h = h_t.data_ptr<float>(),
+          *gu = gu_t.data_ptr<float>(), *xs_state = state.data_ptr<float>();
+    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+
+    by_element(kcache, [&](auto element) {
+        using E = decltype(element);
+        E *kbase = elements<E>(kcache), *vbase = elements<E>(vcache);
+#pragma omp parallel num_threads(at::get_num_threads())
+        {
+            std::vector<float> buf(K), k(D), scores(std::min<int64_t>(G, 4) * (at.L + 8));
+            // A few rows are quantized by every thread for itself (cheaper than waiting for each
+            // other), more are split between the threads.
+            const bool own = M <= kOwnRows;
+            std::vector<int8_t> own_q(own ? M * K : 0);
+            std::vector<float> own_d(own ? M * K / 32 : 0), own_s(own ? M * K / 32 : 0);
+            int8_t* q8 = own ? own_q.data() : xq;
+            float *qd = own ? own_d.data() : xd, *qs = own ? own_s.data() : xs;
+            // the rows of `in` quantized as a linear reads them, then this thread's column groups
+            // of the linear, then a barrier (the next step reads every column)
+            auto linear = [&](const Packed& lin, const float* in, int64_t stride, const float* norm, float eps, bool glu,
+                              float* out, const float* residual) {
+                const auto [m0, m1] = own ? std::pair<int64_t, int64_t>{0, M} : share(M);
+                quantize_rows(in, stride, lin.K, norm, eps, glu, q8, qd, qs, m0, m1, buf.data());
+                if (!own) {
+#pragma omp barrier
+                }
+                const auto [g0, g1] = share(lin.N / 8);
+                lin.groups(g0, g1, q8, qd, qs, M, out, residual);
+#pragma omp barrier
+            };
+            for (size_t i = 0; i < layers.size(); ++i) {
+                const Layer& l = *layers[i];
+                for (size_t j = 0; j < save.size(); ++j)
+                    if (save[j] == static_cast<int64_t>(i) && omp_get_thread_num() == 0)
+                        std::memcpy(kept[j].data_ptr<float>(), xs_state, M * hidden * sizeof(float));
+                E *kc = kbase + (first + i) * layer_stride, *vc = vbase + (first + i) * layer_stride;
+                linear(l.linears[0], xs_state, hidden, l.in_norm.data_ptr<float>(), l.in_eps, false, qkv, nullptr);
+                {
+                    const auto [r0, r1] = share(M);
+                    rope_and_store(r0, r1, qkv, cp, sp, H, KV, D, at, kc, vc, capacity, q, k.data());
+                }
+#pragma omp barrier
+                {
+                    const auto [i0, i1] = share(M * KV);
+                    attend_cache_items<E>(i0, i1, q, H, KV, D, at, kc, vc, capacity, scores.data(), att);
+                }
+#pragma omp barrier
+                linear(l.linears[1], att, H * D, nullptr, 0.f, false, h, xs_state);
+                linear(l.linears[2], h, hidden, l.post_norm.data_ptr<float>(), l.post_eps, false, gu, nullptr);
+                linear(l.linears[3], gu, 2 * l.inter, nullptr, 0.f, true, xs_state, h);
+            }
+        }
+    });
+    std::vector<torch::Tensor> out{state};
+    out.insert(out.end(), kept.begin(), kept.end());
+    return out;
 }
 
 std::string isa() { return cpu_has_vnni() ? "avx512-vnni" : (cpu_has_avx2() ? "avx2" : "none"); }
@@ -293,6 +497,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("eps") = 0.0, py::arg("glu") = false, py::arg("residual") = py::none());
     m.def("attention", &attention, "grouped-query attention, each query row's sums in cache order");
     m.def("attend_cached", &attend_cached, "rope, KV-cache write and attention of one decoder layer");
-    m.def("decoder_layer", &decoder_layer, "a whole decoder layer on quantized weights (norms, attention, MLP)");
+    py::class_<Layer, std::shared_ptr<Layer>>(m, "Layer", "a decoder layer's quantized weights, as decoder_layers runs them")
+        .def(py::init<torch::Tensor, double, torch::Tensor, int64_t, int64_t, torch::Tensor, int64_t, int64_t,
+                      torch::Tensor, double, torch::Tensor, int64_t, int64_t, torch::Tensor, int64_t, int64_t, int64_t,
+                      int64_t>());
+    m.def("decoder_layers", &decoder_layers, "decoder layers on quantized weights in one call, one team of threads");
     m.def("isa", &isa, "the instruction set the kernels run with on this CPU ('none': unsupported)");
 }
