@@ -43,17 +43,18 @@ from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
 
 
 def parse_tree(text: str) -> TreeParams:
-    """NODESxDEPTHxTOPK, optionally +LOOKUP (prompt-lookup tokens grafted on each tree)."""
+    """NODESxDEPTHxTOPK, optionally +LOOKUP (prompt-lookup tokens grafted on each tree); every step
+    drafts such a tree (no SpeedChooser), so that the sweep compares tree shapes."""
     try:
         shape, _, lookup = text.lower().partition("+")
         nodes, depth, topk = (int(x) for x in shape.split("x"))
-        return TreeParams(nodes, depth, topk, lookup=int(lookup or 0))
+        return TreeParams(nodes, depth, topk, lookup=int(lookup or 0), adaptive=False)
     except ValueError:
         raise SpecSotError(f"tree '{text}' is not NODESxDEPTHxTOPK[+LOOKUP] (e.g. 12x5x4, 4x2x2+4): fix --tree or --sweep") from None
 
 
 def tree_name(t: TreeParams) -> str:
-    return f"{t.num_draft_tokens}x{t.depth}x{t.topk}" + (f"+{t.lookup}" if t.lookup else "")
+    return f"{t.num_draft_tokens}x{t.depth}x{t.topk}" + (f"+{t.lookup}" if t.lookup else "") + (" adaptive" if t.adaptive else "")
 
 
 def run_eagle(gen: Generator, ids: list[int], n: int):

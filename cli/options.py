@@ -41,6 +41,9 @@ class ModelOptions:
     draft_topk: Annotated[Optional[int], typer.Option(help="Children per expanded node in the draft tree.")] = None
     lookup: Annotated[Optional[int], typer.Option(
         help="Prompt lookup: up to N tokens copied from earlier in the text join each draft tree (greedy only); 0 = off.")] = None
+    adaptive: Annotated[Optional[bool], typer.Option("--adaptive/--no-adaptive",
+        help="Greedy decoding: each step drafts with the head, uses prompt lookup alone or neither, whichever "
+             "has been fastest lately (default); --no-adaptive drafts every step.")] = None
 
     def __post_init__(self):
         from specsot_mq.loader import check_quantize
@@ -53,7 +56,7 @@ class ModelOptions:
         from specsot_mq.speculative import TreeParams
 
         given = {"num_draft_tokens": self.num_draft_tokens, "depth": self.draft_depth, "topk": self.draft_topk,
-                 "lookup": self.lookup}  # fmt: skip
+                 "lookup": self.lookup, "adaptive": self.adaptive}  # fmt: skip
         given = {k: v for k, v in given.items() if v is not None}
         TreeParams(**given)  # validates
         return given

@@ -67,12 +67,17 @@ class TreeParams:
     # each tree as one more path (--lookup; greedy decoding only; 0 = off). They cost no draft
     # forward; in a batch each row gets its share of max_batch_tokens of them (graft_lookup).
     lookup: int = 2
+    # Each step picks how to speculate, by what each way has measured lately (SpeedChooser): the
+    # draft tree, prompt lookup alone, or no speculation (--adaptive / --no-adaptive).
+    adaptive: bool = True
 
     def __post_init__(self):
         flags = {"--num-draft-tokens": self.num_draft_tokens, "--draft-depth": self.depth, "--draft-topk": self.topk}
         for flag, value in flags.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SpecSotError(f"{flag} must be a whole number of at least 1, got {value!r}")
+        if not isinstance(self.adaptive, bool):
+            raise SpecSotError(f"adaptive must be true or false (--adaptive / --no-adaptive), got {self.adaptive!r}")
         if isinstance(self.lookup, bool) or not isinstance(self.lookup, int) or self.lookup < 0:
             raise SpecSotError(f"--lookup must be a whole number of at least 0 (0 = off), got {self.lookup!r}")
         if self.num_draft_tokens > self.max_nodes:
@@ -90,6 +95,46 @@ class TreeParams:
     def max_nodes(self) -> int:
         """Nodes the search draws: topk at depth 1, then topk x topk per level."""
         return self.topk + (self.depth - 1) * self.topk * self.topk
+
+
+class SpeedChooser:
+    """How each step speculates: with the draft head's tree ("eagle"), with prompt lookup alone
+    ("lookup") or not at all ("plain"), whichever has decided tokens fastest lately.
+
+    On a CPU whose one-token step is cheap, a draft forward and each extra verify row must pay
+    for themselves, and whether they do depends on the CPU, the batch and the text. So each way is
+    timed while decoding goes on (seconds per decided token, over its recent steps, older ones
+    weighing less), and the fastest runs; every `probe_every` steps each other way runs `probe`
+    steps, so that a change (a longer context, a batch that grew, text that repeats itself) is
+    seen. In greedy decoding every way emits the same tokens (each is lossless), so the choice
+    changes speed only."""
+
+    probe = 4  # steps each way runs when it is tried
+    probe_every = 64  # steps between tries of the other ways
+    decay = 0.75  # weight of the past at each of a way's steps
+
+    def __init__(self, ways: list[str]):
+        self.ways = ways
+        self.seconds = dict.fromkeys(ways, 0.0)
+        self.tokens = dict.fromkeys(ways, 0.0)
+        self.steps = 0
+        self.queue = [w for w in ways for _ in range(self.probe)]  # try each way first
+        self.counts = dict.fromkeys(ways, 0)  # steps each way ran (benchmarks show them)
+
+    def pick(self) -> str:
+        if not self.queue and self.steps % self.probe_every == 0:
+            best = self.best()
+            self.queue = [w for w in self.ways if w != best for _ in range(self.probe)]
+        return self.queue.pop(0) if self.queue else self.best()
+
+    def best(self) -> str:
+        return min(self.ways, key=lambda w: self.seconds[w] / self.tokens[w] if self.tokens[w] else 0.0)
+
+    def record(self, way: str, seconds: float, tokens: int) -> None:
+        self.seconds[way] = self.decay * self.seconds[way] + seconds
+        self.tokens[way] = self.decay * self.tokens[way] + tokens
+        self.steps += 1
+        self.counts[way] += 1
 
 
 class EagleDecoder:
@@ -124,6 +169,11 @@ class EagleDecoder:
         # step: what keep() reads a prompt's feature at any length from
         self.fresh: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self.stats = SpecStats(accepted_at_depth=[0] * self.tree.depth)
+        # Greedy decoding only: every way emits the same tokens there, while a sampled answer
+        # depends on the way its random draws were used (a seed must give the same answer).
+        greedy = sampler.params.greedy
+        ways = ["eagle", "lookup", "plain"] if self.tree.lookup else ["eagle", "plain"]
+        self.chooser = SpeedChooser(ways if self.tree.adaptive and greedy else ["eagle"])
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -184,12 +234,13 @@ class EagleDecoder:
         states = [running[s] for s in seqs]
         start = time.perf_counter()
         self.fresh.clear()
-        budget = self.budget(seqs)
+        way = self.chooser.pick()
+        budget = self.budget(seqs) if way == "eagle" else 0
         if budget or any(len(st.unread) >= self.unread_limit for st in states):
             self.draft_extend(seqs, states)
         trees = self.draft(seqs, states, budget)
         drafted = [t.size for t in trees]  # nodes beyond these come from prompt lookup alone
-        if states[0].index is not None:
+        if states[0].index is not None and way != "plain":
             trees = self.graft_lookup(seqs, states, trees)
         mid = time.perf_counter()
         logits, features = self.verify(seqs, trees)
@@ -206,6 +257,7 @@ class EagleDecoder:
         self.stats.draft_seconds += mid - start
         self.stats.verify_seconds += end - mid
         self.stats.count(trees, results, drafted)
+        self.chooser.record(way, end - start, sum(len(res.tokens) for res in results))
         return {seq: res.tokens for seq, res in zip(seqs, results)}
 
     def drop(self, seq: int) -> None:

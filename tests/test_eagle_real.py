@@ -26,8 +26,10 @@ def test_eagle_greedy_equals_plain_greedy_on_mt_bench(default_model_dir):
     model = load_model(default_model_dir, dtype=torch.float32)
     head = DraftHead.load(resolve_draft("auto", default_model_dir), model).prepack()
     plain = Generator(model, tokenizer, max_len=1024)
-    # A larger branching tree than the default: trees are the harder case for exactness.
-    eagle = Generator(model, tokenizer, max_len=1024, draft=head, tree=TreeParams(num_draft_tokens=12, depth=5, topk=4))
+    # A larger branching tree than the default: trees are the harder case for exactness. Every
+    # step drafts (no SpeedChooser), so tau is the head's.
+    tree = TreeParams(num_draft_tokens=12, depth=5, topk=4, adaptive=False)
+    eagle = Generator(model, tokenizer, max_len=1024, draft=head, tree=tree)
     params = SamplingParams(max_tokens=128)
     taus, copied = [], 0
     for question in mt_bench_first_turns(5):

@@ -14,7 +14,7 @@ from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Generator, Job, PlainDecoder
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.sampling import Sampler, SamplingParams
-from specsot_mq.speculative import EagleDecoder, TreeParams
+from specsot_mq.speculative import EagleDecoder, SpeedChooser, TreeParams
 
 BOS = 1  # every prompt here starts with it, as chat prompts do
 
@@ -75,10 +75,10 @@ def heads(base):
 FUSED = (0, 1, 2)  # embeddings, layer 1 and the final hidden state of the 2-layer base
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 # A branching tree, larger and deeper than the default, so tree drafting and verification are
-# what these tests check; no prompt lookup (LOOKUP adds it).
-TREE = TreeParams(num_draft_tokens=12, depth=5, topk=4, lookup=0)
+# what these tests check (every step drafts: no SpeedChooser); no prompt lookup (LOOKUP adds it).
+TREE = TreeParams(num_draft_tokens=12, depth=5, topk=4, lookup=0, adaptive=False)
 # The same with prompt lookup: chains copied from earlier in the sequence grafted onto each tree.
-LOOKUP = TreeParams(num_draft_tokens=12, depth=5, topk=4, lookup=6)
+LOOKUP = TreeParams(num_draft_tokens=12, depth=5, topk=4, lookup=6, adaptive=False)
 
 
 @pytest.mark.parametrize("tree", [TREE, LOOKUP], ids=["tree", "tree+lookup"])
@@ -98,6 +98,59 @@ def test_greedy_speculative_equals_plain_greedy(base, kind, tree):
     # The tiny model soon repeats itself, so lookup gets tokens accepted that the tree had not
     # drafted (past the oracle's depth too).
     assert (stats.lookup_accepted > 0) == (tree.lookup > 0)
+
+
+class Scripted:
+    """A chooser that runs the ways in a fixed cycle, whatever they measure."""
+
+    def __init__(self, ways):
+        self.ways, self.at = ways, 0
+
+    def pick(self):
+        self.at += 1
+        return self.ways[self.at % len(self.ways)]
+
+    def record(self, way, seconds, tokens):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["fused", "oracle"])
+def test_switching_ways_of_speculating_between_steps_keeps_greedy_output(base, kind):
+    """Steps that draft with the head, use prompt lookup alone or do not speculate, in turns and
+    runs (so the head reads what plain steps decided late, up to unread_limit steps late), decode
+    what plain greedy decoding does, one sequence or three together."""
+    prompts = [[BOS, 5, 6, 7, 8], [BOS, 12], [BOS, 40, 41, 42]]
+    gen = Generator(base, CharTokenizer(), max_len=64, num_slots=3)
+    want = [c.token_ids for c in gen.generate_many(prompts, GREEDY)]
+    cycle = ["eagle", "plain", "plain", "lookup", "eagle", "eagle", "lookup", "plain"]
+    for script in (cycle, ["plain"] * 20 + ["eagle"] * 40):
+        decoder = EagleDecoder(base, heads(base)[kind], gen.cache, Sampler(GREEDY), TreeParams(4, 2, 2, lookup=3))
+        decoder.unread_limit = 6
+        decoder.chooser = Scripted(script)
+        assert [c.token_ids for c in gen.generate_many(prompts, GREEDY, decoder=decoder)] == want
+        assert gen.generate(prompts[0], GREEDY, decoder=decoder).token_ids == want[0]
+
+
+def test_the_chooser_runs_the_fastest_way_and_tries_the_others_now_and_then():
+    chooser = SpeedChooser(["eagle", "lookup", "plain"])
+    cost = {"eagle": (5.0, 2), "lookup": (4.0, 1), "plain": (3.0, 1)}  # seconds, tokens a step: 2.5, 4, 3 a token
+    ran = []
+    for _ in range(200):
+        way = chooser.pick()
+        ran.append(way)
+        chooser.record(way, *cost[way])
+    assert ran[:12] == ["eagle"] * 4 + ["lookup"] * 4 + ["plain"] * 4  # each tried first
+    assert ran.count("eagle") > 160 and ran[12:64] == ["eagle"] * 52
+    assert ran.count("lookup") == ran.count("plain") == 4 * 4  # tried again every probe_every steps
+    cost["plain"] = (1.0, 1)  # the batch, the CPU or the text changed: plain steps got cheap
+    ran = []
+    for _ in range(150):
+        way = chooser.pick()
+        ran.append(way)
+        chooser.record(way, *cost[way])
+    # seen at plain's next try (within probe_every steps), then run but for the others' tries
+    assert chooser.best() == "plain" and ran[-50:].count("plain") >= 50 - 2 * 4
+    assert SpeedChooser(["eagle"]).pick() == "eagle"
 
 
 @pytest.mark.parametrize("tree", [TREE, LOOKUP], ids=["tree", "tree+lookup"])
