@@ -172,19 +172,20 @@ std::vector<int64_t> visible_keys(const std::optional<torch::Tensor>& bias, int6
     return counts;
 }
 
-// Attention items [i0, i1) of q [B, T, H, D] (contiguous; item i is query row r = i / KV with the
-// G = H / KV q heads of kv head h = i % KV) into out [B, T, H, D], with batch row b's keys and values
-// for kv head h at key_base(b) + h * kstride (rows of D elements of type E: float, or fp16 bits).
-// scores has room for min(G, 4) * (L + 8) floats.
+// Attention items [i0, i1) of q [B, T, H, D] (contiguous) into out [B, T, H, D]: item i is query
+// row r = i / (H / g) with its g consecutive q heads from j * g on (j = i % (H / g); g divides G =
+// H / KV, so they share kv head j * g / G), batch row b's keys and values for kv head h at
+// key_base(b) + h * kstride (rows of D elements of type E: float, or fp16 bits). scores has room
+// for min(g, 4) * (L + 8) floats. A head's values do not depend on g (each head's sums are its own).
 template <class E, class KeyBase, class ValueBase>
-void attend_items(int64_t i0, int64_t i1, const float* q, int64_t T, int64_t H, int64_t KV, int64_t D, int64_t L,
-                  const int32_t* lists, const int64_t* counts, KeyBase key_base, ValueBase value_base,
+void attend_items(int64_t i0, int64_t i1, const float* q, int64_t T, int64_t H, int64_t KV, int64_t g, int64_t D,
+                  int64_t L, const int32_t* lists, const int64_t* counts, KeyBase key_base, ValueBase value_base,
                   int64_t kstride, int64_t vstride, float* scores, float* out) {
-    const int64_t G = H / KV;
+    const int64_t per_row = H / g, G = H / KV;
     for (int64_t i = i0; i < i1; ++i) {
-        const int64_t r = i / KV, h = i % KV, b = r / T;
-        avx2::attend_group(q + i * G * D, key_base(b) + h * kstride, value_base(b) + h * vstride, D, D,
-                           lists + r * L, counts[r], G, scores, out + i * G * D);
+        const int64_t r = i / per_row, first = (i % per_row) * g, h = first / G, b = r / T;
+        avx2::attend_group(q + (r * H + first) * D, key_base(b) + h * kstride, value_base(b) + h * vstride, D, D,
+                           lists + r * L, counts[r], g, scores, out + (r * H + first) * D);
     }
 }
 
@@ -196,7 +197,7 @@ void attend_all(const float* q, int64_t B, int64_t T, int64_t H, int64_t KV, int
     const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(G * L * D / 8, 1));
     at::parallel_for(0, B * T * KV, grain, [&](int64_t i0, int64_t i1) {
         std::vector<float> scores(std::min<int64_t>(G, 4) * (L + 8));
-        attend_items<E>(i0, i1, q, T, H, KV, D, L, lists, counts.data(), key_base, value_base, kstride, vstride,
+        attend_items<E>(i0, i1, q, T, H, KV, G, D, L, lists, counts.data(), key_base, value_base, kstride, vstride,
                         scores.data(), out);
     });
 }
@@ -297,12 +298,12 @@ void rope_and_store(int64_t r0, int64_t r1, const float* qkv, const float* cos, 
     }
 }
 
-// Attention items [i0, i1) (see attend_items) of rotated q over one cache layer kc / vc.
+// Attention items [i0, i1) (see attend_items, g q heads each) of rotated q over one cache layer kc / vc.
 template <class E>
-void attend_cache_items(int64_t i0, int64_t i1, const float* q, int64_t H, int64_t KV, int64_t D,
+void attend_cache_items(int64_t i0, int64_t i1, const float* q, int64_t H, int64_t KV, int64_t g, int64_t D,
                         const Placement& at, const E* kc, const E* vc, int64_t capacity, float* scores, float* out) {
     const int64_t slot_stride = KV * capacity * D;
-    attend_items<E>(i0, i1, q, at.T, H, KV, D, at.L, at.lists.data_ptr<int32_t>(), at.counts.data(),
+    attend_items<E>(i0, i1, q, at.T, H, KV, g, D, at.L, at.lists.data_ptr<int32_t>(), at.counts.data(),
                     [&](int64_t b) { return kc + at.slots[b] * slot_stride; },
                     [&](int64_t b) { return vc + at.slots[b] * slot_stride; }, capacity * D, capacity * D, scores, out);
 }
@@ -349,7 +350,7 @@ torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
         const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(G * L * D / 8, 1));
         at::parallel_for(0, B * T * KV, grain, [&](int64_t i0, int64_t i1) {
             std::vector<float> scores(std::min<int64_t>(G, 4) * (L + 8));
-            attend_cache_items<E>(i0, i1, q.data_ptr<float>(), H, KV, D, at, kc, vc, capacity, scores.data(),
+            attend_cache_items<E>(i0, i1, q.data_ptr<float>(), H, KV, G, D, at, kc, vc, capacity, scores.data(),
                                   out.data_ptr<float>());
         });
     });
@@ -441,6 +442,9 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
 #pragma omp parallel num_threads(at::get_num_threads())
         {
             std::vector<float> buf(K), k(D), scores(std::min<int64_t>(G, 4) * (at.L + 8));
+            // Attention work by (row, kv head), or by (row, q head) where that is too few items to
+            // keep the team busy (a one-token step has as many items as kv heads).
+            const int64_t heads_per_item = M * KV >= 4 * omp_get_num_threads() ? G : 1;
             // A few rows are quantized by every thread for itself (cheaper than waiting for each
             // other), more are split between the threads.
             const bool own = M <= kOwnRows;
@@ -474,8 +478,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
                 }
 #pragma omp barrier
                 {
-                    const auto [i0, i1] = share(M * KV);
-                    attend_cache_items<E>(i0, i1, q, H, KV, D, at, kc, vc, capacity, scores.data(), att);
+                    const auto [i0, i1] = share(M * H / heads_per_item);
+                    attend_cache_items<E>(i0, i1, q, H, KV, heads_per_item, D, at, kc, vc, capacity, scores.data(), att);
                 }
 #pragma omp barrier
                 linear(l.linears[1], att, H * D, nullptr, 0.f, false, h, xs_state);
