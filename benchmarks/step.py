@@ -11,7 +11,9 @@ everything else (norms, rope, Python; with the native kernels, the attention col
 one call that also rotates q and k and writes the cache, and cache writes are 0). Next to it, the floor: the weight bytes one forward reads
 over the memory bandwidth measured in the same run. A table of all the linear layers alone at
 k = 1, 2, 4, 8, 16 and 32 rows, as loaded (quantized) and widened to fp32 and bf16, beside the
-bandwidth floor and the compute floor (2 k x parameters at the fp32 matmul rate measured here);
+bandwidth floor and the compute floor (2 k x parameters at the fp32 matmul rate measured here),
+and the whole forward of k new tokens (what a k-row verify costs: with the native kernels the
+linears run inside one call for all layers, without a parallel region per linear);
 and after the forward table, picking the greedy tokens from
 the logits, by argmax and by torch.max (what the decoders use: sampling.greedy_tokens). A
 second table, once per batch size: drawing a token per row at temperature 1, top-p 0.95 (from
@@ -183,7 +185,9 @@ def gemm_flops(threads: int) -> float:
 
 def linear_rows(model, runs: int) -> list[dict]:
     """ms of all the linear layers one forward runs (each called once on k rows), as the model
-    holds them (quantized or not) and widened to fp32 and bf16 (oneDNN-prepacked), for k in ROWS."""
+    holds them (quantized or not) and widened to fp32 and bf16 (oneDNN-prepacked), for k in ROWS;
+    and of the whole forward of k new tokens on an empty cache, as the model runs it (with the
+    native kernels, all its layers in one call: no call per linear)."""
     layers = [m for m in model.modules() if isinstance(m, LINEARS)]
     widened = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -208,6 +212,15 @@ def linear_rows(model, runs: int) -> list[dict]:
 
             run()
             row[f"{name}_ms"] = round(statistics.median(_seconds(run) for _ in range(max(3, runs // 2))) * 1e3, 2)
+        cache = model.new_cache(1, k)
+        ids, positions = torch.randint(0, model.cfg.vocab_size, (1, k)), torch.arange(k)[None]
+
+        def forward():
+            cache.reset()
+            model(ids, positions, cache)
+
+        forward()
+        row["forward_ms"] = round(statistics.median(_seconds(forward) for _ in range(max(3, runs // 2))) * 1e3, 2)
         out.append(row)
     return out
 
@@ -296,13 +309,14 @@ def main(argv=None) -> dict:
     lin = Table(title=f"all linear layers of one forward on k rows, ms | weights as loaded: {nbytes / 1e6:.0f} MB, "
                       f"floor at {bandwidth / 1e9:.1f} GB/s {floor_ms:.2f} ms | compute floor at the fp32 matmul rate "
                       f"({flops / 1e9:.0f} GFLOP/s): 2 x k x {params / 1e6:.0f}M / rate")  # fmt: skip
-    for col in ("k", "ours (as loaded)", "fp32 widened", "bf16 widened", "bandwidth floor", "compute floor", "ours x floor"):
+    for col in ("k", "ours (as loaded)", "fp32 widened", "bf16 widened", "bandwidth floor", "compute floor",
+                "ours x floor", "whole forward"):
         lin.add_column(col, justify="right")
     for r in linears:
         compute = 2 * r["k"] * params / flops * 1e3
         r.update(bandwidth_floor_ms=round(floor_ms, 2), compute_floor_ms=round(compute, 2))
         lin.add_row(str(r["k"]), f"{r['ours_ms']:.2f}", f"{r['fp32_ms']:.2f}", f"{r['bf16_ms']:.2f}", f"{floor_ms:.2f}",
-                    f"{compute:.2f}", f"{r['ours_ms'] / max(floor_ms, compute):.2f}")  # fmt: skip
+                    f"{compute:.2f}", f"{r['ours_ms'] / max(floor_ms, compute):.2f}", f"{r['forward_ms']:.2f}")  # fmt: skip
     Console(stderr=True, width=150).print(lin)
     draws = Table(title="sampling one token per row: temperature 1, top-p 0.95, on the model's own answer logits")
     for col in ("rows", "sort + multinomial ms", "Sampler ms", "x"):
