@@ -99,42 +99,60 @@ class TreeParams:
 
 class SpeedChooser:
     """How each step speculates: with the draft head's tree ("eagle"), with prompt lookup alone
-    ("lookup") or not at all ("plain"), whichever has decided tokens fastest lately.
+    ("lookup") or not at all ("plain"), whichever has decided tokens fastest lately at the step's
+    batch size (how many sequences decode together).
 
     On a CPU whose one-token step is cheap, a draft forward and each extra verify row must pay
     for themselves, and whether they do depends on the CPU, the batch and the text. So each way is
-    timed while decoding goes on (seconds per decided token, over its recent steps, older ones
-    weighing less), and the fastest runs; every `probe_every` steps each other way runs `probe`
-    steps, so that a change (a longer context, a batch that grew, text that repeats itself) is
-    seen. In greedy decoding every way emits the same tokens (each is lossless), so the choice
-    changes speed only."""
+    timed while decoding goes on (seconds per decided token, over its recent steps at that batch
+    size, older ones weighing less), and the fastest runs; every `probe_every` steps at a batch
+    size each other way runs `probe` steps, so that a change (a longer context, text that repeats
+    itself) is seen. A Generator keeps one chooser for all its decoders, so what one answer or
+    phase measured serves the next. In greedy decoding every way emits the same tokens (each is
+    lossless), so the choice changes speed only."""
 
     probe = 4  # steps each way runs when it is tried
-    probe_every = 64  # steps between tries of the other ways
+    probe_every = 64  # steps at a batch size between tries of the other ways
     decay = 0.75  # weight of the past at each of a way's steps
 
     def __init__(self, ways: list[str]):
         self.ways = ways
-        self.seconds = dict.fromkeys(ways, 0.0)
-        self.tokens = dict.fromkeys(ways, 0.0)
-        self.steps = 0
-        self.queue = [w for w in ways for _ in range(self.probe)]  # try each way first
+        self.by_size: dict[int, dict] = {}  # batch size -> seconds, tokens (per way), steps, queue
         self.counts = dict.fromkeys(ways, 0)  # steps each way ran (benchmarks show them)
 
-    def pick(self) -> str:
-        if not self.queue and self.steps % self.probe_every == 0:
-            best = self.best()
-            self.queue = [w for w in self.ways if w != best for _ in range(self.probe)]
-        return self.queue.pop(0) if self.queue else self.best()
+    def _at(self, size: int) -> dict:
+        if size not in self.by_size:
+            self.by_size[size] = {"seconds": dict.fromkeys(self.ways, 0.0), "tokens": dict.fromkeys(self.ways, 0.0),
+                                  "steps": 0, "queue": [w for w in self.ways for _ in range(self.probe)]}  # fmt: skip
+        return self.by_size[size]
 
-    def best(self) -> str:
-        return min(self.ways, key=lambda w: self.seconds[w] / self.tokens[w] if self.tokens[w] else 0.0)
+    def pick(self, size: int = 1) -> str:
+        at = self._at(size)
+        if not at["queue"] and at["steps"] % self.probe_every == 0:
+            best = self.best(size)
+            at["queue"] = [w for w in self.ways if w != best for _ in range(self.probe)]
+        return at["queue"].pop(0) if at["queue"] else self.best(size)
 
-    def record(self, way: str, seconds: float, tokens: int) -> None:
-        self.seconds[way] = self.decay * self.seconds[way] + seconds
-        self.tokens[way] = self.decay * self.tokens[way] + tokens
-        self.steps += 1
+    def best(self, size: int = 1) -> str:
+        at = self._at(size)
+        return min(self.ways, key=lambda w: at["seconds"][w] / at["tokens"][w] if at["tokens"][w] else 0.0)
+
+    def record(self, way: str, seconds: float, tokens: int, size: int = 1) -> None:
+        at = self._at(size)
+        at["seconds"][way] = self.decay * at["seconds"][way] + seconds
+        at["tokens"][way] = self.decay * at["tokens"][way] + tokens
+        at["steps"] += 1
         self.counts[way] += 1
+
+    @staticmethod
+    def for_tree(tree: "TreeParams", greedy: bool) -> "SpeedChooser":
+        """The ways a decoder with these trees can take: all three with prompt lookup, else the tree
+        or nothing; only the tree where the tree is fixed (not adaptive) or decoding samples (a
+        sampled answer depends on the way its random draws were used, and a seed must give one
+        answer)."""
+        if not (tree.adaptive and greedy):
+            return SpeedChooser(["eagle"])
+        return SpeedChooser(["eagle", "lookup", "plain"] if tree.lookup else ["eagle", "plain"])
 
 
 class EagleDecoder:
@@ -152,6 +170,7 @@ class EagleDecoder:
         tree: TreeParams | None = None,
         draft_cache: KVCache | None = None,
         layout: str = "batching",
+        chooser: SpeedChooser | None = None,
     ):
         self.model, self.head, self.sampler = model, head, sampler
         self.layout = new_layout(layout, model, cache)  # where the base cache holds each sequence
@@ -169,11 +188,8 @@ class EagleDecoder:
         # step: what keep() reads a prompt's feature at any length from
         self.fresh: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self.stats = SpecStats(accepted_at_depth=[0] * self.tree.depth)
-        # Greedy decoding only: every way emits the same tokens there, while a sampled answer
-        # depends on the way its random draws were used (a seed must give the same answer).
-        greedy = sampler.params.greedy
-        ways = ["eagle", "lookup", "plain"] if self.tree.lookup else ["eagle", "plain"]
-        self.chooser = SpeedChooser(ways if self.tree.adaptive and greedy else ["eagle"])
+        # how each step speculates (a Generator passes the one it keeps for all its decoders)
+        self.chooser = chooser or SpeedChooser.for_tree(self.tree, sampler.params.greedy)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -234,7 +250,7 @@ class EagleDecoder:
         states = [running[s] for s in seqs]
         start = time.perf_counter()
         self.fresh.clear()
-        way = self.chooser.pick()
+        way = self.chooser.pick(len(seqs))
         budget = self.budget(seqs) if way == "eagle" else 0
         if budget or any(len(st.unread) >= self.unread_limit for st in states):
             self.draft_extend(seqs, states)
@@ -257,7 +273,7 @@ class EagleDecoder:
         self.stats.draft_seconds += mid - start
         self.stats.verify_seconds += end - mid
         self.stats.count(trees, results, drafted)
-        self.chooser.record(way, end - start, sum(len(res.tokens) for res in results))
+        self.chooser.record(way, end - start, sum(len(res.tokens) for res in results), len(seqs))
         return {seq: res.tokens for seq, res in zip(seqs, results)}
 
     def drop(self, seq: int) -> None:

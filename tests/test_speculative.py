@@ -106,11 +106,11 @@ class Scripted:
     def __init__(self, ways):
         self.ways, self.at = ways, 0
 
-    def pick(self):
+    def pick(self, size):
         self.at += 1
         return self.ways[self.at % len(self.ways)]
 
-    def record(self, way, seconds, tokens):
+    def record(self, way, seconds, tokens, size):
         pass
 
 
@@ -150,7 +150,19 @@ def test_the_chooser_runs_the_fastest_way_and_tries_the_others_now_and_then():
         chooser.record(way, *cost[way])
     # seen at plain's next try (within probe_every steps), then run but for the others' tries
     assert chooser.best() == "plain" and ran[-50:].count("plain") >= 50 - 2 * 4
+    # Each batch size learns on its own: 4 sequences together try every way first.
+    assert [chooser.pick(4) for _ in range(3)] == ["eagle"] * 3 and chooser.best(1) == "plain"
     assert SpeedChooser(["eagle"]).pick() == "eagle"
+
+
+def test_a_generator_keeps_one_chooser_for_its_greedy_decoders(base):
+    gen = Generator(base, CharTokenizer(), max_len=64, draft=heads(base)["fused"])
+    first, second = gen.new_decoder(GREEDY), gen.new_decoder(GREEDY)
+    assert first.chooser is second.chooser and first.chooser.ways == ["eagle", "lookup", "plain"]
+    sampled = gen.new_decoder(SamplingParams(temperature=1.0, seed=0, max_tokens=8))
+    assert sampled.chooser.ways == ["eagle"]  # sampling drafts every step
+    fixed = Generator(base, CharTokenizer(), max_len=64, draft=heads(base)["fused"], tree=TREE)
+    assert fixed.new_decoder(GREEDY).chooser.ways == ["eagle"]
 
 
 @pytest.mark.parametrize("tree", [TREE, LOOKUP], ids=["tree", "tree+lookup"])

@@ -43,8 +43,10 @@ static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* x
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nblocks; ++b, w += 160) {
-        __m256i isum[R];
-        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+        // two chains of dot products per row (low and high nibbles), added at the end: exact
+        // integer sums, half the dependency chain
+        __m256i isum[R], isum_hi[R];
+        for (int r = 0; r < R; ++r) isum[r] = isum_hi[r] = _mm256_setzero_si256();
         for (int v = 0; v < 4; ++v) {
             const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
             const __m256i lo = _mm256_and_si256(packed, low);
@@ -52,9 +54,10 @@ static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* x
             for (int r = 0; r < R; ++r) {
                 const int8_t* x = xq[r] + 32 * b + 4 * v;
                 isum[r] = dot4(isum[r], lo, bcast4(x));
-                isum[r] = dot4(isum[r], hi, bcast4(x + 16));
+                isum_hi[r] = dot4(isum_hi[r], hi, bcast4(x + 16));
             }
         }
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], isum_hi[r]);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 128)));
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 144)));
         for (int r = 0; r < R; ++r) {
