@@ -105,33 +105,44 @@ class SpeedChooser:
     On a CPU whose one-token step is cheap, a draft forward and each extra verify row must pay
     for themselves, and whether they do depends on the CPU, the batch and the text. So each way is
     timed while decoding goes on (seconds per decided token, over its recent steps at that batch
-    size, older ones weighing less), and the fastest runs; every `probe_every` steps at a batch
-    size each other way runs `probe` steps, so that a change (a longer context, text that repeats
-    itself) is seen. A Generator keeps one chooser for all its decoders, so what one answer or
-    phase measured serves the next. In greedy decoding every way emits the same tokens (each is
-    lossless), so the choice changes speed only."""
+    size, older ones weighing less), and the fastest runs. Each other way is tried again (`probe`
+    steps) `probe_every` steps later, then twice as long after each try that leaves it behind (up to
+    `max_gap` steps), so that a change (a longer context, text that repeats itself) is seen while a
+    way that keeps losing costs less and less. A Generator keeps one chooser for all its decoders,
+    so what one answer or phase measured serves the next. In greedy decoding every way emits the
+    same tokens (each is lossless), so the choice changes speed only."""
 
-    probe = 4  # steps each way runs when it is tried
-    probe_every = 64  # steps at a batch size between tries of the other ways
+    probe = 4  # steps a way runs when it is tried
+    probe_every = 64  # steps at a batch size before a way that is not the fastest is tried again...
+    max_gap = 512  # ...doubling after each try, up to this
     decay = 0.75  # weight of the past at each of a way's steps
 
     def __init__(self, ways: list[str]):
         self.ways = ways
-        self.by_size: dict[int, dict] = {}  # batch size -> seconds, tokens (per way), steps, queue
+        self.by_size: dict[int, dict] = {}  # batch size -> what it measured and when it tries each way
         self.counts = dict.fromkeys(ways, 0)  # steps each way ran (benchmarks show them)
 
     def _at(self, size: int) -> dict:
         if size not in self.by_size:
-            self.by_size[size] = {"seconds": dict.fromkeys(self.ways, 0.0), "tokens": dict.fromkeys(self.ways, 0.0),
-                                  "steps": 0, "queue": [w for w in self.ways for _ in range(self.probe)]}  # fmt: skip
+            self.by_size[size] = {
+                "seconds": dict.fromkeys(self.ways, 0.0), "tokens": dict.fromkeys(self.ways, 0.0), "steps": 0,
+                "queue": [w for w in self.ways for _ in range(self.probe)],  # every way is tried first
+                "due": dict.fromkeys(self.ways, self.probe_every), "gap": dict.fromkeys(self.ways, self.probe_every),
+            }  # fmt: skip
         return self.by_size[size]
 
     def pick(self, size: int = 1) -> str:
         at = self._at(size)
-        if not at["queue"] and at["steps"] % self.probe_every == 0:
-            best = self.best(size)
-            at["queue"] = [w for w in self.ways if w != best for _ in range(self.probe)]
-        return at["queue"].pop(0) if at["queue"] else self.best(size)
+        if at["queue"]:
+            return at["queue"].pop(0)
+        best = self.best(size)
+        at["gap"][best] = self.probe_every  # once it falls behind, it is tried again soon
+        for way in self.ways:
+            if way != best and at["steps"] >= at["due"][way]:
+                at["queue"] += [way] * self.probe
+                at["due"][way] = at["steps"] + at["gap"][way]
+                at["gap"][way] = min(2 * at["gap"][way], self.max_gap)
+        return at["queue"].pop(0) if at["queue"] else best
 
     def best(self, size: int = 1) -> str:
         at = self._at(size)
@@ -252,8 +263,11 @@ class EagleDecoder:
         self.fresh.clear()
         way = self.chooser.pick(len(seqs))
         budget = self.budget(seqs) if way == "eagle" else 0
+        timed_from = start
         if budget or any(len(st.unread) >= self.unread_limit for st in states):
             self.draft_extend(seqs, states)
+            if not budget:  # the head catching up, whatever the way: not this step's cost
+                timed_from = time.perf_counter()
         trees = self.draft(seqs, states, budget)
         drafted = [t.size for t in trees]  # nodes beyond these come from prompt lookup alone
         if states[0].index is not None and way != "plain":
@@ -273,7 +287,7 @@ class EagleDecoder:
         self.stats.draft_seconds += mid - start
         self.stats.verify_seconds += end - mid
         self.stats.count(trees, results, drafted)
-        self.chooser.record(way, end - start, sum(len(res.tokens) for res in results), len(seqs))
+        self.chooser.record(way, end - timed_from, sum(len(res.tokens) for res in results), len(seqs))
         return {seq: res.tokens for seq, res in zip(seqs, results)}
 
     def drop(self, seq: int) -> None:

@@ -131,25 +131,27 @@ def test_switching_ways_of_speculating_between_steps_keeps_greedy_output(base, k
         assert gen.generate(prompts[0], GREEDY, decoder=decoder).token_ids == want[0]
 
 
-def test_the_chooser_runs_the_fastest_way_and_tries_the_others_now_and_then():
+def test_the_chooser_runs_the_fastest_way_and_tries_the_others_less_and_less_often():
     chooser = SpeedChooser(["eagle", "lookup", "plain"])
     cost = {"eagle": (5.0, 2), "lookup": (4.0, 1), "plain": (3.0, 1)}  # seconds, tokens a step: 2.5, 4, 3 a token
-    ran = []
-    for _ in range(200):
-        way = chooser.pick()
-        ran.append(way)
-        chooser.record(way, *cost[way])
+
+    def run(steps, size=1):
+        ran = []
+        for _ in range(steps):
+            ran.append(chooser.pick(size))
+            chooser.record(ran[-1], *cost[ran[-1]], size)
+        return ran
+
+    ran = run(2000)
     assert ran[:12] == ["eagle"] * 4 + ["lookup"] * 4 + ["plain"] * 4  # each tried first
-    assert ran.count("eagle") > 160 and ran[12:64] == ["eagle"] * 52
-    assert ran.count("lookup") == ran.count("plain") == 4 * 4  # tried again every probe_every steps
+    assert ran[12:64] == ["eagle"] * 52
+    tries = [i for i in range(1, len(ran)) if ran[i] == "lookup" and ran[i - 1] != "lookup"]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert tries[:2] == [4, 64] and gaps[1:] == [64, 128, 256, 512, 512]  # backing off, up to max_gap
+    assert ran[1000:].count("eagle") >= 1000 - 2 * 2 * 4  # the others: a try each per max_gap steps at most
     cost["plain"] = (1.0, 1)  # the batch, the CPU or the text changed: plain steps got cheap
-    ran = []
-    for _ in range(150):
-        way = chooser.pick()
-        ran.append(way)
-        chooser.record(way, *cost[way])
-    # seen at plain's next try (within probe_every steps), then run but for the others' tries
-    assert chooser.best() == "plain" and ran[-50:].count("plain") >= 50 - 2 * 4
+    ran = run(SpeedChooser.max_gap + 200)
+    assert chooser.best() == "plain" and ran[-100:].count("plain") >= 100 - 2 * 4  # seen at plain's next try
     # Each batch size learns on its own: 4 sequences together try every way first.
     assert [chooser.pick(4) for _ in range(3)] == ["eagle"] * 3 and chooser.best(1) == "plain"
     assert SpeedChooser(["eagle"]).pick() == "eagle"
