@@ -64,10 +64,10 @@ void quantize_rows(const float* x, int64_t stride, int64_t K, const float* norm,
 // A packed quantized weight (format 4 or 8, N output columns, K inputs), as quant.pack lays it out.
 struct Packed {
     const uint8_t* w;
-    int64_t fmt, N, K, block_bytes;
+    int64_t N, K, block_bytes;
     GemmFn fn;
 
-    Packed(const torch::Tensor& t, int64_t fmt_, int64_t n) : fmt(fmt_), N(n) {
+    Packed(const torch::Tensor& t, int64_t fmt, int64_t n) : N(n) {
         TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.is_contiguous(), "qlinear wants a packed uint8 weight");
         TORCH_CHECK(fmt == 4 || fmt == 8, "qlinear format must be 4 or 8");
         TORCH_CHECK(N % 8 == 0, "qlinear wants N a multiple of 8");
@@ -362,7 +362,7 @@ torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 // (post_norm), gate/up, silu(gate) * up, down plus the residual. Each linear is a packed weight
 // with its format and output columns, as qlinear takes them; H q heads, KV kv heads.
 struct Layer {
-    torch::Tensor in_norm, post_norm, weights[4];
+    torch::Tensor in_norm, post_norm, weights[4];  // weights: what `linears` point into, kept alive
     float in_eps, post_eps;
     std::vector<Packed> linears;  // qkv, o, gate_up, down
     int64_t H, KV, hidden, D, inter;
@@ -386,6 +386,8 @@ struct Layer {
     }
 };
 
+constexpr int64_t kOwnRows = 4;  // up to this many rows, each thread quantizes them for itself (decoder_layers)
+
 // Decoder layers run one after another on x [B, T, hidden] float32, in one call with one team of
 // threads: each step of a layer (quantizing rows, a linear's column groups, rope + cache writes,
 // attention) is split over the team, with a barrier between steps, so no parallel region is
@@ -393,8 +395,6 @@ struct Layer {
 // [layers, slots, KV, capacity, D]; slots, starts and bias as attend_cached takes them. Returns
 // [x after the last layer, then the input of layer i for each i in `save`]. Every value is what
 // the modules compute one by one (each element has one owner thread and a fixed order of sums).
-constexpr int64_t kOwnRows = 4;  // rows that each thread quantizes for itself (see decoder_layers)
-
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shared_ptr<Layer>> layers, int64_t first,
                                           torch::Tensor cos, torch::Tensor sin, torch::Tensor kcache,
                                           torch::Tensor vcache, std::vector<int64_t> slots, std::vector<int64_t> starts,
@@ -433,7 +433,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
     int8_t* xq = xq_t.data_ptr<int8_t>();
     float *xd = xd_t.data_ptr<float>(), *xs = xs_t.data_ptr<float>(), *qkv = qkv_t.data_ptr<float>(),
           *q = q_t.data_ptr<float>(), *att = att_t.data_ptr<float>(), *h = h_t.data_ptr<float>(),
-          *gu = gu_t.data_ptr<float>(), *xs_state = state.data_ptr<float>();
+          *gu = gu_t.data_ptr<float>(), *hs = state.data_ptr<float>();  // hs: the running hidden state
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
 
     by_element(kcache, [&](auto element) {
@@ -469,9 +469,9 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
                 const Layer& l = *layers[i];
                 for (size_t j = 0; j < save.size(); ++j)
                     if (save[j] == static_cast<int64_t>(i) && omp_get_thread_num() == 0)
-                        std::memcpy(kept[j].data_ptr<float>(), xs_state, M * hidden * sizeof(float));
+                        std::memcpy(kept[j].data_ptr<float>(), hs, M * hidden * sizeof(float));
                 E *kc = kbase + (first + i) * layer_stride, *vc = vbase + (first + i) * layer_stride;
-                linear(l.linears[0], xs_state, hidden, l.in_norm.data_ptr<float>(), l.in_eps, false, qkv, nullptr);
+                linear(l.linears[0], hs, hidden, l.in_norm.data_ptr<float>(), l.in_eps, false, qkv, nullptr);
                 {
                     const auto [r0, r1] = share(M);
                     rope_and_store(r0, r1, qkv, cp, sp, H, KV, D, at, kc, vc, capacity, q, k.data());
@@ -482,9 +482,9 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
                     attend_cache_items<E>(i0, i1, q, H, KV, heads_per_item, D, at, kc, vc, capacity, scores.data(), att);
                 }
 #pragma omp barrier
-                linear(l.linears[1], att, H * D, nullptr, 0.f, false, h, xs_state);
+                linear(l.linears[1], att, H * D, nullptr, 0.f, false, h, hs);
                 linear(l.linears[2], h, hidden, l.post_norm.data_ptr<float>(), l.post_eps, false, gu, nullptr);
-                linear(l.linears[3], gu, 2 * l.inter, nullptr, 0.f, true, xs_state, h);
+                linear(l.linears[3], gu, 2 * l.inter, nullptr, 0.f, true, hs, h);
             }
         }
     });
