@@ -10,8 +10,9 @@ shapes as a table.
     python benchmarks/eagle.py [--limit 5] [--new-tokens 256] [--dtype auto|bf16|fp32] [--sweep 8x4x3,12x5x4+8]
                                [--compare-draft PATH]   # the sweep runs a second head too, side by side
 
-A tree is NODESxDEPTHxTOPK, with +N for N prompt-lookup tokens grafted on each tree (4x2x2+8 is
-the default; 4x2x2 alone has none). EOS is ignored, so a small model's answers run into loops,
+A tree is NODESxDEPTHxTOPK, with +N for N prompt-lookup tokens grafted on each tree (4x2x2 alone
+has none); a tree named here is drafted at every step. Without --tree the main row is the default,
+TreeParams() (2x1x2+2, each step taking the way that has been fastest lately: SpeedChooser). EOS is ignored, so a small model's answers run into loops,
 which prompt lookup drafts well: sot.py's EAGLE row, with the CLI's loop stop, is the sober figure.
 
 The last stdout line is one JSON object with at least tau, eagle_vs_hf and eagle_vs_plain.
