@@ -3,13 +3,14 @@
 For each shape (B rows x T new tokens over a K-token cache; a causal mask over the new tokens
 when T > 1, as a draft chain has, rows at different lengths when B > 1, in consecutive cache
 slots or in every other one) it times the whole
-forward, then the same forward again with its linear layers (by kind), its attention and its
-KV-cache writes timed call by call (medians over the runs, as for the whole forward; a quantized
-layer, one native call in the first forward, runs module by module in the second: the same
-arithmetic, a little more Python); the rest is
-everything else (norms, rope, Python; with the native kernels, the attention column holds the
-one call that also rotates q and k and writes the cache, and cache writes are 0). Next to it, the floor: the weight bytes one forward reads
-over the memory bandwidth measured in the same run. A table of all the linear layers alone at
+forward, then the same forward again module by module with its linear layers (by kind), its
+attention and its KV-cache writes timed call by call (medians over the runs, as for the whole
+forward). With the native kernels the first forward runs all layers in one call with one team
+of threads; the second runs the same arithmetic through a call (and a parallel region) per
+module, which is slower: its total is a column of its own, and the rest is that total less the
+parts (norms, rope, Python; with the native kernels, the attention column holds the one call that
+also rotates q and k and writes the cache, and cache writes are 0). Next to it, the floor: the
+weight bytes one forward reads over the memory bandwidth measured in the same run. A table of all the linear layers alone at
 k = 1, 2, 4, 8, 16 and 32 rows, as loaded (quantized) and widened to fp32 and bf16, beside the
 bandwidth floor and the compute floor (2 k x parameters at the fp32 matmul rate measured here),
 and the whole forward of k new tokens (what a k-row verify costs: with the native kernels the
@@ -159,9 +160,11 @@ def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.
     with timed_parts(model, parts):
         for _ in range(runs):
             parts.clear()
+            start = time.perf_counter()
             forward()
+            parts["modules"] = time.perf_counter() - start
             runs_parts.append(dict(parts))
-    ms = {k: statistics.median(r.get(k, 0.0) for r in runs_parts) * 1e3 for k in (*KINDS, *OTHER)}
+    ms = {k: statistics.median(r.get(k, 0.0) for r in runs_parts) * 1e3 for k in (*KINDS, *OTHER, "modules")}
     # Picking the greedy tokens from the logits (after the forward, in every verify): argmax
     # against torch.max, which the decoders use (sampling.greedy_tokens).
     logits = forward()
@@ -169,8 +172,9 @@ def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.
         ms[name] = statistics.median(_seconds(pick) for _ in range(runs)) * 1e3
     total = statistics.median(samples) * 1e3
     linears = sum(ms[k] for k in KINDS)
-    rest = total - linears - sum(ms[k] for k in OTHER)
-    return {"b": b, "t": t, "slot_stride": stride, "forward_ms": round(total, 2), "linears_ms": round(linears, 2),
+    rest = ms["modules"] - linears - sum(ms[k] for k in OTHER)
+    return {"b": b, "t": t, "slot_stride": stride, "forward_ms": round(total, 2), "modules_ms": round(ms["modules"], 2),
+            "linears_ms": round(linears, 2),
             **{f"{k.replace(' ', '_')}_ms": round(ms[k], 2) for k in OTHER}, "rest_ms": round(rest, 2),
             "argmax_ms": round(ms["argmax"], 2), "greedy_tokens_ms": round(ms["greedy_tokens"], 2),
             "linear_ms_by_kind": {k: round(ms[k], 2) for k in KINDS}}  # fmt: skip
@@ -296,13 +300,13 @@ def main(argv=None) -> dict:
 
     table = Table(title=f"one forward, {args.dtype}, {args.threads} threads, median of {args.runs} | {cpu_name()} | "
                         f"weights {nbytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s read: floor {floor_ms:.1f} ms")  # fmt: skip
-    for col in ("B x T", "forward ms", "linears ms", "attention ms", "cache writes ms", "rest ms", "linears", "x floor",
-                "argmax ms", "max ms"):
+    for col in ("B x T", "forward ms", "by module ms", "linears ms", "attention ms", "cache writes ms", "rest ms",
+                "linears", "x floor", "argmax ms", "max ms"):
         table.add_column(col, justify="right")
     for r in rows:
-        ms = [r[k] for k in ("forward_ms", "linears_ms", "attention_ms", "cache_writes_ms", "rest_ms")]
+        ms = [r[k] for k in ("forward_ms", "modules_ms", "linears_ms", "attention_ms", "cache_writes_ms", "rest_ms")]
         shape = f"{r['b']} x {r['t']}" + (" (every 2nd slot)" if r["slot_stride"] == 2 else "")
-        table.add_row(shape, *(f"{v:.2f}" for v in ms), f"{100 * r['linears_ms'] / r['forward_ms']:.0f}%",
+        table.add_row(shape, *(f"{v:.2f}" for v in ms), f"{100 * r['linears_ms'] / r['modules_ms']:.0f}%",
                       f"{r['forward_ms'] / floor_ms:.2f}", f"{r['argmax_ms']:.2f}", f"{r['greedy_tokens_ms']:.2f}")  # fmt: skip
     Console(stderr=True, width=150).print(table)
     params, _ = weight_bytes(model, dtype)
