@@ -346,13 +346,11 @@ torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
             rope_and_store(r0, r1, qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), H, KV, D, at,
                            kc, vc, capacity, q.data_ptr<float>(), k.data());
         });
-        const int64_t G = H / KV, L = at.L;
-        const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(G * L * D / 8, 1));
-        at::parallel_for(0, B * T * KV, grain, [&](int64_t i0, int64_t i1) {
-            std::vector<float> scores(std::min<int64_t>(G, 4) * (L + 8));
-            attend_cache_items<E>(i0, i1, q.data_ptr<float>(), H, KV, G, D, at, kc, vc, capacity, scores.data(),
-                                  out.data_ptr<float>());
-        });
+        const int64_t slot_stride = KV * capacity * D;
+        attend_all<E>(q.data_ptr<float>(), B, T, H, KV, D, at.L, at.lists.data_ptr<int32_t>(), at.counts,
+                      [&](int64_t b) -> const E* { return kc + at.slots[b] * slot_stride; },
+                      [&](int64_t b) -> const E* { return vc + at.slots[b] * slot_stride; }, capacity * D,
+                      capacity * D, out.data_ptr<float>());
     });
     return out;
 }
