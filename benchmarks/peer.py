@@ -8,7 +8,8 @@ fed our chat prompt's token ids, so both read the same prompt. Each answer is ti
 question to its last token. Prints a table per question, the medians of the time to a complete
 answer and of tok/s, and ends with one JSON line: `plain_vs_llamacpp`, `eagle_vs_llamacpp`,
 `specsot_vs_llamacpp` and `specsot_vs_llamacpp_sot_routed` (median over questions of llama.cpp's
-seconds over ours: above 1 is faster than llama.cpp), tok/s per engine, and the CPU flags seen.
+seconds over ours: above 1 is faster than llama.cpp), tok/s per engine, the CPU flags seen, and
+`ways`: how the EAGLE and SpecSoT steps speculated (steps per way; recent ms per token by batch size).
 
     python benchmarks/peer.py [--limit 16] [--per-category 2] [--max-tokens 256] [--threads 2]
 """
@@ -161,6 +162,14 @@ def main(argv=None) -> dict:
         vs_routed = str(result.get(f"specsot_vs_{ref}_sot_routed")) if engine == "specsot" else "-"
         summary.add_row(engine, f"{secs:.2f}", f"{rate:.1f}", vs, vs_routed)
     out.print(summary)
+    # How the EAGLE and SpecSoT steps speculated (their generator's SpeedChooser): steps per way, and
+    # each way's recent ms per decided token by batch size.
+    chooser = eagle.chooser
+    result["ways"] = {"steps": dict(chooser.counts), "ms_per_token": {
+        size: {w: None if v is None else round(v * 1e3, 2) for w, v in chooser.seconds_per_token(size).items()}
+        for size in sorted(chooser.by_size)}}  # fmt: skip
+    out.print(f"ways the EAGLE and SpecSoT steps took: {result['ways']['steps']}; recent ms per token at 1 sequence: "
+              f"{result['ways']['ms_per_token'].get(1)}")  # fmt: skip
     result.update(questions=len(rows), sot_routed=len(routed), cpu=cpu_name(), cpu_flags=flags, threads=args.threads,
                   dtype=args.dtype, max_tokens=args.max_tokens, repeat_stop=args.repeat_stop, draft=draft_path.name,
                   per_question=[{"question": r["question"], **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]}

@@ -334,15 +334,16 @@ class Generator:
         self.model = model
         self.tokenizer = tokenizer
         self.cache = model.new_cache(num_slots, max_len)
-        self.draft, self.tree, self.draft_cache = draft, tree, None
+        self.draft, self.tree, self.draft_cache, self.chooser = draft, tree, None, None
         if draft is not None:
-            from specsot_mq.speculative import TreeParams
+            from specsot_mq.speculative import SpeedChooser, TreeParams
 
             self.tree = tree or TreeParams()
+            # how greedy EAGLE steps speculate, learned across all this generator's decoders
+            self.chooser = SpeedChooser.for_tree(self.tree, greedy=True)
             # Tree entries go past the sequence while drafting: room for one full tree more.
             room = (self.tree.depth + 1) * (self.tree.topk + 1)
             self.draft_cache = draft.new_cache(num_slots, max_len + room)
-        self._chooser = None  # how greedy EAGLE steps speculate, learned across decoders (SpeedChooser)
         self.prefixes = PrefixStore(prefix_cache_mb << 20)  # prompt beginnings computed once, see keep_prefix
         self._model_thread: ThreadPoolExecutor | None = None  # the async APIs' steps run here (on_model_thread)
         eos = set(model.cfg.eos_token_ids)
@@ -374,12 +375,9 @@ class Generator:
         sampler = Sampler(params, self.model.device)
         if self.draft is None:
             return PlainDecoder(self.model, self.cache, sampler, layout, self.tree.lookup if self.tree else 0)
-        from specsot_mq.speculative import EagleDecoder, SpeedChooser
+        from specsot_mq.speculative import EagleDecoder
 
-        chooser = None
-        if params.greedy:
-            self._chooser = self._chooser or SpeedChooser.for_tree(self.tree, True)
-            chooser = self._chooser
+        chooser = self.chooser if params.greedy else None  # sampling: the decoder's own (the tree every step)
         return EagleDecoder(self.model, self.draft, self.cache, sampler, self.tree, self.draft_cache, layout, chooser)
 
     def keep_prefix(self, ids: list[int]) -> None:

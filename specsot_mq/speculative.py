@@ -120,7 +120,7 @@ class SpeedChooser:
     def __init__(self, ways: list[str]):
         self.ways = ways
         self.by_size: dict[int, dict] = {}  # batch size -> what it measured and when it tries each way
-        self.counts = dict.fromkeys(ways, 0)  # steps each way ran (benchmarks show them)
+        self.counts = dict.fromkeys(ways, 0)  # steps each way ran (benchmarks/peer.py shows them)
 
     def _at(self, size: int) -> dict:
         if size not in self.by_size:
@@ -145,8 +145,13 @@ class SpeedChooser:
         return at["queue"].pop(0) if at["queue"] else best
 
     def best(self, size: int = 1) -> str:
+        rates = self.seconds_per_token(size)
+        return min(self.ways, key=lambda w: rates[w] if rates[w] is not None else 0.0)  # an untried way first
+
+    def seconds_per_token(self, size: int = 1) -> dict[str, float | None]:
+        """Each way's recent seconds per decided token at a batch size (None: not tried yet)."""
         at = self._at(size)
-        return min(self.ways, key=lambda w: at["seconds"][w] / at["tokens"][w] if at["tokens"][w] else 0.0)
+        return {w: at["seconds"][w] / at["tokens"][w] if at["tokens"][w] else None for w in self.ways}
 
     def record(self, way: str, seconds: float, tokens: int, size: int = 1) -> None:
         at = self._at(size)
