@@ -21,7 +21,7 @@ from torch import nn
 
 from specsot_mq.config import ModelConfig
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.quant import Blocks, QEmbedding, QLinear, linear_forward, native
+from specsot_mq.quant import GROUP, Blocks, QEmbedding, QLinear, linear_forward, native
 
 
 class Linear(nn.Linear):
@@ -102,7 +102,7 @@ class DecoderLayer(nn.Module):
         linears = (self.qkv, self.o, self.gate_up, self.down)
         kernel = native()
         if kernel is None or self.q_norm is not None or self.cfg.head_dim % 8 or not all(
-            isinstance(m, QLinear) and m.packed is not None and m.bias is None and m.out_features % 8 == 0 for m in linears
+            isinstance(m, QLinear) and m.packed is not None and m.bias is None and m.out_features % GROUP == 0 for m in linears
         ):
             return None
         qkv, o, gate_up, down = ((m.packed, int(m.kind[1]), m.out_features) for m in linears)

@@ -28,8 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 BLOCK = 32
-GROUP = 8  # output columns interleaved per packed group
-BLOCK_BYTES = {"q4": 160, "q8": 272}  # per group of 8 columns and block of 32 inputs
+LANES = 8  # output columns interleaved in one vector of the kernels (a half of a group)
+GROUP = 16  # output columns per packed group: two halves of LANES, side by side in each block
+HALF_BYTES = {"q4": 160, "q8": 272}  # per half group and block of 32 inputs
+BLOCK_BYTES = {kind: 2 * n for kind, n in HALF_BYTES.items()}  # per group and block of 32 inputs
 KINDS = {"int4": "q4", "int8": "q8"}  # --quantize names
 
 
@@ -121,39 +123,44 @@ def from_ggml(raw: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> Blocks
 
 
 def pack(blocks: Blocks) -> torch.Tensor:
-    """The kernel layout (see kernels/qgemm_body.h): rows padded to a multiple of 8, then per group
-    of 8 rows and block of 32 inputs the values interleaved 4 inputs per row, then d (and m)."""
+    """The kernel layout (see kernels/qgemm_body.h): rows padded to a multiple of 16, then per group
+    of 16 rows and block of 32 inputs two halves of 8 rows, each with its values interleaved 4
+    inputs per row, then its d (and m). A group's blocks follow each other, so a tile of 16
+    columns reads one sequential stream."""
     n, k = blocks.shape
     pad = -n % GROUP
-    g, nb = (n + pad) // GROUP, k // BLOCK
+    h, nb = (n + pad) // LANES, k // BLOCK  # halves
     arrays = [x.numpy() for x in (blocks.q, blocks.d, blocks.m) if x is not None]
     q, *scales = [np.pad(a, ((0, pad), (0, 0))) for a in arrays] if pad else arrays
-    out = np.empty((g, nb, BLOCK_BYTES[blocks.kind]), dtype=np.uint8)
+    out = np.empty((h, nb, HALF_BYTES[blocks.kind]), dtype=np.uint8)
     if blocks.kind == "q4":
         # input 16h + 4v + j of row c -> byte (v, c, j), low nibble for h = 0, high for h = 1
-        v = q.reshape(g, GROUP, nb, 2, 4, 4).transpose(0, 2, 3, 4, 1, 5)
-        np.bitwise_or(v[:, :, 0], v[:, :, 1] << 4, out=out[..., :128].reshape(g, nb, 4, GROUP, 4))
+        v = q.reshape(h, LANES, nb, 2, 4, 4).transpose(0, 2, 3, 4, 1, 5)
+        np.bitwise_or(v[:, :, 0], v[:, :, 1] << 4, out=out[..., :128].reshape(h, nb, 4, LANES, 4))
     else:
-        out[..., :256].reshape(g, nb, 8, GROUP, 4)[:] = q.view(np.uint8).reshape(g, GROUP, nb, 8, 4).transpose(0, 2, 3, 1, 4)
-    at = out.shape[-1] - 2 * GROUP * len(scales)
+        out[..., :256].reshape(h, nb, 8, LANES, 4)[:] = q.view(np.uint8).reshape(h, LANES, nb, 8, 4).transpose(0, 2, 3, 1, 4)
+    at = out.shape[-1] - 2 * LANES * len(scales)
     for x in scales:
-        out[..., at : at + 2 * GROUP].view(np.float16)[:] = x.reshape(g, GROUP, nb).transpose(0, 2, 1)
-        at += 2 * GROUP
-    return torch.from_numpy(out)
+        out[..., at : at + 2 * LANES].view(np.float16)[:] = x.reshape(h, LANES, nb).transpose(0, 2, 1)
+        at += 2 * LANES
+    # [half, block, bytes] -> [group, block, (its two halves) bytes]
+    out = out.reshape(h // 2, 2, nb, -1).transpose(0, 2, 1, 3).reshape(h // 2, nb, -1)
+    return torch.from_numpy(np.ascontiguousarray(out))
 
 
 def unpack(packed: torch.Tensor, kind: str, index: torch.Tensor, k: int) -> Blocks:
     """Rows `index` [T] of a packed matrix with k inputs, as Blocks (exactly what was packed)."""
     nb = k // BLOCK
-    rows = packed[index // GROUP]  # [T, nb, bytes]: the groups holding the rows
-    t, col = torch.arange(len(index), device=packed.device), index % GROUP
+    halves = packed.view(packed.shape[0], nb, 2, HALF_BYTES[kind])
+    rows = halves[index // GROUP, :, (index % GROUP) // LANES]  # [T, nb, bytes]: the halves holding the rows
+    t, col = torch.arange(len(index), device=packed.device), index % LANES
     if kind == "q4":
-        v = rows[..., :128].reshape(-1, nb, 4, GROUP, 4)[t, :, :, col]  # [T, nb, 4(v), 4(j)]
+        v = rows[..., :128].reshape(-1, nb, 4, LANES, 4)[t, :, :, col]  # [T, nb, 4(v), 4(j)]
         q = torch.stack([v & 0x0F, v >> 4], dim=2).reshape(-1, k)  # input 16h + 4v + j
-        dm = rows[..., 128:].contiguous().view(torch.float16).view(-1, nb, 2, GROUP)[t, :, :, col]
+        dm = rows[..., 128:].contiguous().view(torch.float16).view(-1, nb, 2, LANES)[t, :, :, col]
         return Blocks("q4", q, dm[..., 0], dm[..., 1])
-    q = rows[..., :256].contiguous().view(torch.int8).view(-1, nb, 8, GROUP, 4)[t, :, :, col]
-    d = rows[..., 256:].contiguous().view(torch.float16).view(-1, nb, GROUP)[t, :, col]
+    q = rows[..., :256].contiguous().view(torch.int8).view(-1, nb, 8, LANES, 4)[t, :, :, col]
+    d = rows[..., 256:].contiguous().view(torch.float16).view(-1, nb, LANES)[t, :, col]
     return Blocks("q8", q.reshape(-1, k), d)
 
 

@@ -1,11 +1,13 @@
 // Quantized matrix-vector / small-GEMM kernel body, compiled once per instruction set: the file
 // that includes it sets `#pragma GCC target(...)`, `SPECSOT_VNNI` and the namespace.
 //
-// Weights are packed by groups of 8 output columns (see specsot_mq/quant.py, `pack`): for each
-// group and each block of 32 inputs, the 8 columns' values are interleaved 4 inputs at a time, so
-// one 32-bit lane of a vector holds 4 consecutive inputs of one column and a u8 x s8 dot product
-// of 4 bytes (dpbusd, or maddubs + madd on AVX2) yields each column's partial sum in its own lane:
-// no horizontal sums. Activations arrive quantized to int8 per block of 32 with a float scale.
+// Weights are packed by groups of 16 output columns (see specsot_mq/quant.py, `pack`): for each
+// group and each block of 32 inputs, two halves of 8 columns, each with its columns' values
+// interleaved 4 inputs at a time, so one 32-bit lane of a vector holds 4 consecutive inputs of one
+// column and a u8 x s8 dot product of 4 bytes (dpbusd, or maddubs + madd on AVX2) yields each
+// column's partial sum in its own lane: no horizontal sums. A group's blocks follow each other in
+// memory (one sequential stream). Activations arrive quantized to int8 per block of 32 with a
+// float scale.
 //
 // Every output element is computed by one thread, over the blocks in order, with exact integer
 // partial sums: its value does not depend on how many rows or threads ran, so a k-row verify
@@ -16,30 +18,10 @@
 
 namespace SPECSOT_ISA {
 
-static inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
-#if SPECSOT_VNNI
-    return _mm256_dpbusd_epi32(acc, u8, s8);
-#else
-    const __m256i ones = _mm256_set1_epi16(1);
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), ones));
-#endif
-}
-
-// A 4-bit block's dot products of one row, in two chains (low and high nibbles) joined at the
-// end into int32 lanes of 4 inputs each, as dot4 gives them. VNNI: dpbusd into int32 lanes.
-// AVX2: maddubs' u8 x s8 pair sums stay in int16 lanes for the whole block (a nibble <= 15 times
-// |x| <= 127, 2 per lane, 8 times: at most 30480, exact), one madd widens them: a third fewer
-// instructions than widening every product. The sums are exact integers either way.
-#if SPECSOT_VNNI
-static inline __m256i q4_dot(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
-static inline __m256i q4_join(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
-#else
-static inline __m256i q4_dot(__m256i acc, __m256i u8, __m256i s8) {
-    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u8, s8));
-}
-static inline __m256i q4_join(__m256i a, __m256i b) {
-    return _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1));
-}
+// Keeps the compiler from reassociating a chain of integer sums (which it may: they are exact) into
+// a tree whose partial sums spill out of the registers: each sum stays where the code puts it.
+#ifndef SPECSOT_PIN
+#define SPECSOT_PIN(v) asm("" : "+v"(v))
 #endif
 
 static inline __m256i bcast4(const int8_t* p) {
@@ -48,98 +30,187 @@ static inline __m256i bcast4(const int8_t* p) {
     return _mm256_set1_epi32(v);
 }
 
-static inline void store_row(float* out, __m256 acc) { _mm256_storeu_ps(out, acc); }
+static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+static inline __m256 load_half8(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// A tile: R rows (R <= 4) by one group (its two halves of 8 columns, G = 2), over every block of
+// the inputs. Each activation broadcast serves both halves and each unpacked weight vector the R
+// rows, which keeps the loads and shuffles per multiply-add low enough for the multiply units to be
+// the limit.
+constexpr int G = 2;
 
 // 4-bit weights, unsigned nibbles with a scale d and an offset m per (column, block):
-// w = d * q + m. Block layout: 4 vectors of 32 bytes (low nibbles: inputs 4v..4v+3, high nibbles:
-// inputs 16+4v..16+4v+3, per column lane), then 8 fp16 d, then 8 fp16 m: 160 bytes.
+// w = d * q + m. A half's block: 4 vectors of 32 bytes (low nibbles: inputs 4v..4v+3, high
+// nibbles: inputs 16+4v..16+4v+3, per column lane), then 8 fp16 d, then 8 fp16 m: 160 bytes. A
+// row's block sums are exact integers: VNNI's dpbusd into int32 lanes; on AVX2, maddubs' u8 x s8
+// pair sums added in int16 lanes for the whole block (a nibble <= 15 times |x| <= 127, 2 per
+// lane, 8 times: at most 30480), widened once by madd.
 template <int R>
 static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
                            const float* const* xs, float* const* out) {
+    constexpr int half = 160;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nblocks; ++b, w += 160) {
-        __m256i isum[R], isum_hi[R];  // the two chains of q4_dot
-        for (int r = 0; r < R; ++r) isum[r] = isum_hi[r] = _mm256_setzero_si256();
+    __m256 acc[R][G];
+    for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+    for (int b = 0; b < nblocks; ++b, w += G * half) {
+        __m256i isum[R][G];
+        for (int r = 0; r < R; ++r)
+            for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
         for (int v = 0; v < 4; ++v) {
-            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * v));
-            const __m256i lo = _mm256_and_si256(packed, low);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+            __m256i lo[G], hi[G];
+            for (int g = 0; g < G; ++g) {
+                const __m256i packed = load32(w + g * half + 32 * v);
+                lo[g] = _mm256_and_si256(packed, low);
+                hi[g] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+            }
             for (int r = 0; r < R; ++r) {
                 const int8_t* x = xq[r] + 32 * b + 4 * v;
-                isum[r] = q4_dot(isum[r], lo, bcast4(x));
-                isum_hi[r] = q4_dot(isum_hi[r], hi, bcast4(x + 16));
+                const __m256i x_lo = bcast4(x), x_hi = bcast4(x + 16);
+                for (int g = 0; g < G; ++g) {
+#if SPECSOT_VNNI
+                    isum[r][g] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum[r][g], lo[g], x_lo), hi[g], x_hi);
+#else
+                    isum[r][g] = _mm256_add_epi16(isum[r][g], _mm256_maddubs_epi16(lo[g], x_lo));
+                    isum[r][g] = _mm256_add_epi16(isum[r][g], _mm256_maddubs_epi16(hi[g], x_hi));
+#endif
+                    SPECSOT_PIN(isum[r][g]);
+                }
             }
         }
-        for (int r = 0; r < R; ++r) isum[r] = q4_join(isum[r], isum_hi[r]);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 128)));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 144)));
-        for (int r = 0; r < R; ++r) {
-            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
-            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r][b]), acc[r]);
+        for (int g = 0; g < G; ++g) {
+            const __m256 d = load_half8(w + g * half + 128), m = load_half8(w + g * half + 144);
+            for (int r = 0; r < R; ++r) {
+#if !SPECSOT_VNNI
+                isum[r][g] = _mm256_madd_epi16(isum[r][g], _mm256_set1_epi16(1));
+#endif
+                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
+                acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g]), scale, acc[r][g]);
+                acc[r][g] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r][b]), acc[r][g]);
+            }
         }
     }
-    for (int r = 0; r < R; ++r) store_row(out[r], acc[r]);
+    for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) _mm256_storeu_ps(out[r] + 8 * g, acc[r][g]);
 }
 
-// 8-bit signed weights with a scale d per (column, block): w = d * q. Block layout: 8 vectors of
-// 32 bytes (inputs 4g..4g+3 per column lane), then 8 fp16 d: 272 bytes. The u8 x s8 product takes
-// |w| and x with w's sign (llama.cpp's trick), which keeps maddubs' int16 pairs from saturating.
+// 8-bit signed weights with a scale d per (column, block): w = d * q. A half's block: 8 vectors of
+// 32 bytes (inputs 4v..4v+3 per column lane), then 8 fp16 d: 272 bytes. VNNI: dpbusd takes x + 128
+// (x's sign bit flipped) as its unsigned side, and 128 * sum(q) per column (one more dpbusd per
+// weight vector, shared by the rows) comes off at the end of the block. AVX2: maddubs takes |q| and
+// x with q's sign (llama.cpp's trick), which keeps its int16 pairs from saturating; madd widens
+// each. The sums are exact integers either way.
 template <int R>
 static inline void q8_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
                            const float* const*, float* const* out) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nblocks; ++b, w += 272) {
-        __m256i isum[R];
-        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-        for (int g = 0; g < 8; ++g) {
-            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g));
-            const __m256i mag = _mm256_abs_epi8(q);
-            for (int r = 0; r < R; ++r) isum[r] = dot4(isum[r], mag, _mm256_sign_epi8(bcast4(xq[r] + 32 * b + 4 * g), q));
+    constexpr int half = 272;
+    __m256 acc[R][G];
+    for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+    for (int b = 0; b < nblocks; ++b, w += G * half) {
+        __m256i isum[R][G];
+        for (int r = 0; r < R; ++r)
+            for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
+#if SPECSOT_VNNI
+        const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+        __m256i offset[G];  // 128 * sum(q), per column
+        for (int g = 0; g < G; ++g) offset[g] = _mm256_setzero_si256();
+#endif
+        for (int v = 0; v < 8; ++v) {
+            __m256i q[G];
+            for (int g = 0; g < G; ++g) {
+                q[g] = load32(w + g * half + 32 * v);
+#if SPECSOT_VNNI
+                offset[g] = _mm256_dpbusd_epi32(offset[g], flip, q[g]);
+#endif
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m256i x = bcast4(xq[r] + 32 * b + 4 * v);
+#if SPECSOT_VNNI
+                const __m256i xu = _mm256_xor_si256(x, flip);
+#endif
+                for (int g = 0; g < G; ++g) {
+#if SPECSOT_VNNI
+                    isum[r][g] = _mm256_dpbusd_epi32(isum[r][g], xu, q[g]);
+#else
+                    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q[g]), _mm256_sign_epi8(x, q[g]));
+                    isum[r][g] = _mm256_add_epi32(isum[r][g], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+                    SPECSOT_PIN(isum[r][g]);
+                }
+            }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 256)));
-        for (int r = 0; r < R; ++r) {
-            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+        for (int g = 0; g < G; ++g) {
+            const __m256 d = load_half8(w + g * half + 256);
+            for (int r = 0; r < R; ++r) {
+#if SPECSOT_VNNI
+                isum[r][g] = _mm256_sub_epi32(isum[r][g], offset[g]);
+#endif
+                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
+                acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g]), scale, acc[r][g]);
+            }
         }
     }
-    for (int r = 0; r < R; ++r) store_row(out[r], acc[r]);
+    for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) _mm256_storeu_ps(out[r] + 8 * g, acc[r][g]);
 }
 
-// out[m, 8g .. 8g+8] for column groups g in [g0, g1) and every row m < M. Rows go 4 at a time
-// (the weights of one group stay in L1 across row tiles).
-#define SPECSOT_TILE_FN(NAME, TILE)                                                                  \
-    void NAME(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t g0, int64_t g1,        \
-              const int8_t* xq, const float* xd, const float* xs, int64_t M, float* out, int64_t N) { \
-        const int64_t K = 32 * nblocks;                                                              \
-        for (int64_t g = g0; g < g1; ++g) {                                                          \
-            const uint8_t* wg = w + g * nblocks * block_bytes;                                       \
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                  \
-                const int rows = static_cast<int>(M - m0 < 4 ? M - m0 : 4);                          \
-                const int8_t* xr[4];                                                                 \
-                const float *dr[4], *sr[4];                                                          \
-                float* orow[4];                                                                      \
-                for (int r = 0; r < rows; ++r) {                                                     \
-                    xr[r] = xq + (m0 + r) * K;                                                       \
-                    dr[r] = xd + (m0 + r) * nblocks;                                                 \
-                    sr[r] = xs + (m0 + r) * nblocks;                                                 \
-                    orow[r] = out + (m0 + r) * N + 8 * g;                                            \
-                }                                                                                    \
-                switch (rows) {                                                                      \
-                    case 4: TILE<4>(wg, nblocks, xr, dr, sr, orow); break;                           \
-                    case 3: TILE<3>(wg, nblocks, xr, dr, sr, orow); break;                           \
-                    case 2: TILE<2>(wg, nblocks, xr, dr, sr, orow); break;                           \
-                    default: TILE<1>(wg, nblocks, xr, dr, sr, orow); break;                          \
-                }                                                                                    \
-            }                                                                                        \
-        }                                                                                            \
+template <int R>
+struct Q4 {
+    static void run(const uint8_t* w, int nb, const int8_t* const* xq, const float* const* xd, const float* const* xs,
+                    float* const* out) {
+        q4_tile<R>(w, nb, xq, xd, xs, out);
     }
+};
+template <int R>
+struct Q8 {
+    static void run(const uint8_t* w, int nb, const int8_t* const* xq, const float* const* xd, const float* const* xs,
+                    float* const* out) {
+        q8_tile<R>(w, nb, xq, xd, xs, out);
+    }
+};
 
-SPECSOT_TILE_FN(gemm_q4, q4_tile)
-SPECSOT_TILE_FN(gemm_q8, q8_tile)
+// out[m, 16g .. 16g+16] for column groups g in [g0, g1) and every row m < M, rows four at a time
+// (a group's weights stay in L1 across its row tiles).
+template <template <int> class Tile>
+static void gemm(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t g0, int64_t g1, const int8_t* xq,
+                 const float* xd, const float* xs, int64_t M, float* out, int64_t N) {
+    const int64_t K = 32 * nblocks;
+    for (int64_t g = g0; g < g1; ++g) {
+        const uint8_t* wg = w + g * nblocks * block_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int rows = static_cast<int>(M - m0 < 4 ? M - m0 : 4);
+            const int8_t* xr[4];
+            const float *dr[4], *sr[4];
+            float* orow[4];
+            for (int r = 0; r < rows; ++r) {
+                xr[r] = xq + (m0 + r) * K;
+                dr[r] = xd + (m0 + r) * nblocks;
+                sr[r] = xs + (m0 + r) * nblocks;
+                orow[r] = out + (m0 + r) * N + 16 * g;
+            }
+            const int nb = static_cast<int>(nblocks);
+            switch (rows) {
+                case 4: Tile<4>::run(wg, nb, xr, dr, sr, orow); break;
+                case 3: Tile<3>::run(wg, nb, xr, dr, sr, orow); break;
+                case 2: Tile<2>::run(wg, nb, xr, dr, sr, orow); break;
+                default: Tile<1>::run(wg, nb, xr, dr, sr, orow); break;
+            }
+        }
+    }
+}
+
+void gemm_q4(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t g0, int64_t g1, const int8_t* xq,
+             const float* xd, const float* xs, int64_t M, float* out, int64_t N) {
+    gemm<Q4>(w, block_bytes, nblocks, g0, g1, xq, xd, xs, M, out, N);
+}
+
+void gemm_q8(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t g0, int64_t g1, const int8_t* xq,
+             const float* xd, const float* xs, int64_t M, float* out, int64_t N) {
+    gemm<Q8>(w, block_bytes, nblocks, g0, g1, xq, xd, xs, M, out, N);
+}
 
 // exp(x) for 8 floats (Cephes' range reduction and polynomial; max relative error ~2e-7,
 // 0 for x below -87). Deterministic: the same lanes give the same bits on any call.

@@ -61,7 +61,8 @@ void quantize_rows(const float* x, int64_t stride, int64_t K, const float* norm,
         avx2::quantize_input(x + m * stride, K, norm, eps, glu, buf, q + m * K, d + m * nb, s + m * nb);
 }
 
-// A packed quantized weight (format 4 or 8, N output columns, K inputs), as quant.pack lays it out.
+// A packed quantized weight (format 4 or 8, N output columns, K inputs), as quant.pack lays it out:
+// groups of 16 columns.
 struct Packed {
     const uint8_t* w;
     int64_t N, K, block_bytes;
@@ -70,10 +71,10 @@ struct Packed {
     Packed(const torch::Tensor& t, int64_t fmt, int64_t n) : N(n) {
         TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.is_contiguous(), "qlinear wants a packed uint8 weight");
         TORCH_CHECK(fmt == 4 || fmt == 8, "qlinear format must be 4 or 8");
-        TORCH_CHECK(N % 8 == 0, "qlinear wants N a multiple of 8");
-        block_bytes = fmt == 4 ? 160 : 272;
-        TORCH_CHECK(t.numel() % ((N / 8) * block_bytes) == 0, "qlinear weight size does not match N");
-        K = 32 * (t.numel() / ((N / 8) * block_bytes));
+        TORCH_CHECK(N % 16 == 0, "qlinear wants N a multiple of 16");
+        block_bytes = fmt == 4 ? 320 : 544;
+        TORCH_CHECK(t.numel() % ((N / 16) * block_bytes) == 0, "qlinear weight size does not match N");
+        K = 32 * (t.numel() / ((N / 16) * block_bytes));
         w = t.data_ptr<uint8_t>();
         const bool vnni = cpu_has_vnni();
         fn = fmt == 4 ? (vnni ? vnni::gemm_q4 : avx2::gemm_q4) : (vnni ? vnni::gemm_q8 : avx2::gemm_q8);
@@ -87,7 +88,7 @@ struct Packed {
         fn(w, block_bytes, K / 32, g0, g1, q, d, s, M, out, N);
         if (residual != nullptr)
             for (int64_t m = 0; m < M; ++m)
-                for (int64_t c = 8 * g0; c < 8 * g1; ++c) out[m * N + c] += residual[m * N + c];
+                for (int64_t c = 16 * g0; c < 16 * g1; ++c) out[m * N + c] += residual[m * N + c];
     }
 };
 
@@ -113,7 +114,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N,
     const int64_t M = x.size(0), stride = x.size(1), K = glu ? stride / 2 : stride;
     TORCH_CHECK(K % 32 == 0, "qlinear wants K a multiple of 32");
     TORCH_CHECK(K == lin.K, "qlinear weight size does not match N and K");
-    const int64_t nblocks = K / 32, groups = N / 8;
+    const int64_t nblocks = K / 32, groups = N / 16;
     torch::Tensor nw;
     if (norm_weight.has_value()) {
         nw = norm_weight->to(torch::kFloat32).contiguous();
@@ -137,7 +138,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N,
     torch::Tensor out = torch::empty({M, N}, torch::kFloat32);
     // A chunk of column groups worth at least ~2k block dot products, so small matrices stay on
     // one thread instead of paying for a parallel region.
-    const int64_t grain = std::max<int64_t>(1, 2048 / (nblocks * M));
+    const int64_t grain = std::max<int64_t>(1, 1024 / (nblocks * M));
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
         lin.groups(g0, g1, qp, dp, sp, M, out.data_ptr<float>(), residual.has_value() ? res.data_ptr<float>() : nullptr);
     });
@@ -459,7 +460,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
                 if (!own) {
 #pragma omp barrier
                 }
-                const auto [g0, g1] = share(lin.N / 8);
+                const auto [g0, g1] = share(lin.N / 16);
                 lin.groups(g0, g1, q8, qd, qs, M, out, residual);
 #pragma omp barrier
             };
