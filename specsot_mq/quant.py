@@ -266,7 +266,7 @@ class QLinear(nn.Module):
         """Float32 weight rows at `index` (an embedding lookup of a tied output layer)."""
         if self.packed is None:
             return self.weight[index].float()
-        rows = unpack(self.packed, self.kind, index.reshape(-1), self.in_features).dequantize()
+        rows = self.kernel.dequantize_rows(self.packed, int(self.kind[1]), self.in_features, index.reshape(-1))
         return rows.view(*index.shape, self.in_features)
 
     def dequantized(self) -> torch.Tensor:

@@ -162,11 +162,13 @@ def test_both_instruction_sets_compute_the_same_bits(monkeypatch, kind):
     assert torch.equal(layer(x), vnni)
 
 
-def test_select_and_rows_keep_the_exact_values(isa):
-    blocks = quant.quantize(torch.randn(50, 64), "q4")
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_select_and_rows_keep_the_exact_values(isa, kind):
+    blocks = quant.quantize(torch.randn(50, 64), kind)
     layer = QLinear(blocks, bias=None)
     index = torch.tensor([49, 0, 7, 8, 31])
     assert torch.equal(layer.rows(index), blocks.dequantize()[index])
+    assert torch.equal(layer.rows(index.view(1, 5)), blocks.dequantize()[index].view(1, 5, 64))  # an embedding's [B, T]
     picked = layer.select(index)
     x = torch.randn(3, 64)
     assert torch.equal(picked(x), layer(x)[:, index])

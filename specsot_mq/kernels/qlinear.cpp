@@ -100,6 +100,29 @@ std::pair<int64_t, int64_t> share(int64_t n) {
     return {first, first + per + (t < extra ? 1 : 0)};
 }
 
+// This thread's share [first, last) of n items split over the team (inside a parallel region) so
+// that each share's total cost (cost(i) of item i) is about even: attention items cost as many keys
+// as their row sees, and in a prefill later rows see more.
+template <class Cost>
+std::pair<int64_t, int64_t> share_by_cost(int64_t n, Cost cost) {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    if (threads == 1) return {0, n};
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) total += cost(i);
+    // item i goes to the thread whose slice of the total holds the middle of its cost
+    int64_t first = n, last = n, before = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t owner = std::min(threads - 1, (2 * before + cost(i)) * threads / std::max<int64_t>(2 * total, 1));
+        if (owner == t && first == n) first = i;
+        if (owner > t) {
+            last = i;
+            break;
+        }
+        before += cost(i);
+    }
+    return {std::min(first, last), last};
+}
+
 }  // namespace
 
 // y = f(x) W^T (+ residual): x float32 [M, K] (K a multiple of 32; [M, 2K] with glu), w the packed
@@ -142,6 +165,49 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N,
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
         lin.groups(g0, g1, qp, dp, sp, M, out.data_ptr<float>(), residual.has_value() ? res.data_ptr<float>() : nullptr);
     });
+    return out;
+}
+
+// Rows `index` [T] of a packed weight of format 4 or 8 with K inputs, dequantized to float32 [T, K]:
+// q * d (+ m), one rounding after each step, as quant.Blocks.dequantize computes them (an embedding
+// lookup of a tied output layer).
+torch::Tensor dequantize_rows(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor index) {
+    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "dequantize_rows wants a packed uint8 weight");
+    TORCH_CHECK((fmt == 4 || fmt == 8) && K % 32 == 0, "dequantize_rows wants format 4 or 8 and K a multiple of 32");
+    const int64_t half = fmt == 4 ? 160 : 272, nb = K / 32, N = w.numel() / (2 * half * nb) * 16;
+    const auto rows = index.to(torch::kInt64).contiguous();
+    const int64_t T = rows.numel();
+    auto out = torch::empty({T, K}, torch::kFloat32);
+    const int64_t* ids = rows.data_ptr<int64_t>();
+    const uint8_t* base = w.data_ptr<uint8_t>();
+    auto half_float = [](const uint8_t* p) {
+        uint16_t bits;
+        std::memcpy(&bits, p, 2);
+        return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+    };
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t i = ids[t];
+        TORCH_CHECK(i >= 0 && i < N, "dequantize_rows: row index out of range");
+        const int64_t c = i % 8;
+        float* y = out.data_ptr<float>() + t * K;
+        for (int64_t b = 0; b < nb; ++b, y += 32) {
+            const uint8_t* blk = base + ((i / 16) * nb + b) * 2 * half + ((i % 16) / 8) * half;
+            if (fmt == 4) {
+                const float d = half_float(blk + 128 + 2 * c), m = half_float(blk + 144 + 2 * c);
+                for (int v = 0; v < 4; ++v)
+                    for (int j = 0; j < 4; ++j) {
+                        const uint8_t byte = blk[32 * v + 4 * c + j];
+                        float lo = static_cast<float>(byte & 0x0F) * d, hi = static_cast<float>(byte >> 4) * d;
+                        y[4 * v + j] = lo + m;
+                        y[16 + 4 * v + j] = hi + m;
+                    }
+            } else {
+                const float d = half_float(blk + 256 + 2 * c);
+                for (int v = 0; v < 8; ++v)
+                    for (int j = 0; j < 4; ++j) y[4 * v + j] = static_cast<float>(static_cast<int8_t>(blk[32 * v + 4 * c + j])) * d;
+            }
+        }
+    }
     return out;
 }
 
@@ -194,13 +260,16 @@ template <class E, class KeyBase, class ValueBase>
 void attend_all(const float* q, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D, int64_t L,
                 const int32_t* lists, const std::vector<int64_t>& counts, KeyBase key_base, ValueBase value_base,
                 int64_t kstride, int64_t vstride, float* out) {
-    const int64_t G = H / KV;
-    const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(G * L * D / 8, 1));
-    at::parallel_for(0, B * T * KV, grain, [&](int64_t i0, int64_t i1) {
+    const int64_t G = H / KV, items = B * T * KV;
+    // one thread for a small job (a parallel region costs more than it saves)
+    const int64_t threads = items * L * G * D < (1 << 16) ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+    {
         std::vector<float> scores(std::min<int64_t>(G, 4) * (L + 8));
+        const auto [i0, i1] = share_by_cost(items, [&](int64_t i) { return counts[i / KV] + 1; });
         attend_items<E>(i0, i1, q, T, H, KV, G, D, L, lists, counts.data(), key_base, value_base, kstride, vstride,
                         scores.data(), out);
-    });
+    }
 }
 
 // run(E{}) with E the element type of the cache tensor t: float for float32, uint16_t (its bits)
@@ -477,7 +546,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
                 }
 #pragma omp barrier
                 {
-                    const auto [i0, i1] = share(M * H / heads_per_item);
+                    const int64_t per_row = H / heads_per_item;
+                    const auto [i0, i1] = share_by_cost(M * per_row, [&](int64_t i) { return at.counts[i / per_row] + 1; });
                     attend_cache_items<E>(i0, i1, q, H, KV, heads_per_item, D, at, kc, vc, capacity, scores.data(), att);
                 }
 #pragma omp barrier
@@ -498,6 +568,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("qlinear", &qlinear, "quantized linear: float32 [M, K] x packed weight -> float32 [M, N]",
           py::arg("x"), py::arg("w"), py::arg("fmt"), py::arg("n"), py::arg("norm_weight") = py::none(),
           py::arg("eps") = 0.0, py::arg("glu") = false, py::arg("residual") = py::none());
+    m.def("dequantize_rows", &dequantize_rows, "rows of a packed weight, dequantized to float32");
     m.def("attention", &attention, "grouped-query attention, each query row's sums in cache order");
     m.def("attend_cached", &attend_cached, "rope, KV-cache write and attention of one decoder layer");
     py::class_<Layer, std::shared_ptr<Layer>>(m, "Layer", "a decoder layer's quantized weights, as decoder_layers runs them")
