@@ -172,8 +172,9 @@ def main(argv=None) -> dict:
               f"{result['ways']['ms_per_token'].get(1)}")  # fmt: skip
     result.update(questions=len(rows), sot_routed=len(routed), cpu=cpu_name(), cpu_flags=flags, threads=args.threads,
                   dtype=args.dtype, max_tokens=args.max_tokens, repeat_stop=args.repeat_stop, draft=draft_path.name,
-                  per_question=[{"question": r["question"], **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]}
-                                                                for e in engines}} for r in rows])  # fmt: skip
+                  per_question=[{"question": r["question"], "mode": r.get("specsot", (0, 0, None))[2],
+                                 **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]} for e in engines}}
+                                for r in rows])  # fmt: skip
     print(json.dumps(result), flush=True)
     return result
 
