@@ -249,10 +249,15 @@ void attend_items(int64_t i0, int64_t i1, const float* q, int64_t T, int64_t H, 
                   int64_t L, const int32_t* lists, const int64_t* counts, KeyBase key_base, ValueBase value_base,
                   int64_t kstride, int64_t vstride, float* scores, float* out) {
     const int64_t per_row = H / g, G = H / KV;
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i = i0; i < i1;) {
         const int64_t r = i / per_row, first = (i % per_row) * g, h = first / G, b = r / T;
+        // this thread's consecutive items of the same row and kv head run as one call, so each key
+        // and value row is loaded and converted once for all their heads
+        int64_t heads = g;
+        while (i + heads / g < i1 && (i + heads / g) / per_row == r && ((i + heads / g) % per_row) * g / G == h) heads += g;
         avx2::attend_group(q + (r * H + first) * D, key_base(b) + h * kstride, value_base(b) + h * vstride, D, D,
-                           lists + r * L, counts[r], g, scores, out + (r * H + first) * D);
+                           lists + r * L, counts[r], heads, scores, out + (r * H + first) * D);
+        i += heads / g;
     }
 }
 
