@@ -12,12 +12,18 @@ seconds over ours: above 1 is faster than llama.cpp), tok/s per engine, the CPU 
 `ways`: how the EAGLE and SpecSoT steps speculated (steps per way; recent ms per token by batch size).
 
     python benchmarks/peer.py [--limit 16] [--per-category 2] [--max-tokens 256] [--threads 2]
+
+Both engines name the instruction set they ran (`kernel_isa`, our kernels' path; `llamacpp_isa`,
+llama.cpp's build flags). On an AVX-512 machine, `SPECSOT_KERNEL_ISA=avx2` holds our kernels to their
+AVX2 path and `--llamacpp-lib DIR` loads another llama.cpp build's libraries, e.g. one built for AVX2
+only (benchmarks/README.md), so both run the code an AVX2-only CPU would.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,6 +40,7 @@ from sot import time_answers  # noqa: E402
 from specsot_mq.generate import Generator  # noqa: E402
 from specsot_mq.stopping import LoopWatch  # noqa: E402
 from specsot_mq.pull import DEFAULT_MODEL, download_gguf, known_model, specsot_home  # noqa: E402
+from specsot_mq.quant import native  # noqa: E402
 from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
 from specsot_mq.sot.engine import SoTEngine  # noqa: E402
 from specsot_mq.sot.flow import SoTConfig, answer_tokens  # noqa: E402
@@ -50,6 +57,13 @@ def cpu_flags() -> dict:
             break
     return {"avx2": "avx2" in flags, "avx512_bf16": "avx512_bf16" in flags, "avx512_vnni": "avx512_vnni" in flags,
             "amx": any(f.startswith("amx") for f in flags)}  # fmt: skip
+
+
+def llamacpp_isa(llama_cpp) -> str:
+    """The vector instruction sets llama.cpp was built for, from its system info ("AVX2 = 1 | ...")."""
+    info = llama_cpp.llama_print_system_info().decode()
+    names = [f.split("=")[0].strip() for f in info.replace("CPU :", "").split("|") if f.strip().endswith("= 1")]
+    return " ".join(n for n in names if n.startswith(("AVX", "AMX", "F16C", "FMA"))) or info.strip()
 
 
 def gguf_file(name: str) -> Path:
@@ -86,11 +100,18 @@ def main(argv=None) -> dict:
     p.add_argument("--max-parallel", type=int, default=8)
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--json-only", action="store_true")
+    p.add_argument("--llamacpp-lib", type=Path, default=None,
+                   help="a folder of llama.cpp libraries to load instead of the installed wheel's (LLAMA_CPP_LIB_PATH)")
     add_dtype_option(p)
     args = p.parse_args(argv)
     args.model = None
     engines = [e for e in ENGINES if e in args.engines.split(",")]
+    if args.llamacpp_lib is not None:
+        if not (args.llamacpp_lib / "libllama.so").exists():
+            sys.exit(f"--llamacpp-lib {args.llamacpp_lib}: no libllama.so there (see benchmarks/README.md to build one)")
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(args.llamacpp_lib.resolve())
     try:
+        import llama_cpp
         from llama_cpp import Llama
     except ImportError:
         sys.exit("benchmarks/peer.py needs llama-cpp-python: pip install -e '.[peer]' (builds llama.cpp, ~6 min)")
@@ -120,7 +141,10 @@ def main(argv=None) -> dict:
         return time.perf_counter() - start, answer_tokens(answer), answer.mode
 
     flags = cpu_flags()
+    kernel_isa = native().isa() if native() is not None else "none (dequantized weights)"
+    llama_isa = llamacpp_isa(llama_cpp)
     out.print(f"CPU {cpu_name()} | {' '.join(k for k, v in flags.items() if v)} | threads {args.threads} | "
+              f"our kernels {kernel_isa} | llama.cpp {llama_isa} | "
               f"ours: {args.dtype} | {len(questions)} questions ({source}) | max tokens {args.max_tokens} | "
               f"repeat stop {args.repeat_stop} | draft {draft_path.name}")  # fmt: skip
     rows = time_answers(engines, questions, run, args.json_only)
@@ -170,7 +194,8 @@ def main(argv=None) -> dict:
         for size in sorted(chooser.by_size)}}  # fmt: skip
     out.print(f"ways the EAGLE and SpecSoT steps took: {result['ways']['steps']}; recent ms per token at 1 sequence: "
               f"{result['ways']['ms_per_token'].get(1)}")  # fmt: skip
-    result.update(questions=len(rows), sot_routed=len(routed), cpu=cpu_name(), cpu_flags=flags, threads=args.threads,
+    result.update(questions=len(rows), sot_routed=len(routed), cpu=cpu_name(), cpu_flags=flags, kernel_isa=kernel_isa,
+                  llamacpp_isa=llama_isa, threads=args.threads,
                   dtype=args.dtype, max_tokens=args.max_tokens, repeat_stop=args.repeat_stop, draft=draft_path.name,
                   per_question=[{"question": r["question"], "mode": r.get("specsot", (0, 0, None))[2],
                                  **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]} for e in engines}}
