@@ -104,8 +104,8 @@ class SpeedChooser:
 
     On a CPU whose one-token step is cheap, a draft forward and each extra verify row must pay
     for themselves, and whether they do depends on the CPU, the batch and the text. So each way is
-    timed while decoding goes on (seconds per decided token, over its recent steps at that batch
-    size, older ones weighing less), and the fastest runs. Each other way is tried again (`probe`
+    timed while decoding goes on (seconds per decided token of the step's slowest sequence, over its
+    recent steps at that batch size, older ones weighing less), and the fastest runs. Each other way is tried again (`probe`
     steps) `probe_every` steps later, then twice as long after each try that leaves it behind (up to
     `max_gap` steps), so that a change (a longer context, text that repeats itself) is seen while a
     way that keeps losing costs less and less. A Generator keeps one chooser for all its decoders,
@@ -115,7 +115,10 @@ class SpeedChooser:
     probe = 4  # steps a way runs when it is tried
     probe_every = 64  # steps at a batch size before a way that is not the fastest is tried again...
     max_gap = 512  # ...doubling after each try, up to this
-    decay = 0.75  # weight of the past at each of a way's steps
+    # Weight of the past at each of a way's steps: about 40 steps count, because a step's yield
+    # varies (a lookup step decides 1 to 3 tokens) and a short window lets a good way lose a probe
+    # by chance, after which it waits hundreds of steps for another try.
+    decay = 0.95
 
     def __init__(self, ways: list[str]):
         self.ways = ways
@@ -292,7 +295,9 @@ class EagleDecoder:
         self.stats.draft_seconds += mid - start
         self.stats.verify_seconds += end - mid
         self.stats.count(trees, results, drafted)
-        self.chooser.record(way, end - timed_from, sum(len(res.tokens) for res in results), len(seqs))
+        # Progress counts as the slowest sequence's: sequences decoded together (a request's points)
+        # are done when the longest is, and tokens that speculation adds to the others only cost rows.
+        self.chooser.record(way, end - timed_from, min(len(res.tokens) for res in results), len(seqs))
         return {seq: res.tokens for seq, res in zip(seqs, results)}
 
     def drop(self, seq: int) -> None:
