@@ -151,10 +151,12 @@ class DraftHead(nn.Module):
         *,
         slots: list[int] | None = None,
         mask: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] (base ids of token i+1), features at i: base features [B, T, F*H] or
         the head's own predictions [B, T, H]; positions [B, T]; mask as LlamaModel.forward.
-        Returns (predicted last-layer features [B, T, H], draft logits [B, T, draft_vocab])."""
+        Returns (predicted last-layer features [B, T, H], draft logits [B, T, draft_vocab]);
+        with logits_at [B] (a position of each row) the logits of those positions only, [B, 1, draft_vocab]."""
         b, t = tokens.shape
         slots = list(range(b)) if slots is None else list(slots)
         starts = cache.reserve(slots, t)
@@ -168,6 +170,8 @@ class DraftHead(nn.Module):
             features = self.fuse(F.rms_norm(parts, parts.shape[-1:]).flatten(-2))
         x = self.fc(torch.cat([self.embed(tokens).to(self.dtype), features], dim=-1))
         hidden = self.layer(x, cos, sin, cache, 0, slots, starts, kv_len, bias)
+        if logits_at is not None:
+            return hidden, self.lm_head(hidden[torch.arange(b, device=hidden.device), logits_at.view(b)][:, None])
         return hidden, self.lm_head(hidden)
 
     # -- checkpoints -------------------------------------------------------------------------

@@ -231,7 +231,8 @@ class EagleDecoder:
             prefix = prompts[first]
             if d0:
                 self.head(torch.tensor([prefix[1:shared]], device=dev), pre.prefix_features[None, :d0],
-                          torch.arange(d0, device=dev)[None], self.draft_cache, slots=[first])  # fmt: skip
+                          torch.arange(d0, device=dev)[None], self.draft_cache, slots=[first],
+                          logits_at=torch.tensor([d0 - 1], device=dev))  # only its cache entries count  # fmt: skip
             self.prefix_feature[first] = pre.prefix_features[shared - 1]
             self.fresh[first] = [(0, pre.prefix_features)]
             prefix_from = first
@@ -252,7 +253,8 @@ class EagleDecoder:
         feats = torch.nn.functional.pad(feats, (0, 0, 0, max(0, t - feats.shape[1])))[:, :t]
         ids = torch.tensor([x + [0] * (t - len(x)) for x in tokens], device=dev)
         positions = torch.arange(d0, d0 + t, device=dev).expand(len(tokens), t)
-        hidden, logits = self.head(ids, feats, positions, self.draft_cache, slots=pre.slots)
+        last = torch.tensor([len(x) - 1 for x in tokens], device=dev)  # only the newest position seeds a tree
+        hidden, logits = self.head(ids, feats, positions, self.draft_cache, slots=pre.slots, logits_at=last)
         lookup = self.tree.lookup and self.sampler.params.greedy
         states = {}
         for row, (slot, root, x) in enumerate(zip(pre.slots, roots, tokens)):
@@ -260,7 +262,7 @@ class EagleDecoder:
             self.fresh[slot] = (self.fresh.get(slot, []) if slot == prefix_from and pre.prefix_features is not None else []) + [own]
             self.draft_cache.truncate(slot, d0 + len(x))
             states[slot] = SeqState(root, NgramIndex(prompts[slot] + [root]) if lookup else None,
-                                    logits[row, len(x) - 1], hidden[row, len(x) - 1])  # fmt: skip
+                                    logits[row, 0], hidden[row, len(x) - 1])  # fmt: skip
         self.stats.draft_seconds += time.perf_counter() - start
         return states
 
@@ -412,10 +414,11 @@ class EagleDecoder:
         feats = pad_sequence([torch.cat([f for _, f in chunk]) for chunk in chunks], batch_first=True)
         positions = torch.stack([torch.arange(n, n + t, device=dev).clamp(max=n + k - 1)
                                  for n, k in zip(starts, lens)])  # fmt: skip
-        hidden, logits = self.head(tokens, feats, positions, self.draft_cache, slots=rows)
+        last = torch.tensor([k - 1 for k in lens], device=dev)  # only the newest position seeds a tree
+        hidden, logits = self.head(tokens, feats, positions, self.draft_cache, slots=rows, logits_at=last)
         for i, (seq, st, k, n) in enumerate(zip(rows, states, lens, starts)):
             self.draft_cache.truncate(seq, n + k)
-            st.logits, st.feature = logits[i, k - 1], hidden[i, k - 1]
+            st.logits, st.feature = logits[i, 0], hidden[i, k - 1]
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ class OracleHead:
         self.kv = self.base.new_cache(num_slots, capacity + 1)
         return KVCache(1, num_slots, 1, capacity, 1)  # lengths only
 
-    def __call__(self, tokens, features, positions, cache, *, slots=None, mask=None):
+    def __call__(self, tokens, features, positions, cache, *, slots=None, mask=None, logits_at=None):
         b, t = tokens.shape
         slots = list(range(b)) if slots is None else list(slots)
         for s in slots:
@@ -45,6 +45,8 @@ class OracleHead:
         if mask is not None and mask.shape[-1] != t:  # [B, T, K] over the cache: BOS is visible too
             mask = torch.cat([torch.ones(b, t, 1, dtype=torch.bool), mask], dim=-1)
         logits = self.base(tokens, positions + 1, self.kv, slots=slots, mask=mask).logits
+        if logits_at is not None:
+            logits = logits[torch.arange(b), logits_at.view(b)][:, None]
         cache.reserve(slots, t)
         return torch.zeros(b, t, self.base.cfg.hidden_size), logits
 
@@ -407,6 +409,20 @@ def test_last_only_forward_still_returns_every_positions_features(base):
     out = base(torch.tensor([[BOS, 3, 4, 5]]), torch.arange(4)[None], base.new_cache(1, 8),
                hidden_layers=(1, base.cfg.num_layers), last_only=True)  # fmt: skip
     assert out.logits.shape[1] == 1 and [h.shape[1] for h in out.hidden] == [4, 4]
+
+
+@pytest.mark.parametrize("layers", [None, FUSED], ids=["eagle1", "fused"])
+def test_a_heads_logits_at_chosen_positions_are_those_of_the_full_forward(base, layers):
+    """Prefill and draft_extend need the draft logits of each row's newest position only."""
+    head = random_head(base, layers=layers)
+    tokens, positions = torch.tensor([[3, 4, 5], [6, 7, 8]]), torch.arange(3).expand(2, 3)
+    features = torch.randn(2, 3, len(head.cfg.feature_layers) * base.cfg.hidden_size)
+    hidden, logits = head(tokens, features, positions, head.new_cache(2, 8))
+    at = torch.tensor([2, 1])
+    hidden_at, logits_at = head(tokens, features, positions, head.new_cache(2, 8), logits_at=at)
+    assert torch.equal(hidden_at, hidden) and logits_at.shape == (2, 1, 50)
+    # float weights: the matmul may round differently on fewer rows (the quantized kernels do not)
+    torch.testing.assert_close(logits_at[:, 0], logits[torch.arange(2), at])
 
 
 @pytest.mark.parametrize(
