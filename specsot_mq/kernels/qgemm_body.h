@@ -30,6 +30,14 @@ static inline __m256i bcast4(const int8_t* p) {
     return _mm256_set1_epi32(v);
 }
 
+// Ask for block b of the next group (block_bytes bytes from next + b * block_bytes) to be brought
+// into L1; nothing when next is null.
+static inline void prefetch_block(const uint8_t* next, int b, int block_bytes) {
+    if (next == nullptr) return;
+    const char* p = reinterpret_cast<const char*>(next) + static_cast<int64_t>(b) * block_bytes;
+    for (int c = 0; c < block_bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+}
+
 static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 static inline __m256 load_half8(const uint8_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -49,13 +57,14 @@ constexpr int G = 2;
 // lane, 8 times: at most 30480), widened once by madd.
 template <int R>
 static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
-                           const float* const* xs, float* const* out) {
+                           const float* const* xs, float* const* out, const uint8_t* next) {
     constexpr int half = 160;
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[R][G];
     for (int r = 0; r < R; ++r)
         for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
     for (int b = 0; b < nblocks; ++b, w += G * half) {
+        prefetch_block(next, b, G * half);
         __m256i isum[R][G];
         for (int r = 0; r < R; ++r)
             for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
@@ -104,12 +113,13 @@ static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* x
 // each. The sums are exact integers either way.
 template <int R>
 static inline void q8_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
-                           const float* const*, float* const* out) {
+                           const float* const*, float* const* out, const uint8_t* next) {
     constexpr int half = 272;
     __m256 acc[R][G];
     for (int r = 0; r < R; ++r)
         for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
     for (int b = 0; b < nblocks; ++b, w += G * half) {
+        prefetch_block(next, b, G * half);
         __m256i isum[R][G];
         for (int r = 0; r < R; ++r)
             for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
@@ -160,15 +170,15 @@ static inline void q8_tile(const uint8_t* w, int nblocks, const int8_t* const* x
 template <int R>
 struct Q4 {
     static void run(const uint8_t* w, int nb, const int8_t* const* xq, const float* const* xd, const float* const* xs,
-                    float* const* out) {
-        q4_tile<R>(w, nb, xq, xd, xs, out);
+                    float* const* out, const uint8_t* next) {
+        q4_tile<R>(w, nb, xq, xd, xs, out, next);
     }
 };
 template <int R>
 struct Q8 {
     static void run(const uint8_t* w, int nb, const int8_t* const* xq, const float* const* xd, const float* const* xs,
-                    float* const* out) {
-        q8_tile<R>(w, nb, xq, xd, xs, out);
+                    float* const* out, const uint8_t* next) {
+        q8_tile<R>(w, nb, xq, xd, xs, out, next);
     }
 };
 
@@ -192,11 +202,15 @@ static void gemm(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t
                 orow[r] = out + (m0 + r) * N + 16 * g;
             }
             const int nb = static_cast<int>(nblocks);
+            // With several rows, the first row tile brings the next group in while it computes
+            // (weights come from memory: without this, the rows' compute and the next load took
+            // turns); one to three rows are memory-bound and the hardware's own prefetch does better.
+            const uint8_t* next = M >= 4 && m0 == 0 && g + 1 < g1 ? wg + nblocks * block_bytes : nullptr;
             switch (rows) {
-                case 4: Tile<4>::run(wg, nb, xr, dr, sr, orow); break;
-                case 3: Tile<3>::run(wg, nb, xr, dr, sr, orow); break;
-                case 2: Tile<2>::run(wg, nb, xr, dr, sr, orow); break;
-                default: Tile<1>::run(wg, nb, xr, dr, sr, orow); break;
+                case 4: Tile<4>::run(wg, nb, xr, dr, sr, orow, next); break;
+                case 3: Tile<3>::run(wg, nb, xr, dr, sr, orow, next); break;
+                case 2: Tile<2>::run(wg, nb, xr, dr, sr, orow, next); break;
+                default: Tile<1>::run(wg, nb, xr, dr, sr, orow, next); break;
             }
         }
     }
