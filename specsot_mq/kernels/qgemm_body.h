@@ -43,7 +43,15 @@ static inline __m256 load_half8(const uint8_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// A tile: R rows (R <= 4) by one group (its two halves of 8 columns, G = 2), over every block of
+// Rows in one tile: its accumulators and integer sums (2 R vectors each) stay in the registers, 16
+// on AVX2, 32 with AVX-512's.
+#if SPECSOT_VNNI
+constexpr int kMaxRows = 6;
+#else
+constexpr int kMaxRows = 4;
+#endif
+
+// A tile: R rows (R <= kMaxRows) by one group (its two halves of 8 columns, G = 2), over every block of
 // the inputs. Each activation broadcast serves both halves and each unpacked weight vector the R
 // rows, which keeps the loads and shuffles per multiply-add low enough for the multiply units to be
 // the limit.
@@ -182,36 +190,43 @@ struct Q8 {
     }
 };
 
-// out[m, 16g .. 16g+16] for column groups g in [g0, g1) and every row m < M, rows four at a time
-// (a group's weights stay in L1 across its row tiles).
+// out[m, 16g .. 16g+16] for column groups g in [g0, g1) and every row m < M, in tiles of at most
+// kMaxRows rows (a group's weights stay in L1 across its row tiles).
 template <template <int> class Tile>
 static void gemm(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t g0, int64_t g1, const int8_t* xq,
                  const float* xd, const float* xs, int64_t M, float* out, int64_t N) {
-    const int64_t K = 32 * nblocks;
+    const int64_t K = 32 * nblocks, tiles = (M + kMaxRows - 1) / kMaxRows;
+    const int nb = static_cast<int>(nblocks);
     for (int64_t g = g0; g < g1; ++g) {
         const uint8_t* wg = w + g * nblocks * block_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int rows = static_cast<int>(M - m0 < 4 ? M - m0 : 4);
-            const int8_t* xr[4];
-            const float *dr[4], *sr[4];
-            float* orow[4];
+        for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+            // rows split evenly between the tiles (5 rows on AVX2: 3 + 2, not 4 + 1, whose one-row
+            // tile unpacks the weights for a single row)
+            const int rows = static_cast<int>(M / tiles + (t < M % tiles ? 1 : 0));
+            const int8_t* xr[kMaxRows];
+            const float *dr[kMaxRows], *sr[kMaxRows];
+            float* orow[kMaxRows];
             for (int r = 0; r < rows; ++r) {
                 xr[r] = xq + (m0 + r) * K;
                 dr[r] = xd + (m0 + r) * nblocks;
                 sr[r] = xs + (m0 + r) * nblocks;
                 orow[r] = out + (m0 + r) * N + 16 * g;
             }
-            const int nb = static_cast<int>(nblocks);
             // With several rows, the first row tile brings the next group in while it computes
             // (weights come from memory: without this, the rows' compute and the next load took
             // turns); one to three rows are memory-bound and the hardware's own prefetch does better.
             const uint8_t* next = M >= 4 && m0 == 0 && g + 1 < g1 ? wg + nblocks * block_bytes : nullptr;
             switch (rows) {
+#if SPECSOT_VNNI
+                case 6: Tile<6>::run(wg, nb, xr, dr, sr, orow, next); break;
+                case 5: Tile<5>::run(wg, nb, xr, dr, sr, orow, next); break;
+#endif
                 case 4: Tile<4>::run(wg, nb, xr, dr, sr, orow, next); break;
                 case 3: Tile<3>::run(wg, nb, xr, dr, sr, orow, next); break;
                 case 2: Tile<2>::run(wg, nb, xr, dr, sr, orow, next); break;
                 default: Tile<1>::run(wg, nb, xr, dr, sr, orow, next); break;
             }
+            m0 += rows;
         }
     }
 }
