@@ -12,7 +12,9 @@ parts (norms, rope, Python; with the native kernels, the attention column holds 
 also rotates q and k and writes the cache, and cache writes are 0). Next to it, the floor: the
 weight bytes one forward reads over the memory bandwidth measured in the same run. A table of all the linear layers alone at
 k = 1, 2, 4, 8, 16 and 32 rows, as loaded (quantized) and widened to fp32 and bf16, beside the
-bandwidth floor and the compute floor (2 k x parameters at the fp32 matmul rate measured here),
+bandwidth floor and the compute floor (k x parameters at the int8 multiply-add rate of the
+kernels' instruction set measured here, `native().int8_peak()`, for quantized weights; 2 k x
+parameters at the fp32 matmul rate for widened ones), with ours in G multiply-adds a second,
 and the whole forward of k new tokens (what a k-row verify costs: with the native kernels the
 linears run inside one call for all layers, without a parallel region per linear);
 and after the forward table, picking the greedy tokens from
@@ -51,7 +53,7 @@ from specsot_mq import model as model_module  # noqa: E402
 from specsot_mq.kv_cache import KVCache  # noqa: E402
 from specsot_mq.loader import load_model  # noqa: E402
 from specsot_mq.pull import resolve_model  # noqa: E402
-from specsot_mq.quant import QLinear  # noqa: E402
+from specsot_mq.quant import QLinear, native  # noqa: E402
 from specsot_mq.sampling import Sampler, SamplingParams, greedy_tokens  # noqa: E402
 
 # (B, T, slot stride): plain decode, EAGLE verifies of the default 4-node tree and larger ones, SoT
@@ -180,6 +182,11 @@ def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.
             "linear_ms_by_kind": {k: round(ms[k], 2) for k in KINDS}}  # fmt: skip
 
 
+def runs_native(model) -> bool:
+    """Whether the model's linears run the native quantized kernels."""
+    return any(isinstance(m, QLinear) and m.packed is not None for m in model.modules())
+
+
 def gemm_flops(threads: int) -> float:
     """The CPU's float32 matrix-multiply rate (flop/s): best of a few 1024^3 products."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
@@ -292,6 +299,8 @@ def main(argv=None) -> dict:
                 rows.append(time_shape(model, cache, b, t, stride, args.runs, gen))
         linears = linear_rows(model, args.runs)
         flops = gemm_flops(args.threads)
+        # the quantized kernels' ceiling: int8 multiply-adds per second on every thread
+        int8_rate = native().int8_peak() * args.threads if runs_native(model) else None
     sizes = sorted({b for b, _, _ in SHAPES})
     text = answer_logits(model, resolve_model(args.model), sizes[-1])
     sampling = [time_sampling(text, b, args.runs) for b in sizes]
@@ -310,17 +319,21 @@ def main(argv=None) -> dict:
                       f"{r['forward_ms'] / floor_ms:.2f}", f"{r['argmax_ms']:.2f}", f"{r['greedy_tokens_ms']:.2f}")  # fmt: skip
     Console(stderr=True, width=150).print(table)
     params, _ = weight_bytes(model, dtype)
+    ceiling = (f"the kernels' int8 rate ({native().isa()}, {int8_rate / 1e9:.0f} G multiply-adds/s on {args.threads} "
+               f"threads): k x {params / 1e6:.0f}M / rate") if int8_rate else \
+              f"the fp32 matmul rate ({flops / 1e9:.0f} GFLOP/s): 2 x k x {params / 1e6:.0f}M / rate"  # fmt: skip
     lin = Table(title=f"all linear layers of one forward on k rows, ms | weights as loaded: {nbytes / 1e6:.0f} MB, "
-                      f"floor at {bandwidth / 1e9:.1f} GB/s {floor_ms:.2f} ms | compute floor at the fp32 matmul rate "
-                      f"({flops / 1e9:.0f} GFLOP/s): 2 x k x {params / 1e6:.0f}M / rate")  # fmt: skip
-    for col in ("k", "ours (as loaded)", "fp32 widened", "bf16 widened", "bandwidth floor", "compute floor",
-                "ours x floor", "whole forward"):
+                      f"floor at {bandwidth / 1e9:.1f} GB/s {floor_ms:.2f} ms | compute floor at {ceiling}")  # fmt: skip
+    for col in ("k", "ours (as loaded)", "ours G MAC/s", "fp32 widened", "bf16 widened", "bandwidth floor",
+                "compute floor", "ours x floor", "whole forward"):
         lin.add_column(col, justify="right")
     for r in linears:
-        compute = 2 * r["k"] * params / flops * 1e3
-        r.update(bandwidth_floor_ms=round(floor_ms, 2), compute_floor_ms=round(compute, 2))
-        lin.add_row(str(r["k"]), f"{r['ours_ms']:.2f}", f"{r['fp32_ms']:.2f}", f"{r['bf16_ms']:.2f}", f"{floor_ms:.2f}",
-                    f"{compute:.2f}", f"{r['ours_ms'] / max(floor_ms, compute):.2f}", f"{r['forward_ms']:.2f}")  # fmt: skip
+        compute = (r["k"] * params / int8_rate if int8_rate else 2 * r["k"] * params / flops) * 1e3
+        r.update(bandwidth_floor_ms=round(floor_ms, 2), compute_floor_ms=round(compute, 2),
+                 ours_gmacs=round(r["k"] * params / r["ours_ms"] / 1e6, 1))  # fmt: skip
+        lin.add_row(str(r["k"]), f"{r['ours_ms']:.2f}", f"{r['ours_gmacs']:.0f}", f"{r['fp32_ms']:.2f}",
+                    f"{r['bf16_ms']:.2f}", f"{floor_ms:.2f}", f"{compute:.2f}",
+                    f"{r['ours_ms'] / max(floor_ms, compute):.2f}", f"{r['forward_ms']:.2f}")  # fmt: skip
     Console(stderr=True, width=150).print(lin)
     draws = Table(title="sampling one token per row: temperature 1, top-p 0.95, on the model's own answer logits")
     for col in ("rows", "sort + multinomial ms", "Sampler ms", "x"):
@@ -331,7 +344,9 @@ def main(argv=None) -> dict:
     Console(stderr=True).print(draws)
     result = {"dtype": args.dtype, "threads": args.threads, "cpu": cpu_name(), "weight_mb": round(nbytes / 1e6, 1),
               "bandwidth_gb_s": round(bandwidth / 1e9, 2), "floor_ms": round(floor_ms, 2), "shapes": rows,
-              "gemm_gflops": round(flops / 1e9, 1), "linears_by_rows": linears, "sampling": sampling}  # fmt: skip
+              "gemm_gflops": round(flops / 1e9, 1), "int8_gmacs": round(int8_rate / 1e9, 1) if int8_rate else None,
+              "kernel_isa": native().isa() if native() is not None else None, "linears_by_rows": linears,
+              "sampling": sampling}  # fmt: skip
     print(json.dumps(result))
     return result
 

@@ -13,6 +13,7 @@
 // partial sums: its value does not depend on how many rows or threads ran, so a k-row verify
 // computes bit for bit what k one-row steps compute.
 #include <immintrin.h>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 
@@ -229,6 +230,52 @@ static void gemm(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t
             m0 += rows;
         }
     }
+}
+
+// `iters` rounds of 8 independent chains of what the 4-bit tile's inner loop issues per 32
+// multiply-adds (VNNI: one dpbusd; AVX2: maddubs and a 16-bit add), written out in assembly so
+// the compiler can neither merge nor drop them; returns a lane of the sums.
+__attribute__((noinline)) static int int8_chains(int64_t iters) {
+    __m256i c0 = _mm256_set1_epi32(0), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+    const __m256i a = _mm256_set1_epi8(1), b = _mm256_set1_epi8(2);
+    for (int64_t i = 0; i < iters; ++i) {
+#if SPECSOT_VNNI
+        asm volatile(
+            "vpdpbusd %[b], %[a], %[c0]\n\tvpdpbusd %[b], %[a], %[c1]\n\tvpdpbusd %[b], %[a], %[c2]\n\t"
+            "vpdpbusd %[b], %[a], %[c3]\n\tvpdpbusd %[b], %[a], %[c4]\n\tvpdpbusd %[b], %[a], %[c5]\n\t"
+            "vpdpbusd %[b], %[a], %[c6]\n\tvpdpbusd %[b], %[a], %[c7]"
+            : [c0] "+v"(c0), [c1] "+v"(c1), [c2] "+v"(c2), [c3] "+v"(c3), [c4] "+v"(c4), [c5] "+v"(c5),
+              [c6] "+v"(c6), [c7] "+v"(c7)
+            : [a] "v"(a), [b] "v"(b));
+#else
+        __m256i t0, t1;
+        asm volatile(
+            "vpmaddubsw %[b], %[a], %[t0]\n\tvpaddw %[t0], %[c0], %[c0]\n\t"
+            "vpmaddubsw %[b], %[a], %[t1]\n\tvpaddw %[t1], %[c1], %[c1]\n\t"
+            "vpmaddubsw %[b], %[a], %[t0]\n\tvpaddw %[t0], %[c2], %[c2]\n\t"
+            "vpmaddubsw %[b], %[a], %[t1]\n\tvpaddw %[t1], %[c3], %[c3]\n\t"
+            "vpmaddubsw %[b], %[a], %[t0]\n\tvpaddw %[t0], %[c4], %[c4]\n\t"
+            "vpmaddubsw %[b], %[a], %[t1]\n\tvpaddw %[t1], %[c5], %[c5]\n\t"
+            "vpmaddubsw %[b], %[a], %[t0]\n\tvpaddw %[t0], %[c6], %[c6]\n\t"
+            "vpmaddubsw %[b], %[a], %[t1]\n\tvpaddw %[t1], %[c7], %[c7]"
+            : [c0] "+x"(c0), [c1] "+x"(c1), [c2] "+x"(c2), [c3] "+x"(c3), [c4] "+x"(c4), [c5] "+x"(c5),
+              [c6] "+x"(c6), [c7] "+x"(c7), [t0] "=&x"(t0), [t1] "=&x"(t1)
+            : [a] "x"(a), [b] "x"(b));
+#endif
+    }
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
+                                         _mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7)));
+    return _mm256_extract_epi32(sum, 0);
+}
+
+// This instruction set's int8 multiply-add rate on one thread, in multiply-adds per second (the
+// kernels' compute ceiling).
+double int8_peak(int64_t iters) {
+    const auto start = std::chrono::steady_clock::now();
+    volatile int sink = int8_chains(iters);
+    (void)sink;
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return 8.0 * 32.0 * static_cast<double>(iters) / seconds;
 }
 
 void gemm_q4(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t g0, int64_t g1, const int8_t* xq,

@@ -22,6 +22,8 @@
     }
 SPECSOT_DECLARE(avx2)
 SPECSOT_DECLARE(vnni)
+namespace avx2 { double int8_peak(int64_t); }
+namespace vnni { double int8_peak(int64_t); }
 namespace avx2 {
 void attend_group(const float*, const float*, const float*, int64_t, int64_t, const int32_t*, int64_t, int64_t, float*,
                   float*);
@@ -569,6 +571,15 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
 
 std::string isa() { return cpu_has_vnni() ? "avx512-vnni" : (cpu_has_avx2() ? "avx2" : "none"); }
 
+// The int8 multiply-adds per second one thread of the kernels' instruction set can issue (the
+// best of a few short runs): what a compute-bound forward cannot beat.
+double int8_peak() {
+    double best = 0.0;
+    for (int run = 0; run < 5; ++run)
+        best = std::max(best, cpu_has_vnni() ? vnni::int8_peak(2000000) : avx2::int8_peak(2000000));
+    return best;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("qlinear", &qlinear, "quantized linear: float32 [M, K] x packed weight -> float32 [M, N]",
           py::arg("x"), py::arg("w"), py::arg("fmt"), py::arg("n"), py::arg("norm_weight") = py::none(),
@@ -581,5 +592,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                       torch::Tensor, double, torch::Tensor, int64_t, int64_t, torch::Tensor, int64_t, int64_t, int64_t,
                       int64_t>());
     m.def("decoder_layers", &decoder_layers, "decoder layers on quantized weights in one call, one team of threads");
+    m.def("int8_peak", &int8_peak, "int8 multiply-adds per second on one thread, as the kernels issue them");
     m.def("isa", &isa, "the instruction set the kernels run with on this CPU ('none': unsupported)");
 }
