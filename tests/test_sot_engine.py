@@ -54,15 +54,18 @@ def test_points_decoded_together_equal_each_prompt_decoded_alone(tiny):
 
 
 def test_points_share_every_token_before_their_own_words(tiny):
-    """The point prompt names its point only at its end: the shared prefix holds the instructions,
-    the question and the whole plan, a suffix the rest, and prefix + suffix is the point's prompt."""
+    """The point prompt names its point only in its answer's prefill: the shared prefix holds the
+    whole request (instructions, question, plan), a point's own suffix is the chat template's turn
+    change and `N. Title:`, and prefix + suffix is the point's prompt."""
     tok, fmt, question = tiny.tokenizer, load_format("sot"), "How do I start running?"
     prefix, suffixes = point_prompts(tok, fmt, question, PLAN)
     outline = "\n".join(f"{p.index}. {p.title}" for p in PLAN.points)
     assert question in tok.decode(prefix) and outline in tok.decode(prefix)
     for p in PLAN.points:
         assert prefix + suffixes[p.index] == fmt.point_ids(tok, question, outline, p.index, p.title)
-        assert len(suffixes[p.index]) < 40 and tok.decode(suffixes[p.index]).endswith(f"{p.index}. {p.title}:")
+        own = tok.decode(suffixes[p.index])
+        assert own.endswith(f"{p.index}. {p.title}:") and p.title not in own[: -len(f"{p.index}. {p.title}:")]
+        assert len(suffixes[p.index]) <= len(tok.encode(f"<|im_end|>\n<|im_start|>assistant\n{p.index}. {p.title}:", add_special_tokens=False))
     assert fmt.merge([(1, "Warm up", " Walk first.\n"), (2, "Pick shoes", "")]) == "1. Warm up: Walk first.\n2. Pick shoes:"
 
 
