@@ -65,7 +65,8 @@ def test_points_share_every_token_before_their_own_words(tiny):
         assert prefix + suffixes[p.index] == fmt.point_ids(tok, question, outline, p.index, p.title)
         own = tok.decode(suffixes[p.index])
         assert own.endswith(f"{p.index}. {p.title}:") and p.title not in own[: -len(f"{p.index}. {p.title}:")]
-        assert len(suffixes[p.index]) <= len(tok.encode(f"<|im_end|>\n<|im_start|>assistant\n{p.index}. {p.title}:", add_special_tokens=False))
+        turn_and_name = f"<|im_end|>\n<|im_start|>assistant\n{p.index}. {p.title}:"
+        assert len(suffixes[p.index]) <= len(tok.encode(turn_and_name, add_special_tokens=False))
     assert fmt.merge([(1, "Warm up", " Walk first.\n"), (2, "Pick shoes", "")]) == "1. Warm up: Walk first.\n2. Pick shoes:"
 
 
