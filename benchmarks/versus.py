@@ -6,9 +6,10 @@ own (`--base` checked out into a temporary git worktree, its kernels built there
 the same questions in turn, question by question, the order flipped every question and round; a
 process waits idle (OpenMP spinning bounded as in stage processes) while the other answers. Both
 answer every question the same way (SpecSoT, EAGLE or plain), with the same greedy settings, so a
-question's two times differ by the code alone. Prints, for the questions routed to SoT and those
-answered directly, the median over questions of base seconds over ours (above 1: this checkout is
-faster) and the total seconds; the last line is JSON.
+question's two times differ by the code alone. Prints, for the questions this checkout routed to
+SoT and those it answered directly, the median over questions of base seconds over ours (above 1:
+this checkout is faster), and the total seconds and answer tokens of each (a change that makes
+answers shorter shows there); the last line is JSON.
 
     python benchmarks/versus.py [--base HEAD~1] [--engine specsot|eagle|plain] [--limit 40] [--rounds 2]
 """
@@ -120,7 +121,8 @@ def main(argv=None) -> dict:
         print(f"loading {args.base} and this checkout (each builds its kernels once)...", file=sys.stderr)
         base, ours = Worker(base_dir, worker_argv), Worker(ROOT, worker_argv)
         times = {"base": {}, "ours": {}}
-        modes = {}
+        tokens = {"base": {}, "ours": {}}  # each answer's length (greedy: the same every round)
+        modes = {}  # how this checkout answered each question
         n = min(base.questions, ours.questions)
         for r in range(args.rounds):
             for i in range(n):
@@ -128,7 +130,9 @@ def main(argv=None) -> dict:
                 for name, worker in pair if (i + r) % 2 == 0 else reversed(pair):
                     out = worker.answer(i)
                     times[name].setdefault(i, []).append(out["s"])
-                    modes[i] = out["mode"]
+                    tokens[name][i] = out["tokens"]
+                    if name == "ours":
+                        modes[i] = out["mode"]
                 print(f"\rround {r + 1}/{args.rounds}, question {i + 1}/{n}", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
         base.close()
@@ -142,10 +146,13 @@ def main(argv=None) -> dict:
         b = {i: statistics.median(times["base"][i]) for i in qs}
         o = {i: statistics.median(times["ours"][i]) for i in qs}
         ratio = statistics.median(b[i] / o[i] for i in qs)
+        bt, ot = (sum(tokens[name][i] for i in qs) for name in ("base", "ours"))
         result[mode] = {"questions": len(qs), "median_speedup": round(ratio, 3),
-                        "base_seconds": round(sum(b.values()), 2), "ours_seconds": round(sum(o.values()), 2)}  # fmt: skip
+                        "base_seconds": round(sum(b.values()), 2), "ours_seconds": round(sum(o.values()), 2),
+                        "base_tokens": bt, "ours_tokens": ot}  # fmt: skip
         print(f"{args.engine}, {mode} ({len(qs)} questions): this checkout {ratio:.3f}x the speed of {args.base} "
-              f"(median over questions); {sum(b.values()):.2f} s -> {sum(o.values()):.2f} s in all")  # fmt: skip
+              f"(median over questions); {sum(b.values()):.2f} s -> {sum(o.values()):.2f} s and {bt} -> {ot} "
+              f"tokens in all")  # fmt: skip
     print(json.dumps(result), flush=True)
     return result
 

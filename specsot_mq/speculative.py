@@ -104,11 +104,11 @@ class SpeedChooser:
 
     On a CPU whose one-token step is cheap, a draft forward and each extra verify row must pay
     for themselves, and whether they do depends on the CPU, the batch and the text. So each way is
-    timed while decoding goes on (seconds per decided token of the step's slowest sequence, over its
-    recent steps at that batch size, older ones weighing less), and the fastest runs. Each other way is tried again (`probe`
-    steps) `probe_every` steps later, then twice as long after each try that leaves it behind (up to
-    `max_gap` steps), so that a change (a longer context, text that repeats itself) is seen while a
-    way that keeps losing costs less and less. A Generator keeps one chooser for all its decoders,
+    timed while decoding goes on (seconds per decided token of the step's slowest sequence, over
+    its recent steps at that batch size, older ones weighing less), and the fastest runs. Each
+    other way is tried again (`probe` steps) `probe_every` steps later, then twice as long after
+    each try that leaves it behind (up to `max_gap` steps), so that a change (a longer context,
+    text that repeats itself) is seen while a way that keeps losing costs less and less. A Generator keeps one chooser for all its decoders,
     so what one answer or phase measured serves the next. In greedy decoding every way emits the
     same tokens (each is lossless), so the choice changes speed only."""
 

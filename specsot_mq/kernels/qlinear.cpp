@@ -19,11 +19,10 @@
                  const float*, int64_t, float*, int64_t);                                             \
     void gemm_q8(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const int8_t*, const float*,     \
                  const float*, int64_t, float*, int64_t);                                             \
+    double int8_peak(int64_t);                                                                        \
     }
 SPECSOT_DECLARE(avx2)
 SPECSOT_DECLARE(vnni)
-namespace avx2 { double int8_peak(int64_t); }
-namespace vnni { double int8_peak(int64_t); }
 namespace avx2 {
 void attend_group(const float*, const float*, const float*, int64_t, int64_t, const int32_t*, int64_t, int64_t, float*,
                   float*);
@@ -251,15 +250,14 @@ void attend_items(int64_t i0, int64_t i1, const float* q, int64_t T, int64_t H, 
                   int64_t L, const int32_t* lists, const int64_t* counts, KeyBase key_base, ValueBase value_base,
                   int64_t kstride, int64_t vstride, float* scores, float* out) {
     const int64_t per_row = H / g, G = H / KV;
-    for (int64_t i = i0; i < i1;) {
+    for (int64_t i = i0, j; i < i1; i = j) {
         const int64_t r = i / per_row, first = (i % per_row) * g, h = first / G, b = r / T;
-        // this thread's consecutive items of the same row and kv head run as one call, so each key
-        // and value row is loaded and converted once for all their heads
-        int64_t heads = g;
-        while (i + heads / g < i1 && (i + heads / g) / per_row == r && ((i + heads / g) % per_row) * g / G == h) heads += g;
+        // this thread's consecutive items [i, j) of the same row and kv head run as one call, so
+        // each key and value row is loaded and converted once for all their heads
+        for (j = i + 1; j < i1 && j / per_row == r && (j % per_row) * g / G == h; ++j) {
+        }
         avx2::attend_group(q + (r * H + first) * D, key_base(b) + h * kstride, value_base(b) + h * vstride, D, D,
-                           lists + r * L, counts[r], heads, scores, out + (r * H + first) * D);
-        i += heads / g;
+                           lists + r * L, counts[r], (j - i) * g, scores, out + (r * H + first) * D);
     }
 }
 
