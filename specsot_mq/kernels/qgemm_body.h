@@ -44,24 +44,105 @@ static inline __m256 load_half8(const uint8_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Rows in one tile: its accumulators and integer sums (2 R vectors each) stay in the registers, 16
-// on AVX2, 32 with AVX-512's.
+// Rows in one tile: its accumulators and integer sums stay in the registers (AVX2: 2 G R of its 16;
+// VNNI: 2 R of AVX-512's 32).
 #if SPECSOT_VNNI
 constexpr int kMaxRows = 6;
 #else
 constexpr int kMaxRows = 4;
 #endif
 
-// A tile: R rows (R <= kMaxRows) by one group (its two halves of 8 columns, G = 2), over every block of
-// the inputs. Each activation broadcast serves both halves and each unpacked weight vector the R
+// A tile: R rows (R <= kMaxRows) by one group (AVX2: its two halves of 8 columns, G = 2), over every
+// block of the inputs. Each activation broadcast serves both halves and each unpacked weight vector the R
 // rows, which keeps the loads and shuffles per multiply-add low enough for the multiply units to be
 // the limit.
 constexpr int G = 2;
 
+#if SPECSOT_VNNI
+// VNNI: the tiles on 512-bit vectors (every VNNI CPU has AVX-512), one vector holding a group's 16
+// columns (its two halves side by side, G = 1): half the instructions of two 256-bit vectors, for
+// the same per-lane arithmetic in the same order as the AVX2 tiles below. 4-bit blocks: dpbusd
+// adds each lane's 4 nibble x int8 products into its int32 sum. 8-bit blocks: dpbusd takes x + 128
+// (x's sign bit flipped) as its unsigned side, and 128 * sum(q) per column (one more dpbusd per
+// weight vector, shared by the rows) comes off at the end of the block.
+static inline __m512i load64(const uint8_t* a, const uint8_t* b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
+}
+static inline __m512 load_half16(const uint8_t* a, const uint8_t* b) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+static inline __m512i bcast4_512(const int8_t* p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+template <int R>
+static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
+                              const float* const* xs, float* const* out, const uint8_t* next) {
+    constexpr int half = 160;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nblocks; ++b, w += 2 * half) {
+        prefetch_block(next, b, 2 * half);
+        __m512i isum[R];
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+        for (int v = 0; v < 4; ++v) {
+            const __m512i packed = load64(w + 32 * v, w + half + 32 * v);
+            const __m512i lo = _mm512_and_si512(packed, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* x = xq[r] + 32 * b + 4 * v;
+                isum[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r], lo, bcast4_512(x)), hi, bcast4_512(x + 16));
+                SPECSOT_PIN(isum[r]);
+            }
+        }
+        const __m512 d = load_half16(w + 128, w + half + 128), m = load_half16(w + 144, w + half + 144);
+        for (int r = 0; r < R; ++r) {
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[r][b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r][b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+template <int R>
+static inline void q8_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
+                              const float* const*, float* const* out, const uint8_t* next) {
+    constexpr int half = 272;
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nblocks; ++b, w += 2 * half) {
+        prefetch_block(next, b, 2 * half);
+        __m512i isum[R];
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+        __m512i offset = _mm512_setzero_si512();
+        for (int v = 0; v < 8; ++v) {
+            const __m512i q = load64(w + 32 * v, w + half + 32 * v);
+            offset = _mm512_dpbusd_epi32(offset, flip, q);
+            for (int r = 0; r < R; ++r) {
+                isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_xor_si512(bcast4_512(xq[r] + 32 * b + 4 * v), flip), q);
+                SPECSOT_PIN(isum[r]);
+            }
+        }
+        const __m512 d = load_half16(w + 256, w + half + 256);
+        for (int r = 0; r < R; ++r) {
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[r][b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], offset)), scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+#else
 // 4-bit weights, unsigned nibbles with a scale d and an offset m per (column, block):
 // w = d * q + m. A half's block: 4 vectors of 32 bytes (low nibbles: inputs 4v..4v+3, high
 // nibbles: inputs 16+4v..16+4v+3, per column lane), then 8 fp16 d, then 8 fp16 m: 160 bytes. A
-// row's block sums are exact integers: VNNI's dpbusd into int32 lanes; on AVX2, maddubs' u8 x s8
+// row's block sums are exact integers: maddubs' u8 x s8
 // pair sums added in int16 lanes for the whole block (a nibble <= 15 times |x| <= 127, 2 per
 // lane, 8 times: at most 30480), widened once by madd.
 template <int R>
@@ -88,12 +169,8 @@ static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* x
                 const int8_t* x = xq[r] + 32 * b + 4 * v;
                 const __m256i x_lo = bcast4(x), x_hi = bcast4(x + 16);
                 for (int g = 0; g < G; ++g) {
-#if SPECSOT_VNNI
-                    isum[r][g] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum[r][g], lo[g], x_lo), hi[g], x_hi);
-#else
                     isum[r][g] = _mm256_add_epi16(isum[r][g], _mm256_maddubs_epi16(lo[g], x_lo));
                     isum[r][g] = _mm256_add_epi16(isum[r][g], _mm256_maddubs_epi16(hi[g], x_hi));
-#endif
                     SPECSOT_PIN(isum[r][g]);
                 }
             }
@@ -101,9 +178,7 @@ static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* x
         for (int g = 0; g < G; ++g) {
             const __m256 d = load_half8(w + g * half + 128), m = load_half8(w + g * half + 144);
             for (int r = 0; r < R; ++r) {
-#if !SPECSOT_VNNI
                 isum[r][g] = _mm256_madd_epi16(isum[r][g], _mm256_set1_epi16(1));
-#endif
                 const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
                 acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g]), scale, acc[r][g]);
                 acc[r][g] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r][b]), acc[r][g]);
@@ -115,11 +190,9 @@ static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* x
 }
 
 // 8-bit signed weights with a scale d per (column, block): w = d * q. A half's block: 8 vectors of
-// 32 bytes (inputs 4v..4v+3 per column lane), then 8 fp16 d: 272 bytes. VNNI: dpbusd takes x + 128
-// (x's sign bit flipped) as its unsigned side, and 128 * sum(q) per column (one more dpbusd per
-// weight vector, shared by the rows) comes off at the end of the block. AVX2: maddubs takes |q| and
+// 32 bytes (inputs 4v..4v+3 per column lane), then 8 fp16 d: 272 bytes. maddubs takes |q| and
 // x with q's sign (llama.cpp's trick), which keeps its int16 pairs from saturating; madd widens
-// each. The sums are exact integers either way.
+// each. The sums are exact integers.
 template <int R>
 static inline void q8_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
                            const float* const*, float* const* out, const uint8_t* next) {
@@ -132,31 +205,14 @@ static inline void q8_tile(const uint8_t* w, int nblocks, const int8_t* const* x
         __m256i isum[R][G];
         for (int r = 0; r < R; ++r)
             for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
-#if SPECSOT_VNNI
-        const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-        __m256i offset[G];  // 128 * sum(q), per column
-        for (int g = 0; g < G; ++g) offset[g] = _mm256_setzero_si256();
-#endif
         for (int v = 0; v < 8; ++v) {
             __m256i q[G];
-            for (int g = 0; g < G; ++g) {
-                q[g] = load32(w + g * half + 32 * v);
-#if SPECSOT_VNNI
-                offset[g] = _mm256_dpbusd_epi32(offset[g], flip, q[g]);
-#endif
-            }
+            for (int g = 0; g < G; ++g) q[g] = load32(w + g * half + 32 * v);
             for (int r = 0; r < R; ++r) {
                 const __m256i x = bcast4(xq[r] + 32 * b + 4 * v);
-#if SPECSOT_VNNI
-                const __m256i xu = _mm256_xor_si256(x, flip);
-#endif
                 for (int g = 0; g < G; ++g) {
-#if SPECSOT_VNNI
-                    isum[r][g] = _mm256_dpbusd_epi32(isum[r][g], xu, q[g]);
-#else
                     const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q[g]), _mm256_sign_epi8(x, q[g]));
                     isum[r][g] = _mm256_add_epi32(isum[r][g], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
                     SPECSOT_PIN(isum[r][g]);
                 }
             }
@@ -164,9 +220,6 @@ static inline void q8_tile(const uint8_t* w, int nblocks, const int8_t* const* x
         for (int g = 0; g < G; ++g) {
             const __m256 d = load_half8(w + g * half + 256);
             for (int r = 0; r < R; ++r) {
-#if SPECSOT_VNNI
-                isum[r][g] = _mm256_sub_epi32(isum[r][g], offset[g]);
-#endif
                 const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
                 acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g]), scale, acc[r][g]);
             }
@@ -175,6 +228,8 @@ static inline void q8_tile(const uint8_t* w, int nblocks, const int8_t* const* x
     for (int r = 0; r < R; ++r)
         for (int g = 0; g < G; ++g) _mm256_storeu_ps(out[r] + 8 * g, acc[r][g]);
 }
+
+#endif
 
 template <int R>
 struct Q4 {
