@@ -45,9 +45,10 @@ static inline __m256 load_half8(const uint8_t* p) {
 }
 
 // Rows in one tile: its accumulators and integer sums stay in the registers (AVX2: 2 G R of its 16;
-// VNNI: 2 R of AVX-512's 32).
+// VNNI: 2 R of AVX-512's 32, leaving room for the weights and broadcasts). VNNI's 12 rather than 6
+// made a whole forward of 8 to 32 rows 3-8% faster (one tile of 8 instead of two of 4).
 #if SPECSOT_VNNI
-constexpr int kMaxRows = 6;
+constexpr int kMaxRows = 12;
 #else
 constexpr int kMaxRows = 4;
 #endif
@@ -274,6 +275,12 @@ static void gemm(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t
             const uint8_t* next = M >= 4 && m0 == 0 && g + 1 < g1 ? wg + nblocks * block_bytes : nullptr;
             switch (rows) {
 #if SPECSOT_VNNI
+                case 12: Tile<12>::run(wg, nb, xr, dr, sr, orow, next); break;
+                case 11: Tile<11>::run(wg, nb, xr, dr, sr, orow, next); break;
+                case 10: Tile<10>::run(wg, nb, xr, dr, sr, orow, next); break;
+                case 9: Tile<9>::run(wg, nb, xr, dr, sr, orow, next); break;
+                case 8: Tile<8>::run(wg, nb, xr, dr, sr, orow, next); break;
+                case 7: Tile<7>::run(wg, nb, xr, dr, sr, orow, next); break;
                 case 6: Tile<6>::run(wg, nb, xr, dr, sr, orow, next); break;
                 case 5: Tile<5>::run(wg, nb, xr, dr, sr, orow, next); break;
 #endif
