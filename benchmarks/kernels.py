@@ -1,0 +1,133 @@
+"""This checkout's native kernels against another commit's, side by side: the whole forward of the
+default model on k new rows, by k.
+
+Both sets of kernels are built (the other commit's sources read with `git show`, built once into
+the cache like ours) and loaded into this one process, over the same weights and KV cache; for each
+k the two forwards run in turn, call after call, and the medians are compared, so the machine's
+drift (10-25% between runs here) falls on both alike. A forward is what a decode step, a k-row
+verify or a k-row prefill costs: every decoder layer in one native call, then the output layer on
+the last row. Prints a table with each side's median ms and the base's over ours (above 1: this
+checkout is faster); the last line is JSON.
+
+    python benchmarks/kernels.py [--base HEAD~1] [--rows 1,2,4,6,8,12,16,32] [--runs 40] [--context 300]
+
+SPECSOT_KERNEL_ISA=avx2 holds both sides to their AVX2 code on an AVX-512 machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import cpu_name  # noqa: E402
+
+from specsot_mq import quant  # noqa: E402
+from specsot_mq.loader import load_model  # noqa: E402
+from specsot_mq.model import DecoderLayer  # noqa: E402
+from specsot_mq.pull import resolve_model, specsot_home  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = "specsot_mq/kernels"
+
+
+def build_base(commit: str):
+    """The kernels of `commit`, built as a module of their own. Its Layer class is bound local to
+    its module (older sources bind it globally, which two loaded builds cannot share)."""
+    from torch.utils import cpp_extension
+
+    sha = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=ROOT, capture_output=True, text=True, check=True)
+    tag = sha.stdout.strip()
+    folder = specsot_home() / "kernels" / f"base-{tag}"
+    (folder / "build").mkdir(parents=True, exist_ok=True)
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{commit}:{KERNELS}"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()  # fmt: skip
+    for name in names:
+        text = subprocess.run(["git", "show", f"{commit}:{KERNELS}/{name}"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+        text = text.replace('(m, "Layer", "', '(m, "Layer", py::module_local(), "')
+        path = folder / name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+    return cpp_extension.load(name=f"specsot_base_{tag}", sources=[str(folder / n) for n in names if n.endswith(".cpp")],
+                              build_directory=str(folder / "build"), extra_cflags=["-O3", "-fopenmp"],
+                              extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default="HEAD~1")
+    p.add_argument("--rows", default="1,2,4,6,8,12,16,32")
+    p.add_argument("--runs", type=int, default=40)
+    p.add_argument("--context", type=int, default=300, help="cache entries before the new rows")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Console(soft_wrap=True)
+    ours = quant.native()
+    if ours is None:
+        sys.exit("benchmarks/kernels.py compares native kernels, and this machine has none (see the line above)")
+    kernels = {"base": build_base(args.base), "ours": ours}
+    model = load_model(resolve_model(None), dtype=torch.float32, quantize="auto")
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    linears = [m for m in model.modules() if isinstance(m, quant.QLinear)]
+    stacks = {}  # each side's native layers over the same packed weights
+    for name, kernel in kernels.items():
+        quant._native = kernel
+        for layer in layers:
+            layer.__dict__.pop("_native", None)
+        stacks[name] = [layer.native_weights() for layer in layers]
+
+    def use(name: str) -> None:
+        """Every layer and linear of the model on one side's kernels."""
+        quant._native = kernels[name]
+        for layer, weights in zip(layers, stacks[name]):
+            layer.__dict__["_native"] = weights
+        for linear in linears:
+            linear.kernel = kernels[name]
+
+    rows = [int(k) for k in args.rows.split(",")]
+    cache = model.new_cache(1, args.context + max(rows))
+    ids = torch.randint(0, model.cfg.vocab_size, (1, args.context + max(rows)))
+    times = {(side, k): [] for side in kernels for k in rows}
+    with torch.inference_mode():
+        use("ours")
+        cache.truncate(0, 0)
+        model(ids[:, : args.context], torch.arange(args.context)[None], cache, last_only=True)
+        for k in track(rows, description="forwards by rows", console=out):
+            new, positions = ids[:, args.context : args.context + k], torch.arange(args.context, args.context + k)[None]
+            for run in range(-5, args.runs):  # 5 untimed rounds first: the threads and caches warm up
+                for side in kernels:
+                    use(side)
+                    cache.truncate(0, args.context)
+                    start = time.perf_counter()
+                    model(new, positions, cache, last_only=True)
+                    if run >= 0:
+                        times[(side, k)].append(time.perf_counter() - start)
+    quant._native = ours
+    table = Table(title=f"whole forward of k new rows over {args.context} cached, median ms ({args.runs} runs each, in turn)")
+    for col in ("k", f"base ({args.base})", "ours", "base / ours"):
+        table.add_column(col, justify="right")
+    result = {"base": args.base, "cpu": cpu_name(), "kernel_isa": ours.isa(), "threads": args.threads, "rows": []}
+    for k in rows:
+        base, mine = (statistics.median(times[(side, k)]) * 1e3 for side in ("base", "ours"))
+        table.add_row(str(k), f"{base:.2f}", f"{mine:.2f}", f"{base / mine:.3f}")
+        result["rows"].append({"k": k, "base_ms": round(base, 3), "ours_ms": round(mine, 3), "speedup": round(base / mine, 3)})
+    out.print(f"CPU {cpu_name()} | kernels {ours.isa()} | threads {args.threads}")
+    out.print(table)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
