@@ -22,7 +22,7 @@ import torch
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.layout import new_layout
-from specsot_mq.lookup import NgramIndex
+from specsot_mq.lookup import ListTokens, NgramIndex
 from specsot_mq.model import LlamaModel
 from specsot_mq.openmp import release_pool
 from specsot_mq.prefix_store import Kept, PrefixStore
@@ -119,12 +119,14 @@ class PlainDecoder:
     """One token per sequence per forward; all running sequences share each forward.
 
     With `lookup` (greedy only; a model without a draft head), each sequence also feeds the
-    tokens prompt lookup copies from earlier in it (lookup.py), up to `lookup` tokens per
+    tokens prompt lookup copies from earlier in it (lookup.py; `lists`: how the tokenizer opens a
+    numbered list's items, guessed where a list's line ends), up to `lookup` tokens per
     forward split between the sequences, and keeps those the base model's argmax agrees with,
     plus the next one: the same tokens, in fewer forwards."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, sampler: Sampler, layout: str = "batching", lookup: int = 0):
-        self.model, self.sampler = model, sampler
+    def __init__(self, model: LlamaModel, cache: KVCache, sampler: Sampler, layout: str = "batching", lookup: int = 0,
+                 lists: ListTokens | None = None):  # fmt: skip
+        self.model, self.sampler, self.lists = model, sampler, lists
         self.layout = new_layout(layout, model, cache)
         self.max_sequences = self.layout.max_sequences
         self.lookup = lookup if sampler.params.greedy else 0
@@ -133,7 +135,8 @@ class PlainDecoder:
     def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, SeqState]:
         pre = self.layout.prefill(prompts, shared, prefix_from)
         first = zip(pre.slots, self.sampler(pre.last_logits).tolist())
-        return {slot: SeqState(tok, NgramIndex(prompts[slot] + [tok]) if self.lookup else None) for slot, tok in first}
+        return {slot: SeqState(tok, NgramIndex(prompts[slot] + [tok], lists=self.lists) if self.lookup else None)
+                for slot, tok in first}  # fmt: skip
 
     def step(self, running: dict[int, SeqState]) -> dict[int, list[int]]:
         seqs = sorted(running)  # in slot order: a run of consecutive slots is read in place (KVCache.view)
@@ -345,6 +348,7 @@ class Generator:
             room = (self.tree.depth + 1) * (self.tree.topk + 1)
             self.draft_cache = draft.new_cache(num_slots, max_len + room)
         self.prefixes = PrefixStore(prefix_cache_mb << 20)  # prompt beginnings computed once, see keep_prefix
+        self.lists = ListTokens.of(tokenizer) if tokenizer is not None else None  # prompt lookup's list guesses
         self._model_thread: ThreadPoolExecutor | None = None  # the async APIs' steps run here (on_model_thread)
         eos = set(model.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -374,11 +378,12 @@ class Generator:
         "batching" (a cache slot per sequence) or "bim" (all in one slot, see layout.py)."""
         sampler = Sampler(params, self.model.device)
         if self.draft is None:
-            return PlainDecoder(self.model, self.cache, sampler, layout, self.tree.lookup if self.tree else 0)
+            return PlainDecoder(self.model, self.cache, sampler, layout, self.tree.lookup if self.tree else 0, self.lists)
         from specsot_mq.speculative import EagleDecoder
 
         chooser = self.chooser if params.greedy else None  # sampling: the decoder's own (the tree every step)
-        return EagleDecoder(self.model, self.draft, self.cache, sampler, self.tree, self.draft_cache, layout, chooser)
+        return EagleDecoder(self.model, self.draft, self.cache, sampler, self.tree, self.draft_cache, layout, chooser,
+                            self.lists)  # fmt: skip
 
     def keep_prefix(self, ids: list[int]) -> None:
         """Compute a prompt beginning once and keep it (base KV, and the draft head's KV and

@@ -10,18 +10,76 @@ the rest of the tree, so the output is unchanged.
 
 The index is built incrementally: each token appended registers the n-grams that end just before
 it, so a lookup is n dictionary probes however long the sequence is.
+
+A numbered list is the one place where copying guesses wrong on purpose: after "2. ...\n" the
+latest earlier newline was followed by "2", where "3" comes next. So where the sequence has just
+ended a line that opened with a number and a dot, the guess is the next number and the dot
+(ListTokens; a SoT skeleton is such a list, and so are many answers).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ListTokens:
+    """How one tokenizer writes a numbered list's item openings: each number 1..`top` as tokens,
+    the dot after it, and the line ends."""
+
+    numbers: dict[int, tuple[int, ...]]  # n -> its tokens
+    dot: int
+    newlines: frozenset[int]
+    by_tokens: dict[tuple[int, ...], int] = field(init=False)  # tokens -> n
+
+    top = 99  # numbers beyond it are not guessed
+    scan = 256  # tokens looked back for the line's start
+
+    def __post_init__(self):
+        object.__setattr__(self, "by_tokens", {t: n for n, t in self.numbers.items()})
+
+    @classmethod
+    def of(cls, tokenizer) -> "ListTokens | None":
+        """The tokenizer's list tokens; None where the dot or a newline is not one token of its own."""
+
+        def encode(text: str) -> list[int]:
+            try:
+                return list(tokenizer.encode(text, add_special_tokens=False))
+            except TypeError:  # a tokenizer without special tokens
+                return list(tokenizer.encode(text))
+
+        dot, newline, blank = encode("."), encode("\n"), encode("\n\n")
+        if len(dot) != 1 or len(newline) != 1 or min(dot + newline) < 0:
+            return None
+        numbers = {n: tuple(encode(str(n))) for n in range(1, cls.top + 2)}
+        return cls(numbers, dot[0], frozenset(newline + (blank if len(blank) == 1 else [])))
+
+    def next_item(self, tokens: list[int]) -> list[int]:
+        """When `tokens` just ended a line that opened with "N." (spaces aside, none here), the
+        tokens that open item N + 1: its number, the dot, then the token that followed "N." on
+        that line (a list's items tend to open alike: " **"); else []."""
+        if not tokens or tokens[-1] not in self.newlines:
+            return []
+        start = len(tokens) - 2
+        while start >= 0 and tokens[start] not in self.newlines and len(tokens) - start < self.scan:
+            start -= 1
+        start += 1
+        for width in (1, 2, 3):
+            dot = start + width
+            if dot >= len(tokens) - 1:
+                return []
+            if tokens[dot] == self.dot and (n := self.by_tokens.get(tuple(tokens[start:dot]))) and n + 1 in self.numbers:
+                return [*self.numbers[n + 1], self.dot, *tokens[dot + 1 : dot + 2]]
+        return []
 
 
 class NgramIndex:
     """The latest continuation of every n-gram of one token sequence."""
 
-    def __init__(self, tokens: list[int] = (), max_n: int = 3, min_n: int = 1):
+    def __init__(self, tokens: list[int] = (), max_n: int = 3, min_n: int = 1, lists: ListTokens | None = None):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
-        self.max_n, self.min_n = max_n, min_n
+        self.max_n, self.min_n, self.lists = max_n, min_n, lists
         self.tokens: list[int] = []
         # n -> {n-gram: index of the token that followed its latest occurrence}
         self.after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
@@ -38,11 +96,14 @@ class NgramIndex:
             seq.append(token)
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the sequence's longest
-        matching suffix (max_n tokens first); [] when none occurred before."""
+        """Up to k tokens: the next item's opening where a numbered list's line just ended
+        (`lists`), else those that followed the latest earlier occurrence of the sequence's
+        longest matching suffix (max_n tokens first); [] when none occurred before."""
         seq = self.tokens
         if k < 1:
             return []
+        if self.lists is not None and (item := self.lists.next_item(seq)):
+            return item[:k]
         for n in range(self.max_n, self.min_n - 1, -1):
             if len(seq) > n and (start := self.after[n].get(tuple(seq[-n:]))) is not None:
                 return seq[start : start + k]

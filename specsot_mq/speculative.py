@@ -34,7 +34,7 @@ from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import SeqState
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.layout import new_layout
-from specsot_mq.lookup import NgramIndex
+from specsot_mq.lookup import ListTokens, NgramIndex
 from specsot_mq.model import LlamaModel
 from specsot_mq.prefix_store import Kept
 from specsot_mq.sampling import Sampler
@@ -176,7 +176,8 @@ class SpeedChooser:
 
 class EagleDecoder:
     """Speculative decoding with an EAGLE head; sequence i uses slot i of the draft cache, and of
-    the base cache in the batching layout."""
+    the base cache in the batching layout. `lists`: how the tokenizer opens a numbered list's
+    items, for prompt lookup's guess where a list's line ends (lookup.py)."""
 
     unread_limit = 64  # steps a decision may wait for the draft (bounds the features kept for it)
 
@@ -190,8 +191,9 @@ class EagleDecoder:
         draft_cache: KVCache | None = None,
         layout: str = "batching",
         chooser: SpeedChooser | None = None,
+        lists: ListTokens | None = None,
     ):
-        self.model, self.head, self.sampler = model, head, sampler
+        self.model, self.head, self.sampler, self.lists = model, head, sampler, lists
         self.layout = new_layout(layout, model, cache)  # where the base cache holds each sequence
         self.max_sequences = self.layout.max_sequences
         self.tree = tree or TreeParams()
@@ -261,7 +263,7 @@ class EagleDecoder:
             own = (shared, pre.features[row, : len(prompts[slot]) - shared])
             self.fresh[slot] = (self.fresh.get(slot, []) if slot == prefix_from and pre.prefix_features is not None else []) + [own]
             self.draft_cache.truncate(slot, d0 + len(x))
-            states[slot] = SeqState(root, NgramIndex(prompts[slot] + [root]) if lookup else None,
+            states[slot] = SeqState(root, NgramIndex(prompts[slot] + [root], lists=self.lists) if lookup else None,
                                     logits[row, 0], hidden[row, len(x) - 1])  # fmt: skip
         self.stats.draft_seconds += time.perf_counter() - start
         return states

@@ -3,7 +3,7 @@ building it at once."""
 
 import pytest
 
-from specsot_mq.lookup import NgramIndex
+from specsot_mq.lookup import ListTokens, NgramIndex
 
 CASES = [
     # (name, sequence, k, proposal)
@@ -37,3 +37,70 @@ def test_extending_token_by_token_equals_building_at_once():
 def test_n_range_is_checked():
     with pytest.raises(ValueError, match="min_n"):
         NgramIndex([], max_n=1, min_n=2)
+
+
+# A list's tokens for the tests: number n is its digits as tokens 10 + digit, "." is 1, a newline 2
+# and a blank line 3; words are 50 and up.
+DOT, NL, BLANK = 1, 2, 3
+LISTS = ListTokens({n: tuple(10 + int(c) for c in str(n)) for n in range(1, ListTokens.top + 2)}, DOT,
+                   frozenset({NL, BLANK}))  # fmt: skip
+ONE, TWO, THREE, NINE = (10 + 1,), (10 + 2,), (10 + 3,), (10 + 9,)
+LIST_CASES = [
+    ("after an item's line, the next number, the dot and what followed the last one's dot",
+     [*ONE, DOT, 50, 51, NL, *TWO, DOT, 52, 53, NL], 3, [*THREE, DOT, 52]),
+    ("k bounds it", [*ONE, DOT, 50, NL], 2, [*TWO, DOT]),
+    ("9 is followed by 10, two tokens", [60, NL, *NINE, DOT, 50, NL], 4, [11, 10, DOT, 50]),
+    ("a blank line ends an item too", [*ONE, DOT, 50, BLANK], 2, [*TWO, DOT]),
+    ("a line that is no item: the n-gram guess", [50, 51, NL, 50, 51, NL], 2, [50, 51]),
+    ("a number inside a line is no item: the n-gram guess", [60, *ONE, DOT, 50, NL, 60, *ONE, DOT, 50, NL], 2, [60, *ONE]),
+    ("nothing past the largest number guessed", [*[10 + int(c) for c in str(ListTokens.top + 1)], DOT, 50, NL], 2, []),
+]
+
+
+@pytest.mark.parametrize("name, tokens, k, want", LIST_CASES, ids=[c[0] for c in LIST_CASES])
+def test_numbered_list_guesses(name, tokens, k, want):
+    assert NgramIndex(tokens, lists=LISTS).propose(k) == want
+
+
+class WordTokenizer:
+    """Encodes from a fixed table of whole strings (enough of the API for ListTokens.of)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def encode(self, text, add_special_tokens=True):
+        return self.table(text)
+
+
+def test_list_tokens_come_from_the_tokenizer():
+    digits = lambda text: [10 + int(c) for c in text] if text.isdigit() else {".": [DOT], "\n": [NL], "\n\n": [BLANK]}[text]  # noqa: E731
+    lists = ListTokens.of(WordTokenizer(digits))
+    assert lists.numbers[12] == (11, 12) and lists.dot == DOT and lists.newlines == {NL, BLANK}
+    # a newline written as two tokens: no guesses
+    assert ListTokens.of(WordTokenizer(lambda text: [NL, NL] if text == "\n" else digits(text))) is None
+
+
+@pytest.mark.slow
+def test_a_skeleton_takes_fewer_steps_with_list_guesses_and_the_same_tokens(default_model_dir):
+    """On the real model, a SoT skeleton (a numbered list) decoded with prompt lookup: the list
+    guesses get accepted, so fewer steps give the same tokens."""
+    import torch
+
+    from specsot_mq.generate import Generator
+    from specsot_mq.loader import load_model
+    from specsot_mq.prompts import load_format
+    from specsot_mq.sampling import SamplingParams
+    from specsot_mq.speculative import TreeParams
+    from specsot_mq.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_dir)
+    gen = Generator(load_model(default_model_dir, dtype=torch.float32), tokenizer, max_len=1024,
+                    tree=TreeParams(lookup=2))  # fmt: skip
+    assert gen.lists is not None and gen.lists.dot == tokenizer.encode(".", add_special_tokens=False)[0]
+    prompt = load_format("sot").skeleton_ids(tokenizer, "How can I get better at public speaking?")
+    params = SamplingParams(max_tokens=64, stop=("\n\n",))
+    with_lists = gen.generate(prompt, params)
+    gen.lists = None
+    without = gen.generate(prompt, params)
+    assert with_lists.token_ids == without.token_ids and with_lists.text.count("\n") >= 2
+    assert with_lists.steps < without.steps
