@@ -26,7 +26,7 @@ from specsot_mq.lookup import ListTokens, NgramIndex
 from specsot_mq.model import LlamaModel
 from specsot_mq.openmp import release_pool
 from specsot_mq.prefix_store import Kept, PrefixStore
-from specsot_mq.sampling import Sampler, SamplingParams
+from specsot_mq.sampling import Sampler, SamplingParams, greedy_tokens
 from specsot_mq.stopping import LineWatch, LoopWatch, StopStrings
 from specsot_mq.tokenizer import Detokenizer, chat_prompt_ids
 from specsot_mq.tree import graft, root_only
@@ -158,7 +158,8 @@ class PlainDecoder:
         states = [running[s] for s in seqs]
         chains = [graft(root_only(st.last, self.layout.length(s), dev), st.index.propose(cap)) for s, st in zip(seqs, states)]
         logits, _ = self.layout.forward(seqs, [c.tokens for c in chains], [c.positions for c in chains])  # causal
-        results = [accept_greedy(c, logits[i, : c.size]) for i, c in enumerate(chains)]
+        best = greedy_tokens(logits).tolist()  # every row's argmax in one call
+        results = [accept_greedy(c, best[i][: c.size]) for i, c in enumerate(chains)]
         self.layout.commit(seqs, [[0] + res.nodes for res in results])
         for st, res in zip(states, results):
             st.index.extend(res.tokens)

@@ -37,7 +37,7 @@ from specsot_mq.layout import new_layout
 from specsot_mq.lookup import ListTokens, NgramIndex
 from specsot_mq.model import LlamaModel
 from specsot_mq.prefix_store import Kept
-from specsot_mq.sampling import Sampler
+from specsot_mq.sampling import Sampler, greedy_tokens
 from specsot_mq.tree import DraftTree, TreeSearch, graft, grow_search, make_tree, root_only, select_nodes, start_search
 from specsot_mq.verify import Acceptance, SpecStats, accept_greedy, accept_sampled
 
@@ -286,7 +286,7 @@ class EagleDecoder:
             trees = self.graft_lookup(seqs, states, trees)
         mid = time.perf_counter()
         logits, features = self.verify(seqs, trees)
-        results = [self.accept(tree, logits[i, : tree.size]) for i, tree in enumerate(trees)]
+        results = self.accept(trees, logits)
         self.layout.commit(seqs, [[0] + res.nodes for res in results])  # the root and the accepted path
         end = time.perf_counter()
         # What the step decided goes to the draft before its next tree (draft_extend), not now:
@@ -388,11 +388,13 @@ class EagleDecoder:
         tokens, positions, masks = zip(*((t.tokens, t.positions, t.mask) for t in trees))
         return self.layout.forward(seqs, list(tokens), list(positions), list(masks), self.layers)
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor) -> Acceptance:
-        """Walk one tree given the base logits [N+1, V] at its nodes."""
+    def accept(self, trees: list[DraftTree], logits: torch.Tensor) -> list[Acceptance]:
+        """Walk each tree given the base logits [B, T, V] at its nodes (rows padded)."""
         if self.sampler.params.greedy:
-            return accept_greedy(tree, logits)
-        return accept_sampled(tree, logits, self.sampler.probs, self.head.d2t, self.sampler.generator)
+            best = greedy_tokens(logits).tolist()  # every row's argmax in one call
+            return [accept_greedy(tree, best[i][: tree.size]) for i, tree in enumerate(trees)]
+        return [accept_sampled(tree, logits[i, : tree.size], self.sampler.probs, self.head.d2t, self.sampler.generator)
+                for i, tree in enumerate(trees)]  # fmt: skip
 
     def draft_extend(self, seqs: list[int], states: list[SeqState]) -> None:
         """Feed the draft what the last steps decided (unread), each row in one forward: the

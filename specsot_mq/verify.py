@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specsot_mq.sampling import greedy_tokens, sample
+from specsot_mq.sampling import sample
 from specsot_mq.tree import DraftTree
 
 
@@ -34,9 +34,9 @@ class Acceptance:
     tokens: list[int]  # what the sequence gains: the accepted nodes' tokens, then the bonus token
 
 
-def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:
-    """target_logits [N+1, V]: the base logits at every tree node."""
-    best = greedy_tokens(target_logits).tolist()
+def accept_greedy(tree: DraftTree, best: list[int]) -> Acceptance:
+    """best: the base model's greedy token at every tree node (greedy_tokens of its logits [N+1, V];
+    a decoder picks them for all its trees in one call)."""
     tokens, kids = tree.tokens.tolist(), tree.children()
     node, nodes = 0, []
     while (nxt := next((c for c in kids[node] if tokens[c] == best[node]), None)) is not None:

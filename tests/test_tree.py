@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specsot_mq.tree import graft, grow_search, make_tree, root_only, select_nodes, start_search
+from specsot_mq.sampling import greedy_tokens
 from specsot_mq.verify import accept_greedy, accept_sampled
 
 
@@ -117,11 +118,11 @@ def test_greedy_acceptance_follows_the_argmax_and_adds_the_bonus():
     logits = torch.full((7, 6), -5.0)
     for node, best in [(0, 1), (2, 3), (4, 2)]:  # root -> 1 (node 2) -> 3 (node 4) -> bonus 2
         logits[node, best] = 5.0
-    res = accept_greedy(tree, logits)
+    res = accept_greedy(tree, greedy_tokens(logits).tolist())
     assert res.nodes == [2, 4] and res.tokens == [1, 3, 2]
     logits[0] = 0
     logits[0, 5] = 1.0  # no child of the root is 5
-    assert accept_greedy(tree, logits).tokens == [5]
+    assert accept_greedy(tree, greedy_tokens(logits).tolist()).tokens == [5]
 
 
 GRAFTS = [
@@ -154,10 +155,10 @@ def test_greedy_acceptance_walks_a_grafted_chain():
     logits = torch.full((4, 6), -5.0)
     for node, best in [(0, 3), (1, 1), (2, 4), (3, 2)]:
         logits[node, best] = 5.0
-    assert accept_greedy(tree, logits).tokens == [3, 1, 4, 2]
+    assert accept_greedy(tree, greedy_tokens(logits).tolist()).tokens == [3, 1, 4, 2]
     logits[2] = -5.0
     logits[2, 0] = 5.0  # the base disagrees at the third token
-    assert accept_greedy(tree, logits).tokens == [3, 1, 0]
+    assert accept_greedy(tree, greedy_tokens(logits).tolist()).tokens == [3, 1, 0]
 
 
 def test_graft_refuses_a_sampled_tree():
