@@ -82,7 +82,7 @@ static inline __m512i bcast4_512(const int8_t* p) {
 
 template <int R>
 static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
-                              const float* const* xs, float* const* out, const uint8_t* next) {
+                           const float* const* xs, float* const* out, const uint8_t* next) {
     constexpr int half = 160;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[R];
@@ -113,7 +113,7 @@ static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* x
 
 template <int R>
 static inline void q8_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
-                              const float* const*, float* const* out, const uint8_t* next) {
+                           const float* const*, float* const* out, const uint8_t* next) {
     constexpr int half = 272;
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512 acc[R];
