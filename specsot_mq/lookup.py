@@ -40,7 +40,8 @@ class ListTokens:
 
     @classmethod
     def of(cls, tokenizer) -> "ListTokens | None":
-        """The tokenizer's list tokens; None where the dot or a newline is not one token of its own."""
+        """The tokenizer's list tokens; None where the dot or a newline is not one token of its own
+        (or not a real one: a negative id)."""
 
         def encode(text: str) -> list[int]:
             try:
@@ -55,9 +56,9 @@ class ListTokens:
         return cls(numbers, dot[0], frozenset(newline + (blank if len(blank) == 1 else [])))
 
     def next_item(self, tokens: list[int]) -> list[int]:
-        """When `tokens` just ended a line that opened with "N." (spaces aside, none here), the
-        tokens that open item N + 1: its number, the dot, then the token that followed "N." on
-        that line (a list's items tend to open alike: " **"); else []."""
+        """When `tokens` just ended a line that opened with "N." (at its very start: an indented
+        item is not guessed), the tokens that open item N + 1: its number, the dot, then the token
+        that followed "N." on that line (a list's items tend to open alike: " **"); else []."""
         if not tokens or tokens[-1] not in self.newlines:
             return []
         start = len(tokens) - 2
