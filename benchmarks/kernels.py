@@ -42,14 +42,13 @@ KERNELS = "specsot_mq/kernels"
 
 
 def build_base(commit: str):
-    """The kernels of `commit`, built as a module of their own. Its Layer class is bound local to
-    its module (older sources bind it globally, which two loaded builds cannot share)."""
-    from torch.utils import cpp_extension
-
-    sha = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=ROOT, capture_output=True, text=True, check=True)
-    tag = sha.stdout.strip()
-    folder = specsot_home() / "kernels" / f"base-{tag}"
-    (folder / "build").mkdir(parents=True, exist_ok=True)
+    """The kernels of `commit`, built as a module of their own (quant.build_kernels). Its Layer
+    class is bound local to its module (older sources bind it globally, which two loaded builds
+    cannot share)."""
+    sha = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()  # fmt: skip
+    folder = specsot_home() / "kernels" / f"base-{sha}"  # its sources, kept for the next run
+    folder.mkdir(parents=True, exist_ok=True)
     names = subprocess.run(["git", "ls-tree", "--name-only", f"{commit}:{KERNELS}"], cwd=ROOT, capture_output=True,
                            text=True, check=True).stdout.split()  # fmt: skip
     for name in names:
@@ -57,11 +56,9 @@ def build_base(commit: str):
                               check=True).stdout  # fmt: skip
         text = text.replace('(m, "Layer", "', '(m, "Layer", py::module_local(), "')
         path = folder / name
-        if not path.exists() or path.read_text() != text:
+        if not path.exists() or path.read_text() != text:  # unchanged files keep their times: no rebuild
             path.write_text(text)
-    return cpp_extension.load(name=f"specsot_base_{tag}", sources=[str(folder / n) for n in names if n.endswith(".cpp")],
-                              build_directory=str(folder / "build"), extra_cflags=["-O3", "-fopenmp"],
-                              extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+    return quant.build_kernels(folder, "specsot_base", announce=f"building the kernels of {commit}...")
 
 
 def main(argv=None) -> dict:
@@ -115,14 +112,16 @@ def main(argv=None) -> dict:
                     if run >= 0:
                         times[(side, k)].append(time.perf_counter() - start)
     quant._native = ours
-    table = Table(title=f"whole forward of k new rows over {args.context} cached, median ms ({args.runs} runs each, in turn)")
+    title = f"whole forward of k new rows over {args.context} cached, median ms ({args.runs} runs each, in turn)"
+    table = Table(title=title)
     for col in ("k", f"base ({args.base})", "ours", "base / ours"):
         table.add_column(col, justify="right")
     result = {"base": args.base, "cpu": cpu_name(), "kernel_isa": ours.isa(), "threads": args.threads, "rows": []}
     for k in rows:
         base, mine = (statistics.median(times[(side, k)]) * 1e3 for side in ("base", "ours"))
         table.add_row(str(k), f"{base:.2f}", f"{mine:.2f}", f"{base / mine:.3f}")
-        result["rows"].append({"k": k, "base_ms": round(base, 3), "ours_ms": round(mine, 3), "speedup": round(base / mine, 3)})
+        result["rows"].append({"k": k, "base_ms": round(base, 3), "ours_ms": round(mine, 3),
+                               "speedup": round(base / mine, 3)})  # fmt: skip
     out.print(f"CPU {cpu_name()} | kernels {ours.isa()} | threads {args.threads}")
     out.print(table)
     print(json.dumps(result))

@@ -379,7 +379,8 @@ class Generator:
         "batching" (a cache slot per sequence) or "bim" (all in one slot, see layout.py)."""
         sampler = Sampler(params, self.model.device)
         if self.draft is None:
-            return PlainDecoder(self.model, self.cache, sampler, layout, self.tree.lookup if self.tree else 0, self.lists)
+            lookup = self.tree.lookup if self.tree else 0
+            return PlainDecoder(self.model, self.cache, sampler, layout, lookup, self.lists)
         from specsot_mq.speculative import EagleDecoder
 
         chooser = self.chooser if params.greedy else None  # sampling: the decoder's own (the tree every step)

@@ -40,8 +40,7 @@ class ListTokens:
 
     @classmethod
     def of(cls, tokenizer) -> "ListTokens | None":
-        """The tokenizer's list tokens; None where the dot or a newline is not one token of its own
-        (or not a real one: a negative id)."""
+        """The tokenizer's list tokens; None where the dot or a newline is not one token of its own."""
 
         def encode(text: str) -> list[int]:
             try:
@@ -50,7 +49,7 @@ class ListTokens:
                 return list(tokenizer.encode(text))
 
         dot, newline, blank = encode("."), encode("\n"), encode("\n\n")
-        if len(dot) != 1 or len(newline) != 1 or min(dot + newline) < 0:
+        if len(dot) != 1 or len(newline) != 1:
             return None
         numbers = {n: tuple(encode(str(n))) for n in range(1, cls.top + 2)}
         return cls(numbers, dot[0], frozenset(newline + (blank if len(blank) == 1 else [])))
@@ -69,7 +68,8 @@ class ListTokens:
             dot = start + width
             if dot >= len(tokens) - 1:
                 return []
-            if tokens[dot] == self.dot and (n := self.by_tokens.get(tuple(tokens[start:dot]))) and n + 1 in self.numbers:
+            n = self.by_tokens.get(tuple(tokens[start:dot])) if tokens[dot] == self.dot else None
+            if n is not None and n + 1 in self.numbers:
                 return [*self.numbers[n + 1], self.dot, *tokens[dot + 1 : dot + 2]]
         return []
 

@@ -190,14 +190,24 @@ def _build():
         raise RuntimeError("SPECSOT_NO_NATIVE is set")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise RuntimeError(f"no kernels for {platform.machine()} CPUs")
+    module = build_kernels(_KERNELS, announce="specsot: building the native quantized kernels (once per machine)...")
+    if module.isa() == "none":
+        raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
+    return module
+
+
+def build_kernels(folder: Path, name: str = "specsot_qgemm", announce: str | None = None):
+    """The kernel sources in `folder` (its .cpp files, and the headers they include) built as a
+    module named for them and torch's version, once, under the cache (`announce` goes to stderr
+    when a build is needed). benchmarks/kernels.py builds another commit's sources with it."""
     from torch.utils import cpp_extension
 
     from specsot_mq.pull import specsot_home
 
-    sources = sorted(_KERNELS.glob("*.cpp"))
     digest = hashlib.sha256(torch.__version__.encode())
-    for f in sorted(_KERNELS.iterdir()):
-        digest.update(f.read_bytes())
+    for f in sorted(folder.iterdir()):
+        if f.is_file():
+            digest.update(f.read_bytes())
     tag = digest.hexdigest()[:12]
     build = specsot_home() / "kernels" / tag
     build.mkdir(parents=True, exist_ok=True)
@@ -208,15 +218,12 @@ def _build():
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    if not (build / f"specsot_qgemm_{tag}.so").exists():
-        print("specsot: building the native quantized kernels (once per machine)...", file=sys.stderr)
-    module = cpp_extension.load(
-        name=f"specsot_qgemm_{tag}", sources=[str(s) for s in sources], build_directory=str(build),
+    if announce and not (build / f"{name}_{tag}.so").exists():
+        print(announce, file=sys.stderr)
+    return cpp_extension.load(
+        name=f"{name}_{tag}", sources=[str(s) for s in sorted(folder.glob("*.cpp"))], build_directory=str(build),
         extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
     )  # fmt: skip
-    if module.isa() == "none":
-        raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
-    return module
 
 
 class QLinear(nn.Module):

@@ -108,9 +108,10 @@ class SpeedChooser:
     its recent steps at that batch size, older ones weighing less), and the fastest runs. Each
     other way is tried again (`probe` steps) `probe_every` steps later, then twice as long after
     each try that leaves it behind (up to `max_gap` steps), so that a change (a longer context,
-    text that repeats itself) is seen while a way that keeps losing costs less and less. A Generator keeps one chooser for all its decoders,
-    so what one answer or phase measured serves the next. In greedy decoding every way emits the
-    same tokens (each is lossless), so the choice changes speed only."""
+    text that repeats itself) is seen while a way that keeps losing costs less and less. A
+    Generator keeps one chooser for all its decoders, so what one answer or phase measured serves
+    the next. In greedy decoding every way emits the same tokens (each is lossless), so the choice
+    changes speed only."""
 
     probe = 4  # steps a way runs when it is tried
     probe_every = 64  # steps at a batch size before a way that is not the fastest is tried again...

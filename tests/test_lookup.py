@@ -52,7 +52,8 @@ LIST_CASES = [
     ("9 is followed by 10, two tokens", [60, NL, *NINE, DOT, 50, NL], 4, [11, 10, DOT, 50]),
     ("a blank line ends an item too", [*ONE, DOT, 50, BLANK], 2, [*TWO, DOT]),
     ("a line that is no item: the n-gram guess", [50, 51, NL, 50, 51, NL], 2, [50, 51]),
-    ("a number inside a line is no item: the n-gram guess", [60, *ONE, DOT, 50, NL, 60, *ONE, DOT, 50, NL], 2, [60, *ONE]),
+    ("a number inside a line is no item: the n-gram guess",
+     [60, *ONE, DOT, 50, NL, 60, *ONE, DOT, 50, NL], 2, [60, *ONE]),
     ("nothing past the largest number guessed", [*[10 + int(c) for c in str(ListTokens.top + 1)], DOT, 50, NL], 2, []),
 ]
 
@@ -73,7 +74,8 @@ class WordTokenizer:
 
 
 def test_list_tokens_come_from_the_tokenizer():
-    digits = lambda text: [10 + int(c) for c in text] if text.isdigit() else {".": [DOT], "\n": [NL], "\n\n": [BLANK]}[text]  # noqa: E731
+    marks = {".": [DOT], "\n": [NL], "\n\n": [BLANK]}
+    digits = lambda text: [10 + int(c) for c in text] if text.isdigit() else marks[text]  # noqa: E731
     lists = ListTokens.of(WordTokenizer(digits))
     assert lists.numbers[12] == (11, 12) and lists.dot == DOT and lists.newlines == {NL, BLANK}
     # a newline written as two tokens: no guesses
