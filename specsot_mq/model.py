@@ -59,6 +59,11 @@ class RMSNorm(nn.Module):
         # then the weight. torch's fused kernel without a weight computes exactly the first part
         # (bit for bit, in bf16 and fp32); with the weight inside it would round once, which made
         # the shipped head accept less in bf16 (benchmarks/HISTORY.md).
+        kernel = _native_for(x)
+        if kernel is not None and x.shape[-1] % 8 == 0:
+            # float32 on a CPU with the kernels: the norm they run inside a layer and after the
+            # last one (decoder_layers), the same bits whichever runs it
+            return kernel.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x, x.shape[-1:], None, self.eps)
 
 
@@ -116,7 +121,8 @@ class DecoderLayer(nn.Module):
         kernel = _native_for(x) if self.q_norm is None and isinstance(cache, KVCache) else None
         if kernel is not None and (weights := self.native_weights()) is not None:
             # the whole layer in one native call: the same steps as below, with no Python between
-            return kernel.decoder_layers(x, [weights], layer, cos, sin, cache.k, cache.v, slots, starts, bias, [])[0]
+            return kernel.decoder_layers(x, [weights], layer, cos, sin, cache.k, cache.v, slots, starts, bias, [], None,
+                                         [])[0]
         qkv = self.qkv(x, norm=self.input_norm)
         if kernel is not None and d % 8 == 0:
             # rope, the cache write and attention in one native call, each row's sums in one
@@ -241,6 +247,27 @@ class LlamaModel(nn.Module):
         stack = [layer.native_weights() for layer in self.layers]
         return None if any(layer is None for layer in stack) else stack
 
+    def native_head(self):
+        """The final norm and output layer as the native kernels' `Head`, where decoder_layers can run
+        them after the last layer (a quantized output layer without bias). Worked out once, as
+        DecoderLayer.native_weights."""
+        if "_native_head" not in self.__dict__:
+            lm, kernel = self.lm_head, native()
+            ok = kernel is not None and isinstance(lm, QLinear) and lm.packed is not None and lm.bias is None
+            ok = ok and lm.out_features % GROUP == 0 and self.cfg.hidden_size % 32 == 0
+            self.__dict__["_native_head"] = (
+                kernel.Head(self.norm.weight, self.norm.eps, lm.packed, int(lm.kind[1]), lm.out_features) if ok else None
+            )
+        return self.__dict__["_native_head"]
+
+    def __setattr__(self, name, value):
+        self.__dict__.pop("_native_head", None)
+        super().__setattr__(name, value)
+
+    def _apply(self, *args, **kwargs):
+        self.__dict__.pop("_native_head", None)
+        return super()._apply(*args, **kwargs)
+
     def new_cache(self, num_slots: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         """A cache of `num_slots` sequences of up to `capacity` tokens, in `dtype` (default:
         cache_dtype's choice for this model)."""
@@ -288,10 +315,17 @@ class LlamaModel(nn.Module):
         saved = {}
         x = self.embed(input_ids).to(self.dtype)
         if (stack := self.native_stack(x, cache)) is not None:
-            # every layer in one native call, with one team of threads (decoder_layers)
+            # every layer in one native call, with one team of threads (decoder_layers), and the
+            # final norm and output layer in it too where the kernels run them
             inner = sorted(i for i in want if i < len(self.layers))
-            x, *kept = native().decoder_layers(x, stack, 0, cos, sin, cache.k, cache.v, slots, starts, bias, inner)
+            head = self.native_head()
+            rows = _logit_rows(b, t, last_only, logits_at) if head is not None else []
+            x, logits, *kept = native().decoder_layers(x, stack, 0, cos, sin, cache.k, cache.v, slots, starts, bias,
+                                                       inner, head, rows)  # fmt: skip
             saved.update(zip(inner, kept))
+            if head is not None:
+                saved[self.cfg.num_layers] = x  # through the final norm
+                return ForwardOutput(logits.view(b, -1, logits.shape[-1]), [saved[i] for i in hidden_layers])
         else:
             for i, layer in enumerate(self.layers):
                 if i in want:
@@ -307,6 +341,15 @@ class LlamaModel(nn.Module):
         elif logits_at is not None:
             x = x[torch.arange(b, device=x.device)[:, None], logits_at.view(b, -1)]
         return ForwardOutput(self.lm_head(x), [saved[i] for i in hidden_layers])
+
+
+def _logit_rows(b: int, t: int, last_only: bool, logits_at: torch.Tensor | None) -> list[int]:
+    """Which of a forward's b x t rows (flattened) get logits, as LlamaModel.forward's arguments say."""
+    if last_only:
+        return [i * t + t - 1 for i in range(b)]
+    if logits_at is not None:
+        return [i * t + k for i, ks in enumerate(logits_at.view(b, -1).tolist()) for k in ks]
+    return list(range(b * t))
 
 
 def attention_bias(mask, starts, t, kv_len, window, groups, dtype, device) -> torch.Tensor | None:

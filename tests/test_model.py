@@ -168,21 +168,30 @@ def test_bf16_and_fp32_run_and_agree_roughly(dtype):
     assert (out - hf(ids).logits).abs().max() < 0.1
 
 
-def test_norm_and_rope_round_exactly_as_transformers():
+def test_norm_and_rope_round_exactly_as_transformers(monkeypatch):
     """Bit for bit: RMSNorm in bf16 and fp32 (fp32 inside, rounded, then the weight) and rope in
-    bf16 (the sign-folded sin table against transformers' rotate_half)."""
+    bf16 (the sign-folded sin table against transformers' rotate_half). In fp32 on a CPU with the
+    native kernels, the norm is theirs (the one they run inside a layer): within float rounding."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
+    from specsot_mq import model as model_module
     from specsot_mq.model import LlamaModel, RMSNorm, _rope
 
     g = torch.Generator().manual_seed(0)
+    kernel = model_module.native()
     for dtype in (torch.bfloat16, torch.float32):
         x = (torch.randn(4, 33, 64, generator=g) * 3).to(dtype)
         ref, ours = LlamaRMSNorm(64, eps=1e-5).to(dtype), RMSNorm(64, 1e-5).to(dtype)
         with torch.no_grad():
             ref.weight.copy_(torch.randn(64, generator=g))
             ours.weight.copy_(ref.weight)
+            if dtype == torch.float32 and kernel is not None:
+                native = ours(x)
+                assert torch.equal(native, kernel.rms_norm(x, ours.weight, 1e-5))
+                assert torch.allclose(native, ref(x), rtol=1e-5, atol=1e-6)
+                monkeypatch.setattr(model_module, "native", lambda: None)
             assert torch.equal(ours(x), ref(x)), dtype
+            monkeypatch.undo()
 
     hf = tiny_hf("llama")
     cfg = ours_from_hf(hf).cfg

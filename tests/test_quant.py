@@ -101,18 +101,21 @@ def test_fused_norm_glu_and_residual_match_torch(isa, fused):
 
 
 def test_one_native_call_for_all_layers_computes_what_the_modules_compute(isa, monkeypatch):
-    """A quantized model runs all its layers as one native call (decoder_layers); the same layers
-    module by module (QLinear, attend_cached) give the same bits, logits and hidden states: a
-    prefill, a step of rows at different lengths, and a tree-masked verify."""
+    """A quantized model runs all its layers, the final norm and the output layer as one native call
+    (decoder_layers); the same layers module by module (QLinear, attend_cached, RMSNorm) give the
+    same bits, logits and hidden states: a prefill, a step of rows at different lengths, and a
+    tree-masked verify."""
     from conftest import ours_from_hf, tiny_hf
 
     from specsot_mq.model import DecoderLayer
 
-    model = ours_from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128))
+    model = ours_from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128, vocab_size=112))
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "o", "gate_up", "down")]
-    assert model.layers[0].native_weights() is None  # float linears: module by module
+    assert model.layers[0].native_weights() is None and model.native_head() is None  # float linears: module by module
+    names.append("lm_head")
     model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
     assert all(layer.native_weights() is not None for layer in model.layers)  # the swap was seen
+    assert model.native_head() is not None
     with torch.no_grad():
         assert model.native_stack(torch.zeros(1, 1, 64), model.new_cache(1, 4)) is not None  # one call for all
     gen = torch.Generator().manual_seed(0)
@@ -122,7 +125,8 @@ def test_one_native_call_for_all_layers_computes_what_the_modules_compute(isa, m
     def run():
         cache = model.new_cache(2, 32)
         with torch.no_grad():
-            first = model(prompt, torch.arange(9).expand(2, 9), cache, hidden_layers=(1, 0, len(model.layers)))
+            first = model(prompt, torch.arange(9).expand(2, 9), cache, hidden_layers=(1, 0, len(model.layers)),
+                          logits_at=torch.tensor([[8, 3], [5, 6]]))
             out = [first.logits, *first.hidden]
             cache.truncate(1, 7)
             out.append(model(step, torch.tensor([[9], [7]]), cache).logits)

@@ -389,6 +389,15 @@ static inline float hmax(__m256 v) {
     return top;
 }
 
+// out[0, K) = norm * (x * r), r = 1 / sqrt(mean(x^2) + eps): an RMSNorm of one row (K a multiple of 8).
+void rms_norm(const float* x, int64_t K, const float* norm, float eps, float* out) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K; i += 8) ss = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), ss);
+    const __m256 r = _mm256_set1_ps(1.f / std::sqrt(hsum(ss) / static_cast<float>(K) + eps));
+    for (int64_t i = 0; i < K; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(norm + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), r)));
+}
+
 // Row x of a layer's input, as the layer reads it, quantized: x itself, RMS-normalised and
 // weighted (norm != nullptr), or silu(x[:K]) * x[K:] (glu, x holding 2K floats); then int8 values
 // q, the scale d (x ~ d * q) and d * sum(q) per block of 32 (K a multiple of 32). buf holds K
@@ -398,11 +407,7 @@ void quantize_input(const float* x, int64_t K, const float* norm, float eps, boo
                     float* d, float* s) {
     const float* row = x;
     if (norm != nullptr) {
-        __m256 ss = _mm256_setzero_ps();
-        for (int64_t i = 0; i < K; i += 8) ss = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), ss);
-        const __m256 r = _mm256_set1_ps(1.f / std::sqrt(hsum(ss) / static_cast<float>(K) + eps));
-        for (int64_t i = 0; i < K; i += 8)
-            _mm256_storeu_ps(buf + i, _mm256_mul_ps(_mm256_loadu_ps(norm + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), r)));
+        rms_norm(x, K, norm, eps, buf);
         row = buf;
     } else if (glu) {
         const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();

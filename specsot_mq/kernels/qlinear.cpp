@@ -30,6 +30,7 @@ void attend_group(const float*, const uint16_t*, const uint16_t*, int64_t, int64
                   float*, float*);
 void to_half(const float*, int64_t, uint16_t*);
 void quantize_input(const float*, int64_t, const float*, float, bool, float*, int8_t*, float*, float*);
+void rms_norm(const float*, int64_t, const float*, float, float*);
 }
 
 namespace {
@@ -165,6 +166,23 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N,
     const int64_t grain = std::max<int64_t>(1, 1024 / (nblocks * M));
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
         lin.groups(g0, g1, qp, dp, sp, M, out.data_ptr<float>(), residual.has_value() ? res.data_ptr<float>() : nullptr);
+    });
+    return out;
+}
+
+// norm * (x * r) with r = 1 / sqrt(mean(x^2) + eps) over the last dimension of float32 x (a multiple
+// of 8): the RMSNorm the kernels run inside a layer, so that a norm outside one has the same bits.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor norm, double eps) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() >= 1, "rms_norm wants float32 x");
+    const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
+    TORCH_CHECK(K % 8 == 0 && norm.numel() == K, "rms_norm wants a last dimension of a multiple of 8, the norm's size");
+    x = x.contiguous();
+    const auto w = norm.to(torch::kFloat32).contiguous();
+    auto out = torch::empty_like(x);
+    const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) avx2::rms_norm(xp + m * K, K, wp, static_cast<float>(eps), op + m * K);
     });
     return out;
 }
@@ -459,19 +477,36 @@ struct Layer {
     }
 };
 
+// The model's final RMSNorm and its output layer (a packed weight of N columns), which decoder_layers
+// can run after the last layer with the same team of threads.
+struct Head {
+    torch::Tensor norm, weight;  // weight: what `lin` points into, kept alive
+    float eps;
+    Packed lin;
+
+    Head(torch::Tensor norm_, double eps_, torch::Tensor w, int64_t fmt, int64_t n)
+        : norm(norm_.to(torch::kFloat32).contiguous()), weight(w), eps(static_cast<float>(eps_)), lin(w, fmt, n) {
+        TORCH_CHECK(norm.numel() == lin.K, "head: the norm and the output layer differ in size");
+    }
+};
+
 constexpr int64_t kOwnRows = 4;  // up to this many rows, each thread quantizes them for itself (decoder_layers)
 
 // Decoder layers run one after another on x [B, T, hidden] float32, in one call with one team of
 // threads: each step of a layer (quantizing rows, a linear's column groups, rope + cache writes,
 // attention) is split over the team, with a barrier between steps, so no parallel region is
 // started per step. Layer i reads and writes cache layer first + i of kcache / vcache
-// [layers, slots, KV, capacity, D]; slots, starts and bias as attend_cached takes them. Returns
-// [x after the last layer, then the input of layer i for each i in `save`]. Every value is what
-// the modules compute one by one (each element has one owner thread and a fixed order of sums).
+// [layers, slots, KV, capacity, D]; slots, starts and bias as attend_cached takes them. With a
+// `head`, the final norm then runs on every row and the output layer on rows `logit_rows` (indices
+// into the B * T rows). Returns [x after the last layer (through the head's norm, with a head),
+// the logits [logit_rows, N] (empty without a head), then the input of layer i for each i in
+// `save`]. Every value is what the modules compute one by one (each element has one owner thread
+// and a fixed order of sums).
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shared_ptr<Layer>> layers, int64_t first,
                                           torch::Tensor cos, torch::Tensor sin, torch::Tensor kcache,
                                           torch::Tensor vcache, std::vector<int64_t> slots, std::vector<int64_t> starts,
-                                          std::optional<torch::Tensor> bias, std::vector<int64_t> save) {
+                                          std::optional<torch::Tensor> bias, std::vector<int64_t> save,
+                                          std::shared_ptr<Head> head, std::vector<int64_t> logit_rows) {
     TORCH_CHECK(!layers.empty(), "decoder_layers wants at least one layer");
     const Layer& top = *layers[0];
     const int64_t H = top.H, KV = top.KV, D = top.D, hidden = top.hidden, G = H / KV, F = (H + 2 * KV) * D;
@@ -498,6 +533,12 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
         TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers.size()), "decoder_layers: save index out of range");
         kept.push_back(torch::empty({B, T, hidden}, torch::kFloat32));
     }
+    const int64_t R = head ? static_cast<int64_t>(logit_rows.size()) : 0;
+    TORCH_CHECK(!head || head->lin.K == hidden, "decoder_layers: the head's size differs from the layers'");
+    TORCH_CHECK(R <= M, "decoder_layers: more logit rows than rows");
+    for (const int64_t r : logit_rows) TORCH_CHECK(r >= 0 && r < M, "decoder_layers: logit row out of range");
+    auto logits = torch::empty({R, head ? head->lin.N : 0}, torch::kFloat32);
+    auto normed = head ? torch::empty({B, T, hidden}, torch::kFloat32) : state;
     const int64_t K = std::max({hidden, H * D, inter});
     auto f32 = [](int64_t n) { return torch::empty({std::max<int64_t>(n, 1)}, torch::kFloat32); };
     auto xq_t = torch::empty({M * K}, torch::kInt8);
@@ -560,9 +601,28 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
                 linear(l.linears[2], h, hidden, l.post_norm.data_ptr<float>(), l.post_eps, false, gu, nullptr);
                 linear(l.linears[3], gu, 2 * l.inter, nullptr, 0.f, true, hs, h);
             }
+            if (head) {
+                // the final norm of every row (the features a draft head reads), then the output
+                // layer on the logit rows, quantized as a linear reads them
+                float* xn = normed.data_ptr<float>();
+                const auto [m0, m1] = share(M);
+                for (int64_t m = m0; m < m1; ++m)
+                    avx2::rms_norm(hs + m * hidden, hidden, head->norm.data_ptr<float>(), head->eps, xn + m * hidden);
+#pragma omp barrier
+                const auto [r0, r1] = own ? std::pair<int64_t, int64_t>{0, R} : share(R);
+                const int64_t nb = hidden / 32;
+                for (int64_t r = r0; r < r1; ++r)
+                    avx2::quantize_input(xn + logit_rows[r] * hidden, hidden, nullptr, 0.f, false, buf.data(),
+                                         q8 + r * hidden, qd + r * nb, qs + r * nb);
+                if (!own) {
+#pragma omp barrier
+                }
+                const auto [g0, g1] = share(head->lin.N / 16);
+                head->lin.groups(g0, g1, q8, qd, qs, R, logits.data_ptr<float>(), nullptr);
+            }
         }
     });
-    std::vector<torch::Tensor> out{state};
+    std::vector<torch::Tensor> out{normed, logits};
     out.insert(out.end(), kept.begin(), kept.end());
     return out;
 }
@@ -582,6 +642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("qlinear", &qlinear, "quantized linear: float32 [M, K] x packed weight -> float32 [M, N]",
           py::arg("x"), py::arg("w"), py::arg("fmt"), py::arg("n"), py::arg("norm_weight") = py::none(),
           py::arg("eps") = 0.0, py::arg("glu") = false, py::arg("residual") = py::none());
+    m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as the kernels compute it inside a layer");
     m.def("dequantize_rows", &dequantize_rows, "rows of a packed weight, dequantized to float32");
     m.def("attention", &attention, "grouped-query attention, each query row's sums in cache order");
     m.def("attend_cached", &attend_cached, "rope, KV-cache write and attention of one decoder layer");
@@ -589,6 +650,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def(py::init<torch::Tensor, double, torch::Tensor, int64_t, int64_t, torch::Tensor, int64_t, int64_t,
                       torch::Tensor, double, torch::Tensor, int64_t, int64_t, torch::Tensor, int64_t, int64_t, int64_t,
                       int64_t>());
+    py::class_<Head, std::shared_ptr<Head>>(m, "Head", "the final norm and output layer, as decoder_layers runs them")
+        .def(py::init<torch::Tensor, double, torch::Tensor, int64_t, int64_t>());
     m.def("decoder_layers", &decoder_layers, "decoder layers on quantized weights in one call, one team of threads");
     m.def("int8_peak", &int8_peak, "int8 multiply-adds per second on one thread, as the kernels issue them");
     m.def("isa", &isa, "the instruction set the kernels run with on this CPU ('none': unsupported)");
