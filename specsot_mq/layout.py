@@ -223,8 +223,13 @@ class BimLayout:
         return None
 
     def restore(self, seq: int, kv) -> bool:
-        """False: the branches of one question share one slot, which a snapshot would overwrite."""
-        return False
+        """A snapshot as the next question's shared prefix (prefill with prefix_from=seq then starts
+        its branches after it); False (nothing done) while branches run, whose slot it would overwrite."""
+        if self.pos:
+            return False
+        self.cache.restore(self.slot, kv)
+        self.owner = [-1] * self.cache.lengths[self.slot]
+        return True
 
     def _append(self, seqs, ids, positions, masks, hidden_layers, logits_at=None):
         """One forward of every row's new tokens, appended to the slot; output rows are [1, Q, ...]."""
