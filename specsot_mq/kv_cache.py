@@ -40,6 +40,10 @@ class KVCache:
         self.v = _zeros(shape, dtype, device)
         self.capacity = capacity
         self.lengths = [0] * num_slots
+        # slot -> (prefix id, n): its first n entries are those of every slot with the same id
+        # (copy_prefix made them so, and none has been cut below n since); None: its own
+        self.shared: list[tuple[int, int] | None] = [None] * num_slots
+        self._next_prefix = 0
         self._where: tuple = ((), None, None)  # (slots, starts, T) of the last scattered write, its indices
         self._gather: tuple = ((), None)  # the slots of the last scattered read, their index tensor
 
@@ -71,10 +75,32 @@ class KVCache:
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {length}")
         self.lengths[slot] = length
+        self._forget_below(slot, length)
 
     def reset(self, slot: int | None = None) -> None:
         for s in range(self.num_slots) if slot is None else [slot]:
             self.lengths[s] = 0
+            self.shared[s] = None
+
+    def _forget_below(self, slot: int, position: int) -> None:
+        """Entries from `position` on may change: the slot no longer shares a prefix longer than that."""
+        if self.shared[slot] is not None and position < self.shared[slot][1]:
+            self.shared[slot] = None
+
+    def prefix_sources(self, slots: Sequence[int]) -> tuple[list[int], list[int]] | None:
+        """For a forward over `slots`: where each row may read its shared prefix from (the first row's
+        slot among those sharing it) and its length, 0 where a row reads only its own slot; None where
+        no row shares one. Those slots all run in this forward, so none of their prefixes is being
+        overwritten."""
+        first: dict[tuple[int, int], int] = {}
+        sources, lengths, any_shared = [], [], False
+        for s in slots:
+            key = self.shared[s]
+            src = s if key is None else first.setdefault(key, s)
+            sources.append(src)
+            lengths.append(0 if src == s else key[1])
+            any_shared |= src != s
+        return (sources, lengths) if any_shared else None
 
     # -- data --------------------------------------------------------------------------------
 
@@ -119,6 +145,7 @@ class KVCache:
         n = src.numel()
         if dst + n > self.capacity:
             raise KVCacheOverflow(f"moving {n} entries to position {dst} overflows capacity {self.capacity}")
+        self._forget_below(slot, dst)
         if n:
             # index_select gathers into a new tensor first, so overlapping src/dst ranges are safe.
             self.k[:, slot, :, dst : dst + n].copy_(self.k[:, slot].index_select(2, src))
@@ -137,18 +164,23 @@ class KVCache:
         self.k[:, slot, :, :n].copy_(kv[0])
         self.v[:, slot, :, :n].copy_(kv[1])
         self.lengths[slot] = n
+        self.shared[slot] = None
 
     def copy_prefix(self, src_slot: int, dst_slots: Sequence[int], length: int | None = None) -> None:
         """Give every slot in dst_slots the first `length` entries of src_slot (a shared prompt)."""
         length = self.lengths[src_slot] if length is None else length
         if length > self.lengths[src_slot]:
             raise ValueError(f"slot {src_slot} holds {self.lengths[src_slot]} entries, not {length}")
+        if length and (self.shared[src_slot] is None or self.shared[src_slot][1] != length):
+            self.shared[src_slot] = (self._next_prefix, length)  # the source's first `length`, named
+            self._next_prefix += 1
         for d in dst_slots:
             if d == src_slot:
                 continue
             self.k[:, d, :, :length].copy_(self.k[:, src_slot, :, :length])
             self.v[:, d, :, :length].copy_(self.v[:, src_slot, :, :length])
             self.lengths[d] = length
+            self.shared[d] = self.shared[src_slot] if length else None
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

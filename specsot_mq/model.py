@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
         if kernel is not None and (weights := self.native_weights()) is not None:
             # the whole layer in one native call: the same steps as below, with no Python between
             return kernel.decoder_layers(x, [weights], layer, cos, sin, cache.k, cache.v, slots, starts, bias, [], None,
-                                         [])[0]
+                                         [], [], [])[0]
         qkv = self.qkv(x, norm=self.input_norm)
         if kernel is not None and d % 8 == 0:
             # rope, the cache write and attention in one native call, each row's sums in one
@@ -320,8 +320,10 @@ class LlamaModel(nn.Module):
             inner = sorted(i for i in want if i < len(self.layers))
             head = self.native_head()
             rows = _logit_rows(b, t, last_only, logits_at) if head is not None else []
+            # rows whose slots hold copies of one prefix read it from one of them (KVCache.prefix_sources)
+            sources = cache.prefix_sources(slots) or ([], [])
             x, logits, *kept = native().decoder_layers(x, stack, 0, cos, sin, cache.k, cache.v, slots, starts, bias,
-                                                       inner, head, rows)  # fmt: skip
+                                                       inner, head, rows, *sources)  # fmt: skip
             saved.update(zip(inner, kept))
             if head is not None:
                 saved[self.cfg.num_layers] = x  # through the final norm

@@ -89,6 +89,35 @@ def test_copy_prefix_shares_a_prompt_with_other_slots():
         c.copy_prefix(1, [2], length=4)
 
 
+def test_slots_holding_a_copied_prefix_read_it_from_one_of_them_until_it_is_cut():
+    """copy_prefix names what it copied; a forward over those slots may read that prefix from the
+    first of them (prefix_sources), until a slot's entries below its end may change (truncate,
+    move, restore, reset)."""
+    c = cache(slots=5)
+    c.reserve([0], 4)
+    assert c.prefix_sources([0, 1]) is None  # nothing shared
+    c.copy_prefix(0, [1], length=3)
+    c.copy_prefix(0, [2], length=3)  # one slot at a time: still one prefix
+    assert c.prefix_sources([1, 0, 2]) == ([1, 1, 1], [0, 3, 3])
+    assert c.prefix_sources([3, 2]) is None  # 2 is the only one of them here
+    c.copy_prefix(0, [3], length=2)  # another length: another prefix, with slot 0 now
+    assert c.prefix_sources([1, 2, 3, 0]) == ([1, 1, 3, 3], [0, 3, 0, 2])
+    c.reserve([1, 2], 2)
+    c.truncate(1, 3)  # not below the prefix: still shared
+    c.move(2, [4], 3)
+    assert c.prefix_sources([1, 2]) == ([1, 1], [0, 3])
+    c.truncate(1, 2)
+    assert c.prefix_sources([1, 2]) is None
+    c.move(3, [0], 1)
+    assert c.prefix_sources([0, 3]) is None
+    c.copy_prefix(2, [4], length=3)
+    c.restore(4, c.snapshot(2, 3))
+    assert c.prefix_sources([2, 4]) is None
+    c.copy_prefix(2, [4], length=3)
+    c.reset(2)
+    assert c.prefix_sources([2, 4]) is None
+
+
 def test_overflow_raises_a_clear_error_and_changes_nothing():
     c = cache(capacity=10)
     c.reserve([0, 1], 8)

@@ -139,6 +139,37 @@ def test_one_native_call_for_all_layers_computes_what_the_modules_compute(isa, m
         assert torch.equal(a, b)
 
 
+def test_rows_sharing_a_copied_prefix_read_it_from_one_slot_with_the_same_bits(isa):
+    """Slots that hold copies of one prompt prefix (a question's points) read it from one of them
+    in a batched step, a tree verify and a prefill of suffixes: the logits are the bits of every
+    row reading its own slot."""
+    from conftest import ours_from_hf, tiny_hf
+
+    model = ours_from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128, vocab_size=112))
+    names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "o", "gate_up", "down")] + ["lm_head"]
+    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    prefix, suffix, step = (torch.randint(0, 112, shape, generator=gen) for shape in [(1, 20), (3, 4), (3, 2)])
+    mask = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool).expand(3, 2, 2)
+
+    def run(share: bool):
+        cache = model.new_cache(4, 40)
+        with torch.no_grad():
+            model(prefix, torch.arange(20)[None], cache, slots=[1], last_only=True)
+            for s in (3, 0):
+                cache.copy_prefix(1, [s], 20)
+            if not share:
+                cache.shared = [None] * 4
+            assert (cache.prefix_sources([3, 0, 1]) is not None) == share
+            out = [model(suffix, torch.arange(20, 24).expand(3, 4), cache, slots=[3, 0, 1]).logits]
+            cache.truncate(0, 22)
+            out.append(model(step, torch.tensor([[24, 25], [22, 23], [24, 25]]), cache, slots=[3, 0, 1], mask=mask).logits)
+        return out
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_rows_are_bit_identical_whatever_the_batch(isa, kind):
     torch.manual_seed(1)

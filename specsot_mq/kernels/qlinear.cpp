@@ -352,8 +352,13 @@ struct Placement {
     torch::Tensor lists;
     int64_t B, T, L = 0;
 
+    // prefix_src / prefix_len (empty, or one per batch row): row b reads its first prefix_len[b]
+    // cache entries from slot prefix_src[b], which holds the same ones (a prompt prefix copied into
+    // several slots): rows that share a prefix read it from one place, which the caches then
+    // hold for all of them. The keys and their order are the same, so are the bits.
     Placement(std::vector<int64_t> slots_, std::vector<int64_t> starts_, const std::optional<torch::Tensor>& bias,
-              int64_t B_, int64_t T_, int64_t num_slots, int64_t capacity)
+              int64_t B_, int64_t T_, int64_t num_slots, int64_t capacity, int64_t KV = 0,
+              const std::vector<int64_t>& prefix_src = {}, const std::vector<int64_t>& prefix_len = {})
         : slots(std::move(slots_)), starts(std::move(starts_)), B(B_), T(T_) {
         TORCH_CHECK(static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(starts.size()) == B,
                     "one cache slot and start per batch row");
@@ -364,6 +369,20 @@ struct Placement {
         }
         lists = torch::empty({B * T, std::max<int64_t>(L, 1)}, torch::kInt32);
         counts = visible_keys(bias, B, T, L, lists.data_ptr<int32_t>());
+        if (prefix_src.empty()) return;
+        TORCH_CHECK(static_cast<int64_t>(prefix_src.size()) == B && static_cast<int64_t>(prefix_len.size()) == B,
+                    "one prefix source and length per batch row");
+        for (int64_t b = 0; b < B; ++b) {
+            TORCH_CHECK(prefix_src[b] >= 0 && prefix_src[b] < num_slots && prefix_len[b] >= 0 &&
+                            prefix_len[b] <= starts[b], "a shared prefix must lie in the cache, before the new rows");
+            // key index k of the source slot, counted from this row's slot (rows of D elements)
+            const int64_t offset = (prefix_src[b] - slots[b]) * KV * capacity;
+            for (int64_t t = 0; t < T; ++t) {
+                int32_t* row = lists.data_ptr<int32_t>() + (b * T + t) * L;
+                for (int64_t i = 0; i < counts[b * T + t] && row[i] < prefix_len[b]; ++i)
+                    row[i] = static_cast<int32_t>(row[i] + offset);
+            }
+        }
     }
 };
 
@@ -496,7 +515,8 @@ constexpr int64_t kOwnRows = 4;  // up to this many rows, each thread quantizes 
 // threads: each step of a layer (quantizing rows, a linear's column groups, rope + cache writes,
 // attention) is split over the team, with a barrier between steps, so no parallel region is
 // started per step. Layer i reads and writes cache layer first + i of kcache / vcache
-// [layers, slots, KV, capacity, D]; slots, starts and bias as attend_cached takes them. With a
+// [layers, slots, KV, capacity, D]; slots, starts and bias as attend_cached takes them, prefix_src
+// and prefix_len as Placement (empty: every row reads its own slot). With a
 // `head`, the final norm then runs on every row and the output layer on rows `logit_rows` (indices
 // into the B * T rows). Returns [x after the last layer (through the head's norm, with a head),
 // the logits [logit_rows, N] (empty without a head), then the input of layer i for each i in
@@ -506,7 +526,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
                                           torch::Tensor cos, torch::Tensor sin, torch::Tensor kcache,
                                           torch::Tensor vcache, std::vector<int64_t> slots, std::vector<int64_t> starts,
                                           std::optional<torch::Tensor> bias, std::vector<int64_t> save,
-                                          std::shared_ptr<Head> head, std::vector<int64_t> logit_rows) {
+                                          std::shared_ptr<Head> head, std::vector<int64_t> logit_rows,
+                                          std::vector<int64_t> prefix_src, std::vector<int64_t> prefix_len) {
     TORCH_CHECK(!layers.empty(), "decoder_layers wants at least one layer");
     const Layer& top = *layers[0];
     const int64_t H = top.H, KV = top.KV, D = top.D, hidden = top.hidden, G = H / KV, F = (H + 2 * KV) * D;
@@ -525,7 +546,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
     TORCH_CHECK(first >= 0 && first + static_cast<int64_t>(layers.size()) <= kcache.size(0),
                 "decoder_layers: more layers than the cache holds");
     const int64_t capacity = kcache.size(3), layer_stride = kcache.stride(0);
-    const Placement at(std::move(slots), std::move(starts), bias, B, T, kcache.size(1), capacity);
+    const Placement at(std::move(slots), std::move(starts), bias, B, T, kcache.size(1), capacity, KV, prefix_src,
+                       prefix_len);
 
     auto state = x.contiguous().clone();  // the running hidden state, [B, T, hidden]
     std::vector<torch::Tensor> kept;
