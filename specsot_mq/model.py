@@ -307,14 +307,18 @@ class LlamaModel(nn.Module):
         starts = cache.reserve(slots, t)
         kv_len = max(starts) + t
         cfg = self.cfg
-        bias = attention_bias(mask, starts, t, kv_len, cfg.sliding_window, cfg.q_per_kv, self.dtype, self.device)
         cos = self.rope_cos[positions].unsqueeze(2).to(self.dtype)
         sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)
 
         want = set(hidden_layers)
         saved = {}
         x = self.embed(input_ids).to(self.dtype)
-        if (stack := self.native_stack(x, cache)) is not None:
+        stack = self.native_stack(x, cache)
+        if stack is not None and mask is None and (cfg.sliding_window is None or kv_len <= cfg.sliding_window):
+            bias = None  # causal: the native attention sees each row's keys by its start (Placement)
+        else:
+            bias = attention_bias(mask, starts, t, kv_len, cfg.sliding_window, cfg.q_per_kv, self.dtype, self.device)
+        if stack is not None:
             # every layer in one native call, with one team of threads (decoder_layers), and the
             # final norm and output layer in it too where the kernels run them
             inner = sorted(i for i in want if i < len(self.layers))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from specsot_mq.errors import SpecSotError
+from specsot_mq.quant import native
 
 
 # The CLI's repeat_stop (ask, run, chat) and the benchmarks': SmolLM2-135M often loops, and a run
@@ -55,9 +56,12 @@ class SamplingParams:
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax over the last dimension (the first index on a tie, as argmax), through
-    torch.max: on CPU, over a large vocabulary in bf16, argmax is several times slower
-    (benchmarks/HISTORY.md)."""
+    """The argmax over the last dimension (the first index on a tie, as argmax): float32 logits on
+    a CPU with the native kernels through their scan (a fraction of torch's time on a step's few
+    rows), others through torch.max (on CPU, over a large vocabulary in bf16, argmax is several
+    times slower: benchmarks/HISTORY.md)."""
+    if logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.numel() and (kernel := native()):
+        return kernel.greedy(logits)
     return logits.max(dim=-1).indices
 
 

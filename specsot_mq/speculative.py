@@ -387,7 +387,8 @@ class EagleDecoder:
         """One base forward over every tree; returns (logits [B, T, V], features [B, T, F*H]),
         rows right-padded to the largest tree."""
         tokens, positions, masks = zip(*((t.tokens, t.positions, t.mask) for t in trees))
-        return self.layout.forward(seqs, list(tokens), list(positions), list(masks), self.layers)
+        chains = all(t.parents == list(range(-1, t.size - 1)) for t in trees)  # no branching: causal
+        return self.layout.forward(seqs, list(tokens), list(positions), None if chains else list(masks), self.layers)
 
     def accept(self, trees: list[DraftTree], logits: torch.Tensor) -> list[Acceptance]:
         """Walk each tree given the base logits [B, T, V] at its nodes (rows padded)."""

@@ -139,6 +139,23 @@ def test_one_native_call_for_all_layers_computes_what_the_modules_compute(isa, m
         assert torch.equal(a, b)
 
 
+def test_the_greedy_scan_picks_what_torch_max_picks(isa):
+    """sampling.greedy_tokens on float32 runs the kernels' scan: the index of each row's largest
+    value, the first where several are (ties, a row of -inf), the first NaN where there is one."""
+    from specsot_mq.sampling import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (1, 7, 8, 19, 49152):
+        x = torch.randn(2, 6, vocab, generator=g)
+        x[0, 1] = 3.0
+        x[0, 2, torch.randint(0, vocab, (2,), generator=g)] = float("nan")
+        x[0, 3] = float("-inf")
+        x[0, 4, torch.randint(0, vocab, (3,), generator=g)] = 100.0
+        x[0, 5] = torch.randint(0, 3, (vocab,), generator=g).float()
+        assert torch.equal(greedy_tokens(x), x.max(dim=-1).indices)
+        assert torch.equal(quant.native().greedy(x), x.max(dim=-1).indices)
+
+
 def test_rows_sharing_a_copied_prefix_read_it_from_one_slot_with_the_same_bits(isa):
     """Slots that hold copies of one prompt prefix (a question's points) read it from one of them
     in a batched step, a tree verify and a prefill of suffixes: the logits are the bits of every

@@ -389,6 +389,44 @@ static inline float hmax(__m256 v) {
     return top;
 }
 
+// The index of the largest of x[0, n): the first one where several are, the first NaN where there
+// is one (as torch.max over a dimension). Each lane keeps its first maximum; the lanes' are then
+// compared by value, then index.
+int64_t first_max(const float* x, int64_t n) {
+    int64_t found = 0, i = 0;
+    if (n >= 8) {
+        const int64_t n8 = n - n % 8;
+        __m256 best = _mm256_loadu_ps(x), nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+        __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = at;
+        const __m256i step = _mm256_set1_epi32(8);
+        for (i = 8; i < n8; i += 8) {
+            idx = _mm256_add_epi32(idx, step);
+            const __m256 v = _mm256_loadu_ps(x + i);
+            const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            best = _mm256_blendv_ps(best, v, gt);
+            at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(idx), gt));
+        }
+        if (_mm256_movemask_ps(nan) != 0)
+            for (int64_t k = 0; k < n8; ++k)
+                if (x[k] != x[k]) return k;
+        float vals[8];
+        int32_t where[8];
+        _mm256_storeu_ps(vals, best);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(where), at);
+        found = where[0];
+        for (int j = 1; j < 8; ++j)
+            if (vals[j] > x[found] || (vals[j] == x[found] && where[j] < found)) found = where[j];
+    } else if (x[0] != x[0]) {
+        return 0;
+    }
+    for (i = std::max<int64_t>(i, 1); i < n; ++i) {
+        if (x[i] != x[i]) return i;
+        if (x[i] > x[found]) found = i;
+    }
+    return found;
+}
+
 // out[0, K) = norm * (x * r), r = 1 / sqrt(mean(x^2) + eps): an RMSNorm of one row (K a multiple of 8).
 void rms_norm(const float* x, int64_t K, const float* norm, float eps, float* out) {
     __m256 ss = _mm256_setzero_ps();

@@ -31,6 +31,7 @@ void attend_group(const float*, const uint16_t*, const uint16_t*, int64_t, int64
 void to_half(const float*, int64_t, uint16_t*);
 void quantize_input(const float*, int64_t, const float*, float, bool, float*, int8_t*, float*, float*);
 void rms_norm(const float*, int64_t, const float*, float, float*);
+int64_t first_max(const float*, int64_t);
 }
 
 namespace {
@@ -183,6 +184,24 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor norm, double eps) {
     float* op = out.data_ptr<float>();
     at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m) avx2::rms_norm(xp + m * K, K, wp, static_cast<float>(eps), op + m * K);
+    });
+    return out;
+}
+
+// The greedy token of every row of float32 logits [..., V]: the index of the row's largest value
+// (the first where several are, the first NaN where there is one: torch.max's indices), as int64 [...].
+torch::Tensor greedy(torch::Tensor logits) {
+    TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && logits.dim() >= 1 && logits.size(-1) > 0,
+                "greedy wants float32 logits [..., V]");
+    const auto x = logits.contiguous();
+    const int64_t V = x.size(-1), M = x.numel() / V;
+    auto sizes = x.sizes().vec();
+    sizes.pop_back();
+    auto out = torch::empty(sizes, torch::kInt64);
+    const float* xp = x.data_ptr<float>();
+    int64_t* op = out.data_ptr<int64_t>();
+    at::parallel_for(0, M, std::max<int64_t>(1, (1 << 18) / V), [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) op[m] = avx2::first_max(xp + m * V, V);
     });
     return out;
 }
@@ -368,7 +387,17 @@ struct Placement {
             L = std::max(L, starts[b] + T);
         }
         lists = torch::empty({B * T, std::max<int64_t>(L, 1)}, torch::kInt32);
-        counts = visible_keys(bias, B, T, L, lists.data_ptr<int32_t>());
+        if (bias.has_value()) {
+            counts = visible_keys(bias, B, T, L, lists.data_ptr<int32_t>());
+        } else {  // causal: row (b, t) sees its slot's first starts[b] + t + 1 entries
+            counts.assign(B * T, 0);
+            for (int64_t b = 0; b < B; ++b)
+                for (int64_t t = 0; t < T; ++t) {
+                    int32_t* row = lists.data_ptr<int32_t>() + (b * T + t) * L;
+                    counts[b * T + t] = starts[b] + t + 1;
+                    for (int64_t k = 0; k < counts[b * T + t]; ++k) row[k] = static_cast<int32_t>(k);
+                }
+        }
         if (prefix_src.empty()) return;
         TORCH_CHECK(static_cast<int64_t>(prefix_src.size()) == B && static_cast<int64_t>(prefix_len.size()) == B,
                     "one prefix source and length per batch row");
@@ -433,8 +462,8 @@ void check_cache_layer(const torch::Tensor& kcache, const torch::Tensor& vcache,
 // fused projection's output), cos and sin [B, T, D], kcache and vcache [slots, KV, capacity, D]
 // (the layer's cache, float32 or float16, written in place: fp16 rounds to nearest even), batch
 // row b at cache slot slots[b] from position starts[b]. Rotates q and k, stores k and v, attends as
-// `attention` does (bias over the L = max(starts) + T first positions, or None) and returns
-// [B, T, H * D].
+// `attention` does (bias over the L = max(starts) + T first positions, or None: causal, row (b, t)
+// seeing its slot's first starts[b] + t + 1 entries) and returns [B, T, H * D].
 torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kcache,
                             torch::Tensor vcache, std::vector<int64_t> slots, std::vector<int64_t> starts,
                             std::optional<torch::Tensor> bias, int64_t H, int64_t KV) {
@@ -664,6 +693,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("qlinear", &qlinear, "quantized linear: float32 [M, K] x packed weight -> float32 [M, N]",
           py::arg("x"), py::arg("w"), py::arg("fmt"), py::arg("n"), py::arg("norm_weight") = py::none(),
           py::arg("eps") = 0.0, py::arg("glu") = false, py::arg("residual") = py::none());
+    m.def("greedy", &greedy, "each row's first largest value's index (torch.max over the last dimension)");
     m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as the kernels compute it inside a layer");
     m.def("dequantize_rows", &dequantize_rows, "rows of a packed weight, dequantized to float32");
     m.def("attention", &attention, "grouped-query attention, each query row's sums in cache order");
