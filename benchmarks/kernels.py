@@ -34,7 +34,7 @@ from decode import cpu_name  # noqa: E402
 
 from specsot_mq import quant  # noqa: E402
 from specsot_mq.loader import load_model  # noqa: E402
-from specsot_mq.model import DecoderLayer  # noqa: E402
+from specsot_mq.model import DecoderLayer, attention_bias  # noqa: E402
 from specsot_mq.pull import resolve_model, specsot_home  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,29 @@ def build_base(commit: str):
         path = folder / name
         if not path.exists() or path.read_text() != text:  # unchanged files keep their times: no rebuild
             path.write_text(text)
-    return quant.build_kernels(folder, "specsot_base", announce=f"building the kernels of {commit}...")
+    return Older(quant.build_kernels(folder, "specsot_base", announce=f"building the kernels of {commit}..."),
+                 quant.native())
+
+
+class Older:
+    """Another commit's kernels as this checkout's model calls them. Kernels from before the fused
+    output layer (no `Head`) get a causal forward's attention bias built here, as the model built it
+    for them (theirs read a missing bias as every key visible), and this checkout's functions they
+    lack (the standalone RMSNorm, the greedy scan); the model runs its norm and output layer outside
+    them, as it did then (main() clears its head on their side)."""
+
+    def __init__(self, module, ours):
+        self.module, self.ours, self.fused_head = module, ours, hasattr(module, "Head")
+        self.groups = 1  # the model's q heads per kv head (main() sets it)
+
+    def __getattr__(self, name):
+        return getattr(self.module if hasattr(self.module, name) else self.ours, name)
+
+    def decoder_layers(self, x, layers, first, cos, sin, k, v, slots, starts, bias, save, *extra):
+        if bias is None and not self.fused_head:
+            t = x.shape[1]
+            bias = attention_bias(None, starts, t, max(starts) + t, None, self.groups, torch.float32, x.device)
+        return self.module.decoder_layers(x, layers, first, cos, sin, k, v, slots, starts, bias, save, *extra)
 
 
 def main(argv=None) -> dict:
@@ -76,6 +98,7 @@ def main(argv=None) -> dict:
         sys.exit("benchmarks/kernels.py compares native kernels, and this machine has none (see the line above)")
     kernels = {"base": build_base(args.base), "ours": ours}
     model = load_model(resolve_model(None), dtype=torch.float32, quantize="auto")
+    kernels["base"].groups = model.cfg.q_per_kv
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     linears = [m for m in model.modules() if isinstance(m, quant.QLinear)]
     stacks = {}  # each side's native layers over the same packed weights
@@ -92,6 +115,9 @@ def main(argv=None) -> dict:
             layer.__dict__["_native"] = weights
         for linear in linears:
             linear.kernel = kernels[name]
+        model.__dict__.pop("_native_head", None)
+        if not getattr(kernels[name], "fused_head", True):
+            model.__dict__["_native_head"] = None  # its output layer runs on its own (qlinear)
 
     rows = [int(k) for k in args.rows.split(",")]
     cache = model.new_cache(1, args.context + max(rows))

@@ -121,8 +121,7 @@ class DecoderLayer(nn.Module):
         kernel = _native_for(x) if self.q_norm is None and isinstance(cache, KVCache) else None
         if kernel is not None and (weights := self.native_weights()) is not None:
             # the whole layer in one native call: the same steps as below, with no Python between
-            return kernel.decoder_layers(x, [weights], layer, cos, sin, cache.k, cache.v, slots, starts, bias, [], None,
-                                         [], [], [])[0]
+            return kernel.decoder_layers(x, [weights], layer, cos, sin, cache.k, cache.v, slots, starts, bias, [])[0]
         qkv = self.qkv(x, norm=self.input_norm)
         if kernel is not None and d % 8 == 0:
             # rope, the cache write and attention in one native call, each row's sums in one
@@ -325,9 +324,10 @@ class LlamaModel(nn.Module):
             head = self.native_head()
             rows = _logit_rows(b, t, last_only, logits_at) if head is not None else []
             # rows whose slots hold copies of one prefix read it from one of them (KVCache.prefix_sources)
-            sources = cache.prefix_sources(slots) or ([], [])
-            x, logits, *kept = native().decoder_layers(x, stack, 0, cos, sin, cache.k, cache.v, slots, starts, bias,
-                                                       inner, head, rows, *sources)  # fmt: skip
+            sources = cache.prefix_sources(slots)
+            extra = (head, rows, *(sources or ([], []))) if head is not None or sources else ()
+            x, *kept = native().decoder_layers(x, stack, 0, cos, sin, cache.k, cache.v, slots, starts, bias, inner, *extra)
+            logits = kept.pop(0) if head is not None else None  # with a head, its logits follow the state
             saved.update(zip(inner, kept))
             if head is not None:
                 saved[self.cfg.num_layers] = x  # through the final norm

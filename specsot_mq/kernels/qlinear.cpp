@@ -545,12 +545,11 @@ constexpr int64_t kOwnRows = 4;  // up to this many rows, each thread quantizes 
 // attention) is split over the team, with a barrier between steps, so no parallel region is
 // started per step. Layer i reads and writes cache layer first + i of kcache / vcache
 // [layers, slots, KV, capacity, D]; slots, starts and bias as attend_cached takes them, prefix_src
-// and prefix_len as Placement (empty: every row reads its own slot). With a
-// `head`, the final norm then runs on every row and the output layer on rows `logit_rows` (indices
-// into the B * T rows). Returns [x after the last layer (through the head's norm, with a head),
-// the logits [logit_rows, N] (empty without a head), then the input of layer i for each i in
-// `save`]. Every value is what the modules compute one by one (each element has one owner thread
-// and a fixed order of sums).
+// and prefix_len as Placement (empty: every row reads its own slot). With a `head`, the final norm
+// then runs on every row and the output layer on rows `logit_rows` (indices into the B * T rows).
+// Returns [x after the last layer (through the head's norm, with a head), with a head the logits
+// [logit_rows, N], then the input of layer i for each i in `save`]. Every value is what the
+// modules compute one by one (each element has one owner thread and a fixed order of sums).
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shared_ptr<Layer>> layers, int64_t first,
                                           torch::Tensor cos, torch::Tensor sin, torch::Tensor kcache,
                                           torch::Tensor vcache, std::vector<int64_t> slots, std::vector<int64_t> starts,
@@ -673,7 +672,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
             }
         }
     });
-    std::vector<torch::Tensor> out{normed, logits};
+    std::vector<torch::Tensor> out{normed};
+    if (head) out.push_back(logits);
     out.insert(out.end(), kept.begin(), kept.end());
     return out;
 }
@@ -704,7 +704,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                       int64_t>());
     py::class_<Head, std::shared_ptr<Head>>(m, "Head", "the final norm and output layer, as decoder_layers runs them")
         .def(py::init<torch::Tensor, double, torch::Tensor, int64_t, int64_t>());
-    m.def("decoder_layers", &decoder_layers, "decoder layers on quantized weights in one call, one team of threads");
+    m.def("decoder_layers", &decoder_layers, "decoder layers on quantized weights in one call, one team of threads",
+          py::arg("x"), py::arg("layers"), py::arg("first"), py::arg("cos"), py::arg("sin"), py::arg("kcache"),
+          py::arg("vcache"), py::arg("slots"), py::arg("starts"), py::arg("bias"), py::arg("save"),
+          py::arg("head") = py::none(), py::arg("logit_rows") = std::vector<int64_t>{},
+          py::arg("prefix_src") = std::vector<int64_t>{}, py::arg("prefix_len") = std::vector<int64_t>{});
     m.def("int8_peak", &int8_peak, "int8 multiply-adds per second on one thread, as the kernels issue them");
     m.def("isa", &isa, "the instruction set the kernels run with on this CPU ('none': unsupported)");
 }
