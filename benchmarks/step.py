@@ -293,6 +293,10 @@ def main(argv=None) -> dict:
         prompt = torch.randint(0, model.cfg.vocab_size, (1, CONTEXT), generator=gen)
         model(prompt, torch.arange(CONTEXT)[None], cache, last_only=True)
         cache.copy_prefix(0, range(1, cache.num_slots))
+        # Each row reads its own slot (as a batch of separate requests does; a question's points
+        # read their shared prefix from one slot, KVCache.prefix_sources), and the shapes set
+        # lengths directly below, which that bookkeeping does not follow.
+        cache.shared = [None] * cache.num_slots
         bandwidth = measure_bandwidth()
         with Progress(console=Console(stderr=True), transient=True) as bar:
             for b, t, stride in bar.track(SHAPES, description="shapes"):
