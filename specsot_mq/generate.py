@@ -154,9 +154,8 @@ class PlainDecoder:
         one path, verified and accepted as the EAGLE decoder's are)."""
         start = time.perf_counter()
         cap = min(self.lookup // len(seqs), self.layout.room(seqs) - 1)
-        dev = self.model.device
         states = [running[s] for s in seqs]
-        chains = [graft(root_only(st.last, self.layout.length(s), dev), st.index.propose(cap)) for s, st in zip(seqs, states)]
+        chains = [graft(root_only(st.last, self.layout.length(s)), st.index.propose(cap)) for s, st in zip(seqs, states)]
         logits, _ = self.layout.forward(seqs, [c.tokens for c in chains], [c.positions for c in chains])  # causal
         best = greedy_tokens(logits).tolist()  # every row's argmax in one call
         results = [accept_greedy(c, best[i][: c.size]) for i, c in enumerate(chains)]

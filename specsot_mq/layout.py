@@ -110,20 +110,14 @@ class SlotLayout:
         self.starts = [self.cache.lengths[s] for s in seqs]
         lens = [len(x) for x in ids]
         t = max(lens)
-        if t == 1:  # a plain step
-            tokens = torch.as_tensor([list(x) for x in ids], device=dev)
-            pos = torch.as_tensor([list(p) for p in positions], device=dev)
-            mask = None
-        else:  # padding goes last: causal rows never see it; under a mask, padding sees only itself
-            tokens = torch.zeros(len(seqs), t, dtype=torch.long, device=dev)
-            pos = torch.zeros(len(seqs), t, dtype=torch.long, device=dev)
-            mask = None if masks is None else torch.eye(t, dtype=torch.bool, device=dev).repeat(len(seqs), 1, 1)
-            for i, (x, p, n) in enumerate(zip(ids, positions, lens)):
-                tokens[i, :n] = torch.as_tensor(x, device=dev)
-                pos[i, :n] = torch.as_tensor(p, device=dev)
-                pos[i, n:] = pos[i, 0]
-                if mask is not None:
-                    mask[i, :n, :n] = masks[i]
+        # padding goes last: causal rows never see it; under a mask, padding sees only itself
+        tokens = torch.tensor([list(x) + [0] * (t - n) for x, n in zip(ids, lens)], device=dev)
+        pos = torch.tensor([list(p) + [p[0]] * (t - n) for p, n in zip(positions, lens)], device=dev)
+        mask = None
+        if masks is not None and t > 1:
+            mask = torch.eye(t, dtype=torch.bool, device=dev).repeat(len(seqs), 1, 1)
+            for i, n in enumerate(lens):
+                mask[i, :n, :n] = masks[i]
         out = self.model(tokens, pos, self.cache, slots=seqs, mask=mask, hidden_layers=hidden_layers)
         return out.logits, torch.cat(out.hidden, -1) if hidden_layers else None
 

@@ -306,8 +306,9 @@ class LlamaModel(nn.Module):
         starts = cache.reserve(slots, t)
         kv_len = max(starts) + t
         cfg = self.cfg
-        cos = self.rope_cos[positions].unsqueeze(2).to(self.dtype)
-        sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)
+        at = positions.reshape(-1)
+        cos = self.rope_cos.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
+        sin = self.rope_sin.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
 
         want = set(hidden_layers)
         saved = {}

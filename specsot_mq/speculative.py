@@ -293,7 +293,8 @@ class EagleDecoder:
         # What the step decided goes to the draft before its next tree (draft_extend), not now:
         # while the batch is too large to draft for, the head is never run.
         for i, (st, res) in enumerate(zip(states, results)):
-            st.unread.append((res.tokens, features[i, [0] + res.nodes]))
+            kept = [0] + res.nodes  # a path down a chain is a slice (a view, no copy)
+            st.unread.append((res.tokens, features[i, : len(kept)] if kept[-1] == len(res.nodes) else features[i, kept]))
             st.last = res.tokens[-1]
             if st.index is not None:
                 st.index.extend(res.tokens)
@@ -344,7 +345,7 @@ class EagleDecoder:
         dev = self.model.device
         lengths = [self.layout.length(s) for s in seqs]
         if not budget:
-            return [root_only(st.last, n, dev) for st, n in zip(states, lengths)]
+            return [root_only(st.last, n) for st, n in zip(states, lengths)]
         gen = None if self.sampler.params.greedy else self.sampler.generator
         logq, q = self._draft_dist(torch.stack([s.logits for s in states]))
         search = start_search(logq, tp.topk, gen)
@@ -386,9 +387,8 @@ class EagleDecoder:
     def verify(self, seqs: list[int], trees: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor]:
         """One base forward over every tree; returns (logits [B, T, V], features [B, T, F*H]),
         rows right-padded to the largest tree."""
-        tokens, positions, masks = zip(*((t.tokens, t.positions, t.mask) for t in trees))
-        chains = all(t.parents == list(range(-1, t.size - 1)) for t in trees)  # no branching: causal
-        return self.layout.forward(seqs, list(tokens), list(positions), None if chains else list(masks), self.layers)
+        masks = None if all(t.mask is None for t in trees) else [t.attention_mask() for t in trees]  # None: causal
+        return self.layout.forward(seqs, [t.tokens for t in trees], [t.positions for t in trees], masks, self.layers)
 
     def accept(self, trees: list[DraftTree], logits: torch.Tensor) -> list[Acceptance]:
         """Walk each tree given the base logits [B, T, V] at its nodes (rows padded)."""

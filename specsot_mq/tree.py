@@ -30,17 +30,23 @@ class DraftTree:
     """One sequence's tree to verify: the root (already decided) first, then the drafted nodes in
     creation order, so every parent comes before its children and siblings are in draw order."""
 
-    tokens: torch.Tensor  # [N+1] base token ids, root first
+    tokens: list[int]  # base token ids, root first
     parents: list[int]  # parent index of each node; -1 for the root
-    depths: torch.Tensor  # [N+1] 0 for the root
-    mask: torch.Tensor  # [N+1, N+1] bool, mask[i, j] = node j is node i or one of its ancestors
-    positions: torch.Tensor  # [N+1] rope positions: root position + depth
+    depths: list[int]  # 0 for the root
+    # [N+1, N+1] bool, mask[i, j] = node j is node i or one of its ancestors; None for a chain (each
+    # node the child of the one before: the mask is causal)
+    mask: torch.Tensor | None
+    positions: list[int]  # rope positions: root position + depth
     q: torch.Tensor | None  # [N+1, Vd] draft distribution at each node (unused for leaves); None when greedy
 
     @property
     def size(self) -> int:
         """Tokens in the verify pass (root included)."""
         return len(self.parents)
+
+    def attention_mask(self) -> torch.Tensor:
+        """The mask, also for a chain."""
+        return self.mask if self.mask is not None else torch.ones(self.size, self.size, dtype=torch.bool).tril()
 
     def children(self) -> list[list[int]]:
         """Each node's children, in draw order."""
@@ -150,15 +156,17 @@ def make_tree(search: TreeSearch, row: int, kept: list[int], root_token: int, ro
     parents = [-1] + [where[p] for p in search.parents[row, kept].tolist()]  # KeyError: not ancestor-closed
     n = len(parents)
     dev = search.ids.device
-    mask = torch.zeros(n, n, dtype=torch.bool, device=dev)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            mask[i] = mask[p]
-        mask[i, i] = True
+    mask = None  # a chain
+    if parents != list(range(-1, n - 1)):
+        mask = torch.zeros(n, n, dtype=torch.bool, device=dev)
+        for i, p in enumerate(parents):
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
     kept_t = torch.tensor(kept, dtype=torch.long, device=dev)
-    tokens = torch.cat([torch.tensor([root_token], device=dev), d2t[search.ids[row, kept_t]].to(dev)])
-    depths = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), search.depths[row, kept_t]])
-    return DraftTree(tokens, parents, depths, mask, root_position + depths, q)
+    tokens = [root_token] + d2t[search.ids[row, kept_t]].tolist()
+    depths = [0] + search.depths[row, kept_t].tolist()
+    return DraftTree(tokens, parents, depths, mask, [root_position + d for d in depths], q)
 
 
 def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
@@ -169,7 +177,7 @@ def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
     distribution, so tree.q must be None."""
     if tree.q is not None:
         raise ValueError("graft is for greedy trees (a grafted node has no draft distribution)")
-    tokens, parents = tree.tokens.tolist(), list(tree.parents)
+    tokens, parents = list(tree.tokens), list(tree.parents)
     kids = tree.children()
     node, new = 0, []
     for token in chain:
@@ -183,26 +191,20 @@ def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
             node = same
     if not new:
         return tree
-    n, dev = len(parents), tree.tokens.device
-    mask = torch.zeros(n, n, dtype=torch.bool, device=dev)
-    mask[: tree.size, : tree.size] = tree.mask
-    depths = tree.depths.tolist()
+    depths = list(tree.depths)
     for i in new:
-        mask[i] = mask[parents[i]]
-        mask[i, i] = True
         depths.append(depths[parents[i]] + 1)
-    depths_t = torch.tensor(depths, device=dev)
-    root_position = int(tree.positions[0])
-    return DraftTree(torch.tensor(tokens, device=dev), parents, depths_t, mask, root_position + depths_t, None)
+    mask = None  # still a chain (a root, or a chain, with the path below its last node)
+    if tree.mask is not None or new[0] != tree.size or parents[new[0]] != tree.size - 1:
+        n = len(parents)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask[: tree.size, : tree.size] = tree.attention_mask()
+        for i in new:
+            mask[i] = mask[parents[i]]
+            mask[i, i] = True
+    return DraftTree(tokens, parents, depths, mask, [tree.positions[0] + d for d in depths], None)
 
 
-def root_only(root_token: int, root_position: int, device: torch.device | str = "cpu") -> DraftTree:
+def root_only(root_token: int, root_position: int) -> DraftTree:
     """A tree with nothing drafted: verifying it is a plain decoding step."""
-    return DraftTree(
-        tokens=torch.tensor([root_token], device=device),
-        parents=[-1],
-        depths=torch.zeros(1, dtype=torch.long, device=device),
-        mask=torch.ones(1, 1, dtype=torch.bool, device=device),
-        positions=torch.tensor([root_position], device=device),
-        q=None,
-    )
+    return DraftTree(tokens=[root_token], parents=[-1], depths=[0], mask=None, positions=[root_position], q=None)

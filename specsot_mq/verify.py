@@ -37,7 +37,7 @@ class Acceptance:
 def accept_greedy(tree: DraftTree, best: list[int]) -> Acceptance:
     """best: the base model's greedy token at every tree node (greedy_tokens of its logits [N+1, V];
     a decoder picks them for all its trees in one call)."""
-    tokens, kids = tree.tokens.tolist(), tree.children()
+    tokens, kids = tree.tokens, tree.children()
     node, nodes = 0, []
     while (nxt := next((c for c in kids[node] if tokens[c] == best[node]), None)) is not None:
         nodes.append(nxt)
@@ -57,7 +57,7 @@ def accept_sampled(
     are processed: top-p sorts the whole vocabulary, which costs more than the walk itself.
     tree.q holds the draft distributions the children were drawn from (over draft ids, which d2t
     maps to base ids); generator: the request's random generator."""
-    tokens, kids = tree.tokens.tolist(), tree.children()
+    tokens, kids = tree.tokens, tree.children()
     node, nodes = 0, []
     while True:
         p = process(target_logits[node : node + 1])[0]

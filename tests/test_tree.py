@@ -73,14 +73,15 @@ def test_tree_construction(name, draft, topk, depth, num_nodes, tokens, parents,
 def check_tree(tree, tokens, parents, depths):
     """The tree (root 100 at position 7) has these tokens after the root, parents and depths,
     positions by depth, and the ancestor-or-self mask."""
-    assert tree.tokens.tolist() == [100] + tokens
+    assert tree.tokens == [100] + tokens
     assert tree.parents == parents
-    assert tree.depths.tolist() == depths
-    assert tree.positions.tolist() == [7 + d for d in depths]
+    assert tree.depths == depths
+    assert tree.positions == [7 + d for d in depths]
     expected = torch.eye(len(parents), dtype=torch.bool)
     for i in range(1, len(parents)):
         expected[i] |= expected[parents[i]]
-    assert torch.equal(tree.mask, expected)
+    assert torch.equal(tree.attention_mask(), expected)
+    assert (tree.mask is None) == (parents == list(range(-1, len(parents) - 1)))  # None: a chain
 
 
 def test_mask_of_a_branching_tree_is_ancestor_or_self():
@@ -152,6 +153,7 @@ def test_graft_merges_a_chain_into_the_tree(name, chain, tokens, parents):
 
 def test_greedy_acceptance_walks_a_grafted_chain():
     tree = graft(root_only(100, 7), [3, 1, 4])
+    check_tree(tree, [3, 1, 4], [-1, 0, 1, 2], [0, 1, 2, 3])  # a chain: its mask is causal
     logits = torch.full((4, 6), -5.0)
     for node, best in [(0, 3), (1, 1), (2, 4), (3, 2)]:
         logits[node, best] = 5.0
