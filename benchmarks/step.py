@@ -2,7 +2,8 @@
 
 For each shape (B rows x T new tokens over a K-token cache; a causal mask over the new tokens
 when T > 1, as a draft chain has, rows at different lengths when B > 1, in consecutive cache
-slots or in every other one) it times the whole
+slots or in every other one, and rows whose slots hold copies of one prompt prefix, read from one
+slot as a question's points read theirs) it times the whole
 forward, then the same forward again module by module with its linear layers (by kind), its
 attention and its KV-cache writes timed call by call (medians over the runs, as for the whole
 forward). With the native kernels the first forward runs all layers in one call with one team
@@ -18,7 +19,8 @@ parameters at the fp32 matmul rate for widened ones), with ours in G multiply-ad
 and the whole forward of k new tokens (what a k-row verify costs: with the native kernels the
 linears run inside one call for all layers, without a parallel region per linear);
 and after the forward table, picking the greedy tokens from
-the logits, by argmax and by torch.max (what the decoders use: sampling.greedy_tokens). A
+the logits, by argmax and by what the decoders use (sampling.greedy_tokens: the kernels' scan on
+float32 logits, else torch.max). A
 second table, once per batch size: drawing a token per row at temperature 1, top-p 0.95 (from
 the logits of the model writing its own answer to an MT-bench question), by sorting the whole
 vocabulary and torch.multinomial against the Sampler (top-p over the top 1024 first, an
@@ -62,6 +64,10 @@ from specsot_mq.sampling import Sampler, SamplingParams, greedy_tokens  # noqa: 
 # SoT's and at train-draft's batch sizes
 SHAPES = [(1, 1, 1), (1, 5, 1), (1, 9, 1), (1, 17, 1), (4, 1, 1), (5, 1, 1), (5, 3, 1), (8, 1, 1), (8, 2, 1),
           (8, 1, 2), (32, 1, 1), (32, 1, 2)]
+# and rows whose slots hold copies of one prompt's first SHARED entries (a question's points), which
+# they read from one slot (KVCache.prefix_sources), beside the same rows reading their own slots
+SHARED_SHAPES = [(5, 1, 1), (8, 1, 1)]
+SHARED = 250
 CONTEXT = 300  # cached tokens before the step (rows at different lengths: 300, 293, 286, ...)
 KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
 LINEARS = (model_module.Linear, QLinear)
@@ -142,13 +148,14 @@ def step_inputs(b: int, t: int, vocab: int, gen: torch.Generator):
     return ids, positions, mask, lengths
 
 
-def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.Generator) -> dict:
+def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.Generator, shared: bool = False) -> dict:
     ids, positions, mask, lengths = step_inputs(b, t, model.cfg.vocab_size, gen)
     slots = range(0, b * stride, stride)
 
     def forward():
         for slot, n in zip(slots, lengths):
             cache.lengths[slot] = n  # every slot holds the 300-token prompt: any shorter length is valid
+            cache.shared[slot] = (-1, SHARED) if shared else None  # as copy_prefix names a copied prefix
         return model(ids, positions, cache, slots=slots, mask=mask).logits
 
     for _ in range(3):
@@ -168,14 +175,14 @@ def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.
             runs_parts.append(dict(parts))
     ms = {k: statistics.median(r.get(k, 0.0) for r in runs_parts) * 1e3 for k in (*KINDS, *OTHER, "modules")}
     # Picking the greedy tokens from the logits (after the forward, in every verify): argmax
-    # against torch.max, which the decoders use (sampling.greedy_tokens).
+    # against what the decoders use (sampling.greedy_tokens).
     logits = forward()
     for name, pick in (("argmax", lambda: logits.argmax(-1)), ("greedy_tokens", lambda: greedy_tokens(logits))):
         ms[name] = statistics.median(_seconds(pick) for _ in range(runs)) * 1e3
     total = statistics.median(samples) * 1e3
     linears = sum(ms[k] for k in KINDS)
     rest = ms["modules"] - linears - sum(ms[k] for k in OTHER)
-    return {"b": b, "t": t, "slot_stride": stride, "forward_ms": round(total, 2), "modules_ms": round(ms["modules"], 2),
+    return {"b": b, "t": t, "slot_stride": stride, "shared_prefix": SHARED if shared else 0, "forward_ms": round(total, 2), "modules_ms": round(ms["modules"], 2),
             "linears_ms": round(linears, 2),
             **{f"{k.replace(' ', '_')}_ms": round(ms[k], 2) for k in OTHER}, "rest_ms": round(rest, 2),
             "argmax_ms": round(ms["argmax"], 2), "greedy_tokens_ms": round(ms["greedy_tokens"], 2),
@@ -299,8 +306,9 @@ def main(argv=None) -> dict:
         cache.shared = [None] * cache.num_slots
         bandwidth = measure_bandwidth()
         with Progress(console=Console(stderr=True), transient=True) as bar:
-            for b, t, stride in bar.track(SHAPES, description="shapes"):
-                rows.append(time_shape(model, cache, b, t, stride, args.runs, gen))
+            shapes = [(*shape, False) for shape in SHAPES] + [(*shape, True) for shape in SHARED_SHAPES]
+            for b, t, stride, shared in bar.track(shapes, description="shapes"):
+                rows.append(time_shape(model, cache, b, t, stride, args.runs, gen, shared))
         linears = linear_rows(model, args.runs)
         flops = gemm_flops(args.threads)
         # the quantized kernels' ceiling: int8 multiply-adds per second on every thread
@@ -314,11 +322,12 @@ def main(argv=None) -> dict:
     table = Table(title=f"one forward, {args.dtype}, {args.threads} threads, median of {args.runs} | {cpu_name()} | "
                         f"weights {nbytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s read: floor {floor_ms:.1f} ms")  # fmt: skip
     for col in ("B x T", "forward ms", "by module ms", "linears ms", "attention ms", "cache writes ms", "rest ms",
-                "linears", "x floor", "argmax ms", "max ms"):
+                "linears", "x floor", "argmax ms", "greedy ms"):
         table.add_column(col, justify="right")
     for r in rows:
         ms = [r[k] for k in ("forward_ms", "modules_ms", "linears_ms", "attention_ms", "cache_writes_ms", "rest_ms")]
         shape = f"{r['b']} x {r['t']}" + (" (every 2nd slot)" if r["slot_stride"] == 2 else "")
+        shape += f" (sharing {r['shared_prefix']})" if r["shared_prefix"] else ""
         table.add_row(shape, *(f"{v:.2f}" for v in ms), f"{100 * r['linears_ms'] / r['modules_ms']:.0f}%",
                       f"{r['forward_ms'] / floor_ms:.2f}", f"{r['argmax_ms']:.2f}", f"{r['greedy_tokens_ms']:.2f}")  # fmt: skip
     Console(stderr=True, width=150).print(table)
