@@ -38,6 +38,7 @@ from decode import add_dtype_option, chosen_dtype, cpu_name, load_prompts, load_
 from sot import time_answers  # noqa: E402
 
 from specsot_mq.generate import Generator  # noqa: E402
+from specsot_mq.lookup import History  # noqa: E402
 from specsot_mq.stopping import LoopWatch  # noqa: E402
 from specsot_mq.pull import DEFAULT_MODEL, download_gguf, known_model, specsot_home  # noqa: E402
 from specsot_mq.quant import native  # noqa: E402
@@ -127,9 +128,13 @@ def main(argv=None) -> dict:
     specsot = SoTEngine(eagle, SoTConfig(max_parallel=args.max_parallel))
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
     eos = set(model.cfg.eos_token_ids)
+    # EAGLE and SpecSoT share one generator: each keeps its own History of outputs (prompt lookup's
+    # guesses from earlier answers), or SpecSoT's direct answers would copy EAGLE's to the same question
+    histories = {"eagle": History(), "specsot": History()}
 
     def run(engine: str, question: str) -> tuple[float, int, str]:
         ids = chat_prompt_ids(tokenizer, question)
+        eagle.history = histories.get(engine, eagle.history)
         start = time.perf_counter()
         if engine == "llamacpp":
             n = llama_answer(llm, ids, args.max_tokens, args.repeat_stop, eos)

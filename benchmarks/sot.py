@@ -35,6 +35,7 @@ from decode import (add_dtype_option, chosen_dtype, cpu_name, load_prompts, load
                     load_with_draft, run_script)
 
 from specsot_mq.generate import Generator  # noqa: E402
+from specsot_mq.lookup import History  # noqa: E402
 from specsot_mq.stopping import LoopWatch  # noqa: E402
 from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
 from specsot_mq.sot.engine import SoTEngine  # noqa: E402
@@ -91,8 +92,13 @@ def main(argv=None) -> dict:
 
     phases: dict[str, list] = {}  # SpecSoT's phase stats over the questions: name -> [{"tokens", "steps", "seconds"}]
 
+    # EAGLE and SpecSoT share one generator: each keeps its own History of outputs (prompt lookup's
+    # guesses from earlier answers), or SpecSoT's direct answers would copy EAGLE's to the same question
+    histories = {"eagle": History(), "specsot": History()}
+
     def run(engine: str, question: str) -> tuple[float, int, str]:
         """(seconds to the complete answer, tokens generated, mode)."""
+        eagle_gen.history = histories.get(engine, eagle_gen.history)
         start = time.perf_counter()
         if engine == "hf":
             ids = torch.tensor([chat_prompt_ids(tokenizer, question)])

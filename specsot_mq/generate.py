@@ -22,7 +22,7 @@ import torch
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.layout import new_layout
-from specsot_mq.lookup import ListTokens, NgramIndex
+from specsot_mq.lookup import History, ListTokens, NgramIndex
 from specsot_mq.model import LlamaModel
 from specsot_mq.openmp import release_pool
 from specsot_mq.prefix_store import Kept, PrefixStore
@@ -120,13 +120,14 @@ class PlainDecoder:
 
     With `lookup` (greedy only; a model without a draft head), each sequence also feeds the
     tokens prompt lookup copies from earlier in it (lookup.py; `lists`: how the tokenizer opens a
-    numbered list's items, guessed where a list's line ends), up to `lookup` tokens per
+    numbered list's items, guessed where a list's line ends; `history`: the generator's recent
+    outputs, copied from where the sequence's own tokens hold no match), up to `lookup` tokens per
     forward split between the sequences, and keeps those the base model's argmax agrees with,
     plus the next one: the same tokens, in fewer forwards."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, sampler: Sampler, layout: str = "batching", lookup: int = 0,
-                 lists: ListTokens | None = None):  # fmt: skip
-        self.model, self.sampler, self.lists = model, sampler, lists
+                 lists: ListTokens | None = None, history: History | None = None):  # fmt: skip
+        self.model, self.sampler, self.lists, self.history = model, sampler, lists, history
         self.layout = new_layout(layout, model, cache)
         self.max_sequences = self.layout.max_sequences
         self.lookup = lookup if sampler.params.greedy else 0
@@ -135,8 +136,8 @@ class PlainDecoder:
     def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, SeqState]:
         pre = self.layout.prefill(prompts, shared, prefix_from)
         first = zip(pre.slots, self.sampler(pre.last_logits).tolist())
-        return {slot: SeqState(tok, NgramIndex(prompts[slot] + [tok], lists=self.lists) if self.lookup else None)
-                for slot, tok in first}  # fmt: skip
+        return {slot: SeqState(tok, NgramIndex(prompts[slot] + [tok], lists=self.lists, history=self.history)
+                               if self.lookup else None) for slot, tok in first}  # fmt: skip
 
     def step(self, running: dict[int, SeqState]) -> dict[int, list[int]]:
         seqs = sorted(running)  # in slot order: a run of consecutive slots is read in place (KVCache.view)
@@ -211,6 +212,7 @@ class _Output:
         self.detok = Detokenizer(tokenizer)
         self.stop = StopStrings(params.stop, params.stop_after_text)
         self.produced = 0
+        self.tokens: list[int] = []  # what it accepted (the generator's History gets it at the end)
         self.loop = LoopWatch(params.repeat_stop) if params.repeat_stop else None
         self.lines = LineWatch(params.stop_repeated_item) if params.stop_repeated_line else None
 
@@ -221,6 +223,7 @@ class _Output:
         accepted, texts, finish, hit = [], [], None, None
         for tok in new:
             accepted.append(tok)
+            self.tokens.append(tok)
             self.produced += 1
             eos = tok in self.eos_ids and not self.params.ignore_eos
             if eos:
@@ -320,6 +323,7 @@ class _Batch:
         return {slot: seq.state for slot, seq in self.running.items()}
 
     def end(self, slot: int) -> None:
+        self.gen.history.add(self.running[slot].out.tokens)  # prompt lookup's guesses for later outputs
         del self.running[slot]
         self.decoder.drop(slot)
         self.free.append(slot)
@@ -349,6 +353,7 @@ class Generator:
             self.draft_cache = draft.new_cache(num_slots, max_len + room)
         self.prefixes = PrefixStore(prefix_cache_mb << 20)  # prompt beginnings computed once, see keep_prefix
         self.lists = ListTokens.of(tokenizer) if tokenizer is not None else None  # prompt lookup's list guesses
+        self.history = History()  # what it wrote lately: prompt lookup's guesses where a sequence holds none
         self._model_thread: ThreadPoolExecutor | None = None  # the async APIs' steps run here (on_model_thread)
         eos = set(model.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -379,12 +384,12 @@ class Generator:
         sampler = Sampler(params, self.model.device)
         if self.draft is None:
             lookup = self.tree.lookup if self.tree else 0
-            return PlainDecoder(self.model, self.cache, sampler, layout, lookup, self.lists)
+            return PlainDecoder(self.model, self.cache, sampler, layout, lookup, self.lists, self.history)
         from specsot_mq.speculative import EagleDecoder
 
         chooser = self.chooser if params.greedy else None  # sampling: the decoder's own (the tree every step)
         return EagleDecoder(self.model, self.draft, self.cache, sampler, self.tree, self.draft_cache, layout, chooser,
-                            self.lists)  # fmt: skip
+                            self.lists, self.history)  # fmt: skip
 
     def keep_prefix(self, ids: list[int]) -> None:
         """Compute a prompt beginning once and keep it (base KV, and the draft head's KV and

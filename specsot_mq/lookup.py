@@ -15,6 +15,10 @@ A numbered list is the one place where copying guesses wrong on purpose: after "
 latest earlier newline was followed by "2", where "3" comes next. So where the sequence has just
 ended a line that opened with a number and a dot, the guess is the next number and the dot
 (ListTokens; a SoT skeleton is such a list, and so are many answers).
+
+Where the sequence's own tokens hold no match, the guess may come from what the same generator
+wrote before (History: its recent outputs, each sequence's own n-grams first): a small model
+words its answers alike ("It is important to", "In conclusion,").
 """
 
 from __future__ import annotations
@@ -77,10 +81,11 @@ class ListTokens:
 class NgramIndex:
     """The latest continuation of every n-gram of one token sequence."""
 
-    def __init__(self, tokens: list[int] = (), max_n: int = 3, min_n: int = 1, lists: ListTokens | None = None):
+    def __init__(self, tokens: list[int] = (), max_n: int = 3, min_n: int = 1, lists: ListTokens | None = None,
+                 history: History | None = None):  # fmt: skip
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
-        self.max_n, self.min_n, self.lists = max_n, min_n, lists
+        self.max_n, self.min_n, self.lists, self.history = max_n, min_n, lists, history
         self.tokens: list[int] = []
         # n -> {n-gram: index of the token that followed its latest occurrence}
         self.after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
@@ -99,13 +104,44 @@ class NgramIndex:
     def propose(self, k: int) -> list[int]:
         """Up to k tokens: the next item's opening where a numbered list's line just ended
         (`lists`), else those that followed the latest earlier occurrence of the sequence's
-        longest matching suffix (max_n tokens first); [] when none occurred before."""
+        longest matching suffix (max_n tokens first), else those that followed it in the
+        `history`; [] when none occurred before."""
         seq = self.tokens
         if k < 1:
             return []
         if self.lists is not None and (item := self.lists.next_item(seq)):
             return item[:k]
+        found = self.follow(seq, k)
+        return found if found or self.history is None else self.history.index.follow(seq, k)
+
+    def follow(self, seq: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed, in this index, the latest occurrence of seq's longest
+        suffix of min_n to max_n tokens (not seq's own last occurrence, when seq is this index's
+        sequence); never past a History separator."""
         for n in range(self.max_n, self.min_n - 1, -1):
-            if len(seq) > n and (start := self.after[n].get(tuple(seq[-n:]))) is not None:
-                return seq[start : start + k]
+            if len(seq) >= n and (start := self.after[n].get(tuple(seq[-n:]))) is not None and start < len(self.tokens):
+                found = self.tokens[start : start + k]
+                return found[: found.index(SEPARATOR)] if SEPARATOR in found else found
         return []
+
+
+SEPARATOR = -1  # between the outputs a History holds: no token id, so no n-gram runs across it
+
+
+class History:
+    """The recent outputs of one generator (up to `max_tokens`, the older half dropped when full),
+    indexed as one sequence with a separator between outputs: prompt lookup's guess where a
+    sequence's own tokens hold no match. The base model verifies every guess, so what one output
+    wrote changes only how fast another is decoded."""
+
+    def __init__(self, max_tokens: int = 1 << 16, max_n: int = 3):
+        self.max_tokens, self.max_n = max_tokens, max_n
+        self.index = NgramIndex(max_n=max_n)
+
+    def add(self, tokens: list[int]) -> None:
+        """One finished output."""
+        half = self.max_tokens // 2
+        tokens = list(tokens)[-half:]
+        if len(self.index.tokens) + len(tokens) + 1 > self.max_tokens:
+            self.index = NgramIndex(self.index.tokens[-half:], max_n=self.max_n)
+        self.index.extend(tokens + [SEPARATOR])

@@ -34,7 +34,7 @@ from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import SeqState
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.layout import new_layout
-from specsot_mq.lookup import ListTokens, NgramIndex
+from specsot_mq.lookup import History, ListTokens, NgramIndex
 from specsot_mq.model import LlamaModel
 from specsot_mq.prefix_store import Kept
 from specsot_mq.sampling import Sampler, greedy_tokens
@@ -178,7 +178,8 @@ class SpeedChooser:
 class EagleDecoder:
     """Speculative decoding with an EAGLE head; sequence i uses slot i of the draft cache, and of
     the base cache in the batching layout. `lists`: how the tokenizer opens a numbered list's
-    items, for prompt lookup's guess where a list's line ends (lookup.py)."""
+    items, for prompt lookup's guess where a list's line ends; `history`: the generator's recent
+    outputs, for its guess where a sequence's own tokens hold no match (lookup.py)."""
 
     unread_limit = 64  # steps a decision may wait for the draft (bounds the features kept for it)
 
@@ -193,8 +194,9 @@ class EagleDecoder:
         layout: str = "batching",
         chooser: SpeedChooser | None = None,
         lists: ListTokens | None = None,
+        history: History | None = None,
     ):
-        self.model, self.head, self.sampler, self.lists = model, head, sampler, lists
+        self.model, self.head, self.sampler, self.lists, self.history = model, head, sampler, lists, history
         self.layout = new_layout(layout, model, cache)  # where the base cache holds each sequence
         self.max_sequences = self.layout.max_sequences
         self.tree = tree or TreeParams()
@@ -264,8 +266,8 @@ class EagleDecoder:
             own = (shared, pre.features[row, : len(prompts[slot]) - shared])
             self.fresh[slot] = (self.fresh.get(slot, []) if slot == prefix_from and pre.prefix_features is not None else []) + [own]
             self.draft_cache.truncate(slot, d0 + len(x))
-            states[slot] = SeqState(root, NgramIndex(prompts[slot] + [root], lists=self.lists) if lookup else None,
-                                    logits[row, 0], hidden[row, len(x) - 1])  # fmt: skip
+            index = NgramIndex(prompts[slot] + [root], lists=self.lists, history=self.history) if lookup else None
+            states[slot] = SeqState(root, index, logits[row, 0], hidden[row, len(x) - 1])
         self.stats.draft_seconds += time.perf_counter() - start
         return states
 

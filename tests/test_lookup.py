@@ -3,7 +3,7 @@ building it at once."""
 
 import pytest
 
-from specsot_mq.lookup import ListTokens, NgramIndex
+from specsot_mq.lookup import History, ListTokens, NgramIndex
 
 CASES = [
     # (name, sequence, k, proposal)
@@ -73,6 +73,23 @@ class WordTokenizer:
         return self.table(text)
 
 
+def test_history_guesses_where_the_sequence_holds_no_match_and_never_across_outputs():
+    """A sequence's own earlier tokens come first; else what followed its suffix in an earlier
+    output, up to that output's end; the History keeps the newer half of what it holds when full."""
+    history = History(max_tokens=12)
+    history.add([1, 2, 3, 4, 5])
+    history.add([7, 8, 9])
+    assert NgramIndex([10, 2, 3], history=history).propose(2) == [4, 5]  # from the first output
+    assert NgramIndex([10, 4], history=history).propose(3) == [5]  # not past its end
+    assert NgramIndex([10, 5], history=history).propose(2) == []  # an output's last token leads nowhere
+    assert NgramIndex([3, 11, 3], history=history).propose(2) == [11, 3]  # its own tokens first
+    assert NgramIndex([10, 2, 3]).propose(2) == []  # no history, no guess
+    history.add([20, 21, 22])  # 10 + 4 tokens and separators: over 12, the older half goes
+    assert NgramIndex([20], history=history).propose(2) == [21, 22]
+    assert NgramIndex([1, 2], history=history).propose(2) == []
+    assert len(history.index.tokens) <= 12
+
+
 def test_list_tokens_come_from_the_tokenizer():
     marks = {".": [DOT], "\n": [NL], "\n\n": [BLANK]}
     digits = lambda text: [10 + int(c) for c in text] if text.isdigit() else marks[text]  # noqa: E731
@@ -90,6 +107,7 @@ def test_a_skeleton_takes_fewer_steps_with_list_guesses_and_the_same_tokens(defa
 
     from specsot_mq.generate import Generator
     from specsot_mq.loader import load_model
+    from specsot_mq.lookup import History
     from specsot_mq.prompts import load_format
     from specsot_mq.sampling import SamplingParams
     from specsot_mq.speculative import TreeParams
@@ -102,7 +120,9 @@ def test_a_skeleton_takes_fewer_steps_with_list_guesses_and_the_same_tokens(defa
     prompt = load_format("sot").skeleton_ids(tokenizer, "How can I get better at public speaking?")
     params = SamplingParams(max_tokens=64, stop=("\n\n",))
     with_lists = gen.generate(prompt, params)
-    gen.lists = None
+    gen.lists, gen.history = None, History()  # and no earlier output to copy from
     without = gen.generate(prompt, params)
     assert with_lists.token_ids == without.token_ids and with_lists.text.count("\n") >= 2
     assert with_lists.steps < without.steps
+    again = gen.generate(prompt, params)  # its History holds that same output now
+    assert again.token_ids == without.token_ids and again.steps < without.steps
