@@ -129,12 +129,12 @@ SEPARATOR = -1  # between the outputs a History holds: no token id, so no n-gram
 
 
 class History:
-    """The recent outputs of one generator (up to `max_tokens`, the older half dropped when full),
-    indexed as one sequence with a separator between outputs: prompt lookup's guess where a
-    sequence's own tokens hold no match. The base model verifies every guess, so what one output
-    wrote changes only how fast another is decoded."""
+    """The recent outputs of one generator (up to `max_tokens`, the older half dropped when full:
+    about 10 MB of index at the default), indexed as one sequence with a separator between
+    outputs: prompt lookup's guess where a sequence's own tokens hold no match. The base model
+    verifies every guess, so what one output wrote changes only how fast another is decoded."""
 
-    def __init__(self, max_tokens: int = 1 << 16, max_n: int = 3):
+    def __init__(self, max_tokens: int = 1 << 15, max_n: int = 3):
         self.max_tokens, self.max_n = max_tokens, max_n
         self.index = NgramIndex(max_n=max_n)
 
