@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -42,9 +43,9 @@ KERNELS = "specsot_mq/kernels"
 
 
 def build_base(commit: str):
-    """The kernels of `commit`, built as a module of their own (quant.build_kernels). Its Layer
-    class is bound local to its module (older sources bind it globally, which two loaded builds
-    cannot share)."""
+    """The kernels of `commit`, built as a module of their own (quant.build_kernels). Its classes
+    (Layer, Head) are bound local to its module (the sources bind them globally, which two loaded
+    builds cannot share)."""
     sha = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.strip()  # fmt: skip
     folder = specsot_home() / "kernels" / f"base-{sha}"  # its sources, kept for the next run
@@ -54,7 +55,7 @@ def build_base(commit: str):
     for name in names:
         text = subprocess.run(["git", "show", f"{commit}:{KERNELS}/{name}"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout  # fmt: skip
-        text = text.replace('(m, "Layer", "', '(m, "Layer", py::module_local(), "')
+        text = re.sub(r'(py::class_<[^>]*>+\(m, "\w+", )"', r'\1py::module_local(), "', text)
         path = folder / name
         if not path.exists() or path.read_text() != text:  # unchanged files keep their times: no rebuild
             path.write_text(text)
@@ -76,11 +77,18 @@ class Older:
     def __getattr__(self, name):
         return getattr(self.module if hasattr(self.module, name) else self.ours, name)
 
-    def decoder_layers(self, x, layers, first, cos, sin, k, v, slots, starts, bias, save, *extra):
-        if bias is None and not self.fused_head:
+    def decoder_layers(self, x, layers, first, cos, sin, k, v, slots, starts, bias, save, head=None, rows=(),
+                       prefix_src=(), prefix_len=()):  # fmt: skip
+        if self.fused_head:
+            shared = (prefix_src, prefix_len) if prefix_src else ()  # kernels of 6921578 take none
+            return self.module.decoder_layers(x, layers, first, cos, sin, k, v, slots, starts, bias, save, head, rows,
+                                              *shared)  # fmt: skip
+        if head is not None or prefix_src:
+            raise RuntimeError("kernels from before the fused output layer run no head and no shared prefix")
+        if bias is None:
             t = x.shape[1]
             bias = attention_bias(None, starts, t, max(starts) + t, None, self.groups, torch.float32, x.device)
-        return self.module.decoder_layers(x, layers, first, cos, sin, k, v, slots, starts, bias, save, *extra)
+        return self.module.decoder_layers(x, layers, first, cos, sin, k, v, slots, starts, bias, save)
 
 
 def main(argv=None) -> dict:
@@ -115,9 +123,9 @@ def main(argv=None) -> dict:
             layer.__dict__["_native"] = weights
         for linear in linears:
             linear.kernel = kernels[name]
-        model.__dict__.pop("_native_head", None)
+        model.__dict__.pop("_native", None)
         if not getattr(kernels[name], "fused_head", True):
-            model.__dict__["_native_head"] = None  # its output layer runs on its own (qlinear)
+            model.__dict__["_native"] = None  # no Head: its output layer runs on its own (qlinear)
 
     rows = [int(k) for k in args.rows.split(",")]
     cache = model.new_cache(1, args.context + max(rows))

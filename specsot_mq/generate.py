@@ -211,7 +211,6 @@ class _Output:
         self.params, self.eos_ids = params, eos_ids
         self.detok = Detokenizer(tokenizer)
         self.stop = StopStrings(params.stop, params.stop_after_text)
-        self.produced = 0
         self.tokens: list[int] = []  # what it accepted (the generator's History gets it at the end)
         self.loop = LoopWatch(params.repeat_stop) if params.repeat_stop else None
         self.lines = LineWatch(params.stop_repeated_item) if params.stop_repeated_line else None
@@ -224,13 +223,12 @@ class _Output:
         for tok in new:
             accepted.append(tok)
             self.tokens.append(tok)
-            self.produced += 1
             eos = tok in self.eos_ids and not self.params.ignore_eos
             if eos:
                 finish = "stop"
             elif self.loop is not None and self.loop.add(tok):
                 finish = "repeat"
-            elif self.produced >= self.params.max_tokens:
+            elif len(self.tokens) >= self.params.max_tokens:
                 finish = "length"
             piece = "" if eos else self.detok.add([tok])  # EOS has no text
             if not finish and self.lines is not None and self.lines.add(piece):

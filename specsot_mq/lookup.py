@@ -119,7 +119,7 @@ class NgramIndex:
         suffix of min_n to max_n tokens (not seq's own last occurrence, when seq is this index's
         sequence); never past a History separator."""
         for n in range(self.max_n, self.min_n - 1, -1):
-            if len(seq) >= n and (start := self.after[n].get(tuple(seq[-n:]))) is not None and start < len(self.tokens):
+            if len(seq) >= n and (start := self.after[n].get(tuple(seq[-n:]))) is not None:
                 found = self.tokens[start : start + k]
                 return found[: found.index(SEPARATOR)] if SEPARATOR in found else found
         return []

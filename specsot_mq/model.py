@@ -73,7 +73,29 @@ class ForwardOutput:
     hidden: list[torch.Tensor]  # the hidden states asked for, in the order asked
 
 
-class DecoderLayer(nn.Module):
+class NativeForm(nn.Module):
+    """A module whose form for the native kernels (`_native_form()`, None where they cannot run it)
+    is worked out once, by native_form(): setting an attribute (a swapped linear) or moving the
+    module forgets it."""
+
+    def native_form(self):
+        if "_native" not in self.__dict__:
+            self.__dict__["_native"] = self._native_form()
+        return self.__dict__["_native"]
+
+    def __setattr__(self, name, value):
+        self.__dict__.pop("_native", None)
+        super().__setattr__(name, value)
+
+    def _apply(self, *args, **kwargs):
+        self.__dict__.pop("_native", None)
+        return super()._apply(*args, **kwargs)
+
+    def _native_form(self):
+        raise NotImplementedError
+
+
+class DecoderLayer(NativeForm):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -89,21 +111,10 @@ class DecoderLayer(nn.Module):
 
     def native_weights(self):
         """The layer's weights as the native kernels' `Layer`, where they can run the whole layer
-        (decoder_layers): every linear quantized with the kernels, no biases, no q/k norms. Worked
-        out once: setting an attribute (a swapped linear) or moving the module forgets it."""
-        if "_native" not in self.__dict__:
-            self.__dict__["_native"] = self._native_weights()
-        return self.__dict__["_native"]
+        (decoder_layers): every linear quantized with the kernels, no biases, no q/k norms."""
+        return self.native_form()
 
-    def __setattr__(self, name, value):
-        self.__dict__.pop("_native", None)
-        super().__setattr__(name, value)
-
-    def _apply(self, *args, **kwargs):
-        self.__dict__.pop("_native", None)
-        return super()._apply(*args, **kwargs)
-
-    def _native_weights(self):
+    def _native_form(self):
         linears = (self.qkv, self.o, self.gate_up, self.down)
         kernel = native()
         if kernel is None or self.q_norm is not None or self.cfg.head_dim % 8 or not all(
@@ -187,7 +198,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(NativeForm):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -248,24 +259,15 @@ class LlamaModel(nn.Module):
 
     def native_head(self):
         """The final norm and output layer as the native kernels' `Head`, where decoder_layers can run
-        them after the last layer (a quantized output layer without bias). Worked out once, as
-        DecoderLayer.native_weights."""
-        if "_native_head" not in self.__dict__:
-            lm, kernel = self.lm_head, native()
-            ok = kernel is not None and isinstance(lm, QLinear) and lm.packed is not None and lm.bias is None
-            ok = ok and lm.out_features % GROUP == 0 and self.cfg.hidden_size % 32 == 0
-            self.__dict__["_native_head"] = (
-                kernel.Head(self.norm.weight, self.norm.eps, lm.packed, int(lm.kind[1]), lm.out_features) if ok else None
-            )
-        return self.__dict__["_native_head"]
+        them after the last layer (a quantized output layer without bias)."""
+        return self.native_form()
 
-    def __setattr__(self, name, value):
-        self.__dict__.pop("_native_head", None)
-        super().__setattr__(name, value)
-
-    def _apply(self, *args, **kwargs):
-        self.__dict__.pop("_native_head", None)
-        return super()._apply(*args, **kwargs)
+    def _native_form(self):
+        lm, kernel = self.lm_head, native()
+        ok = kernel is not None and isinstance(lm, QLinear) and lm.packed is not None and lm.bias is None
+        if not (ok and lm.out_features % GROUP == 0 and self.cfg.hidden_size % 32 == 0):
+            return None
+        return kernel.Head(self.norm.weight, self.norm.eps, lm.packed, int(lm.kind[1]), lm.out_features)
 
     def new_cache(self, num_slots: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         """A cache of `num_slots` sequences of up to `capacity` tokens, in `dtype` (default:
@@ -325,9 +327,9 @@ class LlamaModel(nn.Module):
             head = self.native_head()
             rows = _logit_rows(b, t, last_only, logits_at) if head is not None else []
             # rows whose slots hold copies of one prefix read it from one of them (KVCache.prefix_sources)
-            sources = cache.prefix_sources(slots)
-            extra = (head, rows, *(sources or ([], []))) if head is not None or sources else ()
-            x, *kept = native().decoder_layers(x, stack, 0, cos, sin, cache.k, cache.v, slots, starts, bias, inner, *extra)
+            sources = cache.prefix_sources(slots) or ([], [])
+            x, *kept = native().decoder_layers(x, stack, 0, cos, sin, cache.k, cache.v, slots, starts, bias, inner, head,
+                                               rows, *sources)  # fmt: skip
             logits = kept.pop(0) if head is not None else None  # with a head, its logits follow the state
             saved.update(zip(inner, kept))
             if head is not None:

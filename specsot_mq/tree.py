@@ -154,15 +154,8 @@ def make_tree(search: TreeSearch, row: int, kept: list[int], root_token: int, ro
     order), or None when greedy."""
     where = {-1: 0} | {node: i + 1 for i, node in enumerate(kept)}  # search node -> tree index
     parents = [-1] + [where[p] for p in search.parents[row, kept].tolist()]  # KeyError: not ancestor-closed
-    n = len(parents)
     dev = search.ids.device
-    mask = None  # a chain
-    if parents != list(range(-1, n - 1)):
-        mask = torch.zeros(n, n, dtype=torch.bool, device=dev)
-        for i, p in enumerate(parents):
-            if p >= 0:
-                mask[i] = mask[p]
-            mask[i, i] = True
+    mask = _ancestor_mask(parents, dev)
     kept_t = torch.tensor(kept, dtype=torch.long, device=dev)
     tokens = [root_token] + d2t[search.ids[row, kept_t]].tolist()
     depths = [0] + search.depths[row, kept_t].tolist()
@@ -194,15 +187,22 @@ def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
     depths = list(tree.depths)
     for i in new:
         depths.append(depths[parents[i]] + 1)
-    mask = None  # still a chain (a root, or a chain, with the path below its last node)
-    if tree.mask is not None or new[0] != tree.size or parents[new[0]] != tree.size - 1:
-        n = len(parents)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        mask[: tree.size, : tree.size] = tree.attention_mask()
-        for i in new:
-            mask[i] = mask[parents[i]]
-            mask[i, i] = True
+    mask = _ancestor_mask(parents, tree.mask.device if tree.mask is not None else "cpu")
     return DraftTree(tokens, parents, depths, mask, [tree.positions[0] + d for d in depths], None)
+
+
+def _ancestor_mask(parents: list[int], device) -> torch.Tensor | None:
+    """DraftTree.mask of a tree with these parents: None for a chain (each node the child of the one
+    before), else mask[i, j] = node j is node i or one of its ancestors."""
+    n = len(parents)
+    if parents == list(range(-1, n - 1)):
+        return None
+    mask = torch.zeros(n, n, dtype=torch.bool, device=device)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] = mask[p]
+        mask[i, i] = True
+    return mask
 
 
 def root_only(root_token: int, root_position: int) -> DraftTree:
