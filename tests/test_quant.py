@@ -260,3 +260,69 @@ def test_real_model_logits_match_the_dequantized_reference(default_model_dir):
     assert agree.float().mean() >= 0.9, agree.float().mean()
     top2 = want.topk(2, dim=-1).values
     assert ((top2[:, 0] - top2[:, 1])[~agree] < 1.5).all()  # disagreements only where the reference nearly ties
+
+
+# A quantized tiny model's logits and greedy tokens (a prefill, a step, a tree-masked verify),
+# saved to argv[1], the kernels' instruction set printed: run natively and on an emulated CPU.
+_FORWARD_SCRIPT = """
+import sys, torch
+from specsot_mq import quant
+from specsot_mq.config import ModelConfig
+from specsot_mq.model import LlamaModel
+from specsot_mq.sampling import greedy_tokens
+
+torch.set_num_threads(2)
+cfg = ModelConfig(vocab_size=112, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=16)
+model = LlamaModel(cfg).eval().requires_grad_(False)
+gen = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+names = [f"layers.{i}.{n}" for i in range(2) for n in ("qkv", "o", "gate_up", "down")] + ["lm_head"]
+model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
+prompt, step, tree = (torch.randint(0, 112, shape, generator=gen) for shape in [(2, 9), (2, 1), (2, 3)])
+mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
+cache = model.new_cache(2, 32)
+with torch.no_grad():
+    out = [model(prompt, torch.arange(9).expand(2, 9), cache).logits]
+    out.append(model(step, torch.tensor([[9], [9]]), cache).logits)
+    out.append(model(tree, torch.tensor([[10, 11, 11], [10, 11, 11]]), cache, mask=mask).logits)
+out.append(greedy_tokens(out[0]))
+torch.save(out, sys.argv[1])
+print(quant.native().isa())
+"""
+
+
+def test_a_cpu_without_avx512_runs_the_avx2_kernels(tmp_path):
+    """On an emulated AVX2-only EPYC (qemu-user's EPYC-Rome: AVX2, FMA, F16C, no AVX-512), the
+    kernels built here pick their AVX2 path by themselves, run without an AVX-512 instruction, and
+    compute the same bits as this machine's AVX2 path (SPECSOT_KERNEL_ISA=avx2): what a user with
+    such a CPU runs, checked where CI has only AVX-512 machines."""
+    import os
+    import platform
+    import shutil
+    import subprocess
+    import sys
+
+    if quant.native() is None or platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the native kernels are not available on this machine")
+    qemu = shutil.which("qemu-x86_64")
+    if qemu is None:
+        pytest.skip("qemu-x86_64 is not installed (apt-get install qemu-user): the AVX2-only CPU check skips")
+    script = tmp_path / "forward.py"
+    script.write_text(_FORWARD_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "SPECSOT_KERNEL_ISA"}
+
+    def run(prefix: list[str], out: str, extra: dict) -> str:
+        done = subprocess.run([*prefix, sys.executable, str(script), str(tmp_path / out)], env={**env, **extra},
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()[-1]
+
+    assert run([], "host.pt", {"SPECSOT_KERNEL_ISA": "avx2"}) == "avx2"
+    assert run([qemu, "-cpu", "EPYC-Rome"], "emulated.pt", {}) == "avx2"
+    host, emulated = torch.load(tmp_path / "host.pt"), torch.load(tmp_path / "emulated.pt")
+    assert len(host) == len(emulated) == 4
+    for a, b in zip(host, emulated):
+        assert torch.equal(a, b)
