@@ -21,7 +21,7 @@ from torch import nn
 
 from specsot_mq.config import ModelConfig
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.quant import GROUP, Blocks, QEmbedding, QLinear, linear_forward, native
+from specsot_mq.quant import GROUP, Blocks, QEmbedding, QLinear, linear_forward, native, onto_huge_pages
 
 
 class Linear(nn.Linear):
@@ -243,11 +243,14 @@ class LlamaModel(NativeForm):
             setattr(owner, attr, QEmbedding(layer) if attr == "embed" else layer)
 
     def prepack(self) -> "LlamaModel":
-        """Reorder every linear weight once for oneDNN (CPU inference); a no-op elsewhere."""
-        if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            for m in self.modules():
-                if isinstance(m, Linear):
-                    m.prepack()
+        """Ready for CPU inference (a no-op elsewhere): every float linear weight reordered once for
+        oneDNN, the quantized ones gathered onto huge pages (quant.onto_huge_pages)."""
+        if self.device.type == "cpu":
+            if torch.backends.mkldnn.is_available():
+                for m in self.modules():
+                    if isinstance(m, Linear):
+                        m.prepack()
+            onto_huge_pages(self)
         return self
 
     def native_stack(self, x: torch.Tensor, cache: KVCache) -> list | None:

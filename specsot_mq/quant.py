@@ -15,6 +15,7 @@ extension builder); where they cannot be built it says so once and runs the dequ
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import platform
 import shutil
@@ -295,6 +296,39 @@ def linear_forward(layer, x, norm, glu, residual):
         x = F.silu(x[..., :half]) * x[..., half:]
     y = layer.linear(x)
     return y if residual is None else residual + y
+
+
+HUGE_PAGE = 2 << 20
+
+
+def onto_huge_pages(module: nn.Module) -> None:
+    """Move the packed weights of every native QLinear in `module` into one buffer that asks the
+    OS for 2 MB pages (Linux's transparent huge pages, by madvise; elsewhere, or where they are
+    off, the same buffer on ordinary pages). A one-token step streams every weight from memory
+    once, and on 4 KB pages it crosses a page, with its TLB miss and a restart of the hardware's
+    prefetch, every 4 KB. Call it before the first forward (the kernels' forms hold the old
+    tensors until forgotten here)."""
+    layers = list({id(m): m for m in module.modules() if isinstance(m, QLinear) and m.packed is not None}.values())
+    if not layers or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return
+    offsets, total = [], 0
+    for layer in layers:
+        offsets.append(total)
+        total += -(-layer.packed.numel() // 64) * 64  # each weight on a cache line of its own
+    try:
+        region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        return
+    arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
+    start = -arena.data_ptr() % HUGE_PAGE  # huge pages map 2 MB-aligned addresses only
+    for layer, at in zip(layers, offsets):
+        n = layer.packed.numel()
+        moved = arena[start + at : start + at + n].view(layer.packed.shape)
+        moved.copy_(layer.packed)
+        layer.packed = moved
+    for m in module.modules():
+        m.__dict__.pop("_native", None)
 
 
 class QEmbedding(nn.Module):
