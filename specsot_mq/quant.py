@@ -14,6 +14,7 @@ extension builder); where they cannot be built it says so once and runs the dequ
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import mmap
 import os
@@ -306,8 +307,8 @@ def onto_huge_pages(module: nn.Module) -> None:
     OS for 2 MB pages (Linux's transparent huge pages, by madvise; elsewhere, or where they are
     off, the same buffer on ordinary pages). A one-token step streams every weight from memory
     once, and on 4 KB pages it crosses a page, with its TLB miss and a restart of the hardware's
-    prefetch, every 4 KB. Call it before the first forward (the kernels' forms hold the old
-    tensors until forgotten here)."""
+    prefetch, every 4 KB (benchmarks/HISTORY.md has what it gained). The kernels' forms built so
+    far are forgotten (they hold the old tensors), and the old tensors' memory goes back to the OS."""
     layers = list({id(m): m for m in module.modules() if isinstance(m, QLinear) and m.packed is not None}.values())
     if not layers or not hasattr(mmap, "MADV_HUGEPAGE"):
         return
@@ -322,13 +323,28 @@ def onto_huge_pages(module: nn.Module) -> None:
         return
     arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
     start = -arena.data_ptr() % HUGE_PAGE  # huge pages map 2 MB-aligned addresses only
+    for m in module.modules():  # the kernels' forms hold the weights: forgotten first, so that
+        m.__dict__.pop("_native", None)  # each old weight is freed as soon as it is copied
+    freed = 0
     for layer, at in zip(layers, offsets):
         n = layer.packed.numel()
         moved = arena[start + at : start + at + n].view(layer.packed.shape)
         moved.copy_(layer.packed)
         layer.packed = moved
-    for m in module.modules():
-        m.__dict__.pop("_native", None)
+        freed += n
+        if freed >= 16 << 20:  # the process's peak memory stays near its final size
+            _release_freed_memory()
+            freed = 0
+    _release_freed_memory()
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim): the weights just moved
+    were freed into the heap, where they would stay counted in the process's memory."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class QEmbedding(nn.Module):
