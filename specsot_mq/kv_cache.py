@@ -58,16 +58,22 @@ class KVCache:
     # -- bookkeeping -------------------------------------------------------------------------
 
     def reserve(self, slots: Sequence[int], n: int) -> list[int]:
-        """Claim `n` positions at the end of each slot; return where each slot's new entries start."""
-        starts = [self.lengths[s] for s in slots]
-        for s, start in zip(slots, starts):
-            if start + n > self.capacity:
+        """Claim `n` positions at the end of each slot; return where each slot's new entries start.
+        A slot named several times gets its claims one after another, in order (rows of one
+        sequence, a token each: layout.py's ragged forwards)."""
+        ends = {s: self.lengths[s] for s in slots}
+        starts = []
+        for s in slots:
+            starts.append(ends[s])
+            ends[s] += n
+        for s, end in ends.items():
+            if end > self.capacity:
                 raise KVCacheOverflow(
-                    f"KV cache slot {s} holds {start} of {self.capacity} positions and {n} more do not "
-                    "fit: shorten the prompt or max tokens, or raise the cache length (--max-len)"
+                    f"KV cache slot {s} holds {self.lengths[s]} of {self.capacity} positions and {end - self.lengths[s]} "
+                    "more do not fit: shorten the prompt or max tokens, or raise the cache length (--max-len)"
                 )
-        for s, start in zip(slots, starts):
-            self.lengths[s] = start + n
+        for s, end in ends.items():
+            self.lengths[s] = end
         return starts
 
     def truncate(self, slot: int, length: int) -> None:

@@ -7,7 +7,8 @@ sequence, with their positions and, for a draft tree, a mask over the sequence's
 accepted path after a verify) and `drop`. So every decoder runs unchanged in either layout.
 
 - SlotLayout ("batching"): sequence k owns cache slot k. A shared prompt prefix is computed once and
-  copied into each slot; a step is one [B, T] forward, rows right-padded.
+  copied into each slot; a step is one [B, T] forward, rows right-padded, or, where causal rows
+  differ in length, one token per batch row (no padding computed).
 - BimLayout ("bim", the branch-index map): all sequences (the branches of one question) share ONE
   slot. The shared prefix is stored once; after it, every step appends the branches' new tokens
   side by side, and `owner[k]` records which branch wrote entry k (-1 for the prefix). Each query
@@ -20,6 +21,7 @@ accepted path after a verify) and `drop`. So every decoder runs unchanged in eit
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,8 +66,7 @@ class SlotLayout:
                 hidden_layers=()) -> Prefilled:  # fmt: skip
         """Put prompts into their cache slots with as little work as possible: the shared prefix
         once (in the first slot, or already in `prefix_from`), copied to the others in place; then
-        every suffix in ONE forward, right-padded (padding sits after each row's real tokens, so
-        causal rows never see it, and each slot is truncated to its real length afterwards)."""
+        every suffix in ONE forward (suffixes of different lengths as a ragged forward, _ragged)."""
         dev, cache = self.model.device, self.cache
         slots = list(prompts)
         _check_shared(prompts, shared)
@@ -84,13 +85,14 @@ class SlotLayout:
             for s in slots:
                 cache.truncate(s, 0)
         suffixes = [prompts[s][shared:] for s in slots]
-        t = max(map(len, suffixes))
-        ids = torch.tensor([x + [0] * (t - len(x)) for x in suffixes], device=dev)
-        positions = torch.arange(shared, shared + t, device=dev).expand(len(slots), t)
-        last = torch.tensor([len(x) - 1 for x in suffixes], device=dev)
-        out = self.model(ids, positions, cache, slots=slots, hidden_layers=hidden_layers, logits_at=last)
-        for s, x in zip(slots, suffixes):
-            cache.truncate(s, shared + len(x))
+        lens = [len(x) for x in suffixes]
+        if len(set(lens)) > 1:
+            positions = [list(range(shared, shared + n)) for n in lens]
+            logits, features = self._ragged(slots, suffixes, positions, hidden_layers, last_only=True)
+            return Prefilled(slots, logits, features, prefix_features)
+        ids = torch.tensor(suffixes, device=dev)
+        positions = torch.arange(shared, shared + lens[0], device=dev).expand(len(slots), lens[0])
+        out = self.model(ids, positions, cache, slots=slots, hidden_layers=hidden_layers, last_only=True)
         features = torch.cat(out.hidden, -1) if hidden_layers else None
         return Prefilled(slots, out.logits[:, 0], features, prefix_features)
 
@@ -109,6 +111,8 @@ class SlotLayout:
         dev = self.model.device
         self.starts = [self.cache.lengths[s] for s in seqs]
         lens = [len(x) for x in ids]
+        if masks is None and len(set(lens)) > 1:
+            return self._ragged(seqs, ids, positions, hidden_layers)
         t = max(lens)
         # padding goes last: causal rows never see it; under a mask, padding sees only itself
         tokens = torch.tensor([list(x) + [0] * (t - n) for x, n in zip(ids, lens)], device=dev)
@@ -120,6 +124,24 @@ class SlotLayout:
                 mask[i, :n, :n] = masks[i]
         out = self.model(tokens, pos, self.cache, slots=seqs, mask=mask, hidden_layers=hidden_layers)
         return out.logits, torch.cat(out.hidden, -1) if hidden_layers else None
+
+    def _ragged(self, seqs: list[int], ids: list, positions: list, hidden_layers=(), last_only: bool = False):
+        """Causal rows of different lengths, run as one forward of a token per batch row: sequence
+        i's tokens are rows of their own, in its slot one after another (KVCache.reserve claims a
+        slot named again after its previous claim, and every row's keys are written before any row
+        attends), so the padding a [B, T] forward would compute is never computed, and each row gets
+        the bits it would get there. Returns logits [B, T, V] right-padded (last_only: [B, V], each
+        sequence's last) and features [B, T, F*H]."""
+        dev = self.model.device
+        lens = [len(x) for x in ids]
+        slots = [s for s, n in zip(seqs, lens) for _ in range(n)]
+        tokens = torch.tensor([tok for x in ids for tok in x], device=dev)[:, None]
+        pos = torch.tensor([p for row in positions for p in row], device=dev)[:, None]
+        ends = [n - 1 for n in itertools.accumulate(lens)]
+        out = self.model(tokens, pos, self.cache, slots=slots, hidden_layers=hidden_layers,
+                         logit_rows=ends if last_only else None)  # fmt: skip
+        features = _rows(torch.cat(out.hidden, -1)[:, 0], lens) if hidden_layers else None
+        return (out.logits[0] if last_only else _rows(out.logits[:, 0], lens)), features
 
     def commit(self, seqs: list[int], keep: list[list[int]]) -> None:
         """Keep, for each sequence, its last forward's new entries at indices keep[i] (in order)."""

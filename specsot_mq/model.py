@@ -289,6 +289,7 @@ class LlamaModel(NativeForm):
         hidden_layers: Sequence[int] = (),
         last_only: bool = False,
         logits_at: torch.Tensor | None = None,
+        logit_rows: Sequence[int] | None = None,
     ) -> ForwardOutput:
         """Run the decoder over new tokens and append their keys/values to the cache.
 
@@ -305,6 +306,8 @@ class LlamaModel(NativeForm):
             still returned for every position).
         logits_at: [B] or [B, K]: the positions of each row whose logits to compute (logits
             [B, 1 or K, V]), e.g. the last token of rows of different lengths.
+        logit_rows: the flattened rows (b * T + t) whose logits to compute, logits [1, R, V] in
+            that order (a ragged batch run a token per batch row needs the last of each sequence).
         """
         b, t = input_ids.shape
         slots = list(range(b)) if slots is None else list(slots)
@@ -328,7 +331,7 @@ class LlamaModel(NativeForm):
             # final norm and output layer in it too where the kernels run them
             inner = sorted(i for i in want if i < len(self.layers))
             head = self.native_head()
-            rows = _logit_rows(b, t, last_only, logits_at) if head is not None else []
+            rows = _logit_rows(b, t, last_only, logits_at, logit_rows) if head is not None else []
             # rows whose slots hold copies of one prefix read it from one of them (KVCache.prefix_sources)
             sources = cache.prefix_sources(slots) or ([], [])
             x, *kept = native().decoder_layers(x, stack, 0, cos, sin, cache.k, cache.v, slots, starts, bias, inner, head,
@@ -337,7 +340,8 @@ class LlamaModel(NativeForm):
             saved.update(zip(inner, kept))
             if head is not None:
                 saved[self.cfg.num_layers] = x  # through the final norm
-                return ForwardOutput(logits.view(b, -1, logits.shape[-1]), [saved[i] for i in hidden_layers])
+                logits = logits.view(1 if logit_rows is not None else b, -1, logits.shape[-1])
+                return ForwardOutput(logits, [saved[i] for i in hidden_layers])
         else:
             for i, layer in enumerate(self.layers):
                 if i in want:
@@ -348,15 +352,20 @@ class LlamaModel(NativeForm):
         x = self.norm(x)
         if self.cfg.num_layers in want:
             saved[self.cfg.num_layers] = x
-        if last_only:
+        if logit_rows is not None:
+            x = x.reshape(1, b * t, -1)[:, list(logit_rows)]
+        elif last_only:
             x = x[:, -1:]
         elif logits_at is not None:
             x = x[torch.arange(b, device=x.device)[:, None], logits_at.view(b, -1)]
         return ForwardOutput(self.lm_head(x), [saved[i] for i in hidden_layers])
 
 
-def _logit_rows(b: int, t: int, last_only: bool, logits_at: torch.Tensor | None) -> list[int]:
+def _logit_rows(b: int, t: int, last_only: bool, logits_at: torch.Tensor | None,
+                logit_rows: Sequence[int] | None) -> list[int]:  # fmt: skip
     """Which of a forward's b x t rows (flattened) get logits, as LlamaModel.forward's arguments say."""
+    if logit_rows is not None:
+        return list(logit_rows)
     if last_only:
         return [i * t + t - 1 for i in range(b)]
     if logits_at is not None:

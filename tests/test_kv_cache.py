@@ -126,3 +126,15 @@ def test_overflow_raises_a_clear_error_and_changes_nothing():
     assert c.lengths == [8, 8, 0]
     with pytest.raises(KVCacheOverflow):
         c.move(0, [0, 1, 2], dst=8)
+
+
+def test_a_slot_named_again_claims_its_positions_after_its_previous_claim():
+    """A ragged forward (layout.py) runs a sequence's tokens as rows of their own: each claim of
+    the same slot starts where the one before it ended, and an overflow counts them all."""
+    c = cache(capacity=10)
+    c.reserve([0], 4)
+    assert c.reserve([0, 1, 0, 0, 1], 1) == [4, 0, 5, 6, 1]
+    assert c.lengths[:2] == [7, 2]
+    with pytest.raises(KVCacheOverflow, match=r"slot 0 holds 7 of 10 positions and 4 more do not fit"):
+        c.reserve([0, 1, 0, 0, 0], 1)
+    assert c.lengths[:2] == [7, 2]

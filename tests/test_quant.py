@@ -357,3 +357,43 @@ def test_packed_weights_move_onto_one_huge_page_buffer_and_compute_the_same():
     assert min(p.data_ptr() for p in packed) % (2 << 20) == 0
     assert all(p.data_ptr() % 64 == 0 for p in packed)
     assert torch.equal(logits(), before)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_ragged_rows_get_the_bits_of_padded_rows(isa, fused, monkeypatch):
+    """Causal rows of different lengths run as a token per batch row (SlotLayout._ragged): a
+    prefill of prompts of three lengths gives each prompt's last logits and cache entries as it
+    alone would, and a step of chains of 3, 1 and 2 tokens the logits of the padded [B, T]
+    forward, with every layer in one native call and module by module."""
+    from conftest import ours_from_hf, tiny_hf
+
+    from specsot_mq.layout import SlotLayout
+    from specsot_mq.model import DecoderLayer
+
+    model = ours_from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128, vocab_size=112))
+    names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "o", "gate_up", "down")] + ["lm_head"]
+    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
+    if not fused:
+        monkeypatch.setattr(DecoderLayer, "native_weights", lambda self: None)
+    gen = torch.Generator().manual_seed(0)
+    prompts = {s: torch.randint(0, 97, (n,), generator=gen).tolist() for s, n in ((0, 5), (1, 9), (2, 7))}
+    steps = [[3, 4, 5], [6], [7, 8]]
+    with torch.no_grad():
+        layout = SlotLayout(model, model.new_cache(3, 32))
+        pre = layout.prefill(prompts)
+        for s, ids in prompts.items():
+            alone = model.new_cache(1, 32)
+            last = model(torch.tensor([ids]), torch.arange(len(ids))[None], alone, last_only=True).logits[0, -1]
+            assert torch.equal(pre.last_logits[s], last)
+            n = len(ids)
+            assert layout.cache.lengths[s] == n
+            assert torch.equal(layout.cache.k[:, s, :, :n], alone.k[:, 0, :, :n])
+        positions = [list(range(len(prompts[s]), len(prompts[s]) + len(x))) for s, x in enumerate(steps)]
+        ragged, _ = layout.forward([0, 1, 2], steps, positions)
+        assert layout.cache.lengths == [8, 10, 9]
+        for s, ids in prompts.items():
+            layout.cache.truncate(s, len(ids))
+        causal = [torch.ones(len(x), len(x), dtype=torch.bool).tril() for x in steps]
+        padded, _ = layout.forward([0, 1, 2], steps, positions, masks=causal)
+    for i, x in enumerate(steps):
+        assert torch.equal(ragged[i, : len(x)], padded[i, : len(x)])
