@@ -204,7 +204,7 @@ def run_hf(model, ids: list[int], new_tokens: int, pad_id: int) -> Sample:
 def add_dtype_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="the activations' dtype; auto: fp32 with quantized weights, else bf16 where the CPU has "
-                        "native bf16 (AVX-512 BF16/AMX), else fp32")  # fmt: skip
+                        "native bf16 (AVX-512 BF16/AMX), else the one measured faster on this CPU")  # fmt: skip
     p.add_argument("--quantize", choices=QUANTIZE, default="auto",
                    help="auto: the weights as the model ships them (the default model: its GGUF's Q4_1/Q8_0); "
                         "none: dequantized")  # fmt: skip

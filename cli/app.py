@@ -103,7 +103,7 @@ def train_draft(
     from pathlib import Path
 
     from specsot_mq import train_draft as recipe
-    from specsot_mq.loader import load_model, resolve_device, resolve_dtype, runs_quantized
+    from specsot_mq.loader import check_dtype, load_model, resolve_device, resolve_dtype, runs_quantized
     from specsot_mq.pull import resolve_model, specsot_home
     from specsot_mq.tokenizer import load_tokenizer
 
@@ -118,7 +118,7 @@ def train_draft(
     if not 0 <= feature_noise < 1:
         raise SpecSotError(f"--feature-noise {feature_noise}: give a fraction of the features' size from 0 (none) to below 1, e.g. 0.1")
     dev = resolve_device(device)
-    resolve_dtype(dtype, dev)  # a bad flag fails before a model is pulled
+    check_dtype(dtype)  # a bad flag fails before a model is pulled
     folder = resolve_model(model)
     name = folder.name
     base = load_model(folder, dtype=resolve_dtype(dtype, dev, runs_quantized(folder, "auto", dev)), device=dev)

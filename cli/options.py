@@ -18,7 +18,7 @@ ModelOpt = Annotated[
     Optional[str], typer.Option("--model", "-m", envvar="SPECSOT_MODEL", help="Known model name or a Hugging Face-format folder.")
 ]
 DtypeOpt = Annotated[str, typer.Option(envvar="SPECSOT_DTYPE",
-    help="Activations: auto, bf16 or fp32 (auto: fp32 with quantized weights on a CPU, else bf16 where the hardware runs it fast).")]
+    help="Activations: auto, bf16 or fp32 (auto: fp32 with quantized weights on a CPU, else bf16 on CUDA and CPUs with native bf16, else whichever is measured faster here).")]
 QuantizeOpt = Annotated[str, typer.Option(envvar="SPECSOT_QUANTIZE",
     help="Weights: auto (as the model ships them: the default model's own 4/8-bit GGUF blocks), int4, int8 (quantize a float model at load) or none (dequantized).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda if present).")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -184,20 +185,64 @@ def load_model(
     return model.prepack() if prepack else model
 
 
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def check_dtype(dtype: str) -> None:
+    """A bad --dtype fails here, before a model is pulled."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise SpecSotError(f"unknown dtype '{dtype}': use auto, bf16 or fp32")
+
+
 def resolve_dtype(dtype: str, device: torch.device, quantized: bool = False) -> torch.dtype:
     """The activations' dtype. 'auto': bf16 on CUDA; on a CPU float32 with quantized weights (the
-    kernels take float32), else bf16 where the CPU has native bf16 (AVX-512 BF16 / AMX), fp32
-    elsewhere."""
-    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+    kernels take float32), else bf16 where the CPU has native bf16 (AVX-512 BF16 / AMX), else
+    whichever of the two runs widened linear layers faster on this CPU (faster_cpu_dtype)."""
+    check_dtype(dtype)
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16
         if quantized:
             return torch.float32
-        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
-    if dtype not in names:
-        raise SpecSotError(f"unknown dtype '{dtype}': use auto, bf16 or fp32")
-    return names[dtype]
+        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else faster_cpu_dtype()
+    return DTYPES[dtype]
+
+
+_faster: list[torch.dtype] = []  # faster_cpu_dtype's answer, once measured
+
+
+def faster_cpu_dtype(runs: int = 3) -> torch.dtype:
+    """bf16 or fp32, whichever runs a widened model's linear layers faster on this CPU, timed once
+    per process (a few tenths of a second). On a CPU without native bf16 a bf16 weight is
+    converted as it is read: half the bytes of fp32, and the conversions' cost; which wins depends
+    on the CPU and the rows. So both run what decoding runs: a one-row step and a 6-row verify
+    through six 4096 x 1024 linear layers (96 MB in fp32, more than a CPU's caches hold, as a
+    model's weights are), the way the model's Linear runs them; the lower sum of the two wins."""
+    if not _faster:
+        from specsot_mq.model import Linear
+
+        seconds = {}
+        with torch.no_grad():
+            for dtype in (torch.float32, torch.bfloat16):
+                layers = []
+                for _ in range(6):
+                    layer = torch.nn.utils.skip_init(Linear, 1024, 4096, bias=False, dtype=dtype)
+                    layer.weight.fill_(0.01)  # the values do not change the time
+                    layer.prepack()
+                    layers.append(layer)
+                total = 0.0
+                for rows in (1, 6):
+                    x = torch.randn(rows, 1024, dtype=dtype)
+                    best = math.inf
+                    for _ in range(runs + 1):  # the first pass warms up
+                        start = time.perf_counter()
+                        for layer in layers:
+                            layer.linear(x)
+                        best = min(best, time.perf_counter() - start)
+                    total += best
+                seconds[dtype] = total
+        _faster.append(min(seconds, key=seconds.get))
+    return _faster[0]
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -255,7 +300,7 @@ def load_generator(
     from specsot_mq.tokenizer import load_tokenizer
 
     dev = resolve_device(device)
-    resolve_dtype(dtype, dev)  # a bad flag fails before a model is pulled
+    check_dtype(dtype)  # a bad flag fails before a model is pulled
     check_quantize(quantize)
     folder = resolve_model(model)
     net = load_model(folder, dtype=resolve_dtype(dtype, dev, runs_quantized(folder, quantize, dev)), device=dev,

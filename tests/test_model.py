@@ -203,3 +203,27 @@ def test_norm_and_rope_round_exactly_as_transformers(monkeypatch):
     ref_q, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), emb.cos().bfloat16(), emb.sin().bfloat16())
     c, s = cos[positions].bfloat16().unsqueeze(2), sin[positions].bfloat16().unsqueeze(2)
     assert torch.equal(_rope(q, c, s), ref_q.transpose(1, 2))
+
+
+def test_auto_dtype_is_the_measured_faster_one_where_the_cpu_has_no_native_bf16(monkeypatch):
+    """--dtype auto: fp32 for quantized weights (the kernels take fp32), bf16 on a CPU with native
+    bf16, and elsewhere whichever dtype ran the timed linear layers faster, measured once; a bad
+    name fails before any of it."""
+    from specsot_mq import loader
+    from specsot_mq.errors import SpecSotError
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(loader, "_faster", [])
+    assert loader.faster_cpu_dtype(runs=1) in (torch.float32, torch.bfloat16)
+    measured = loader._faster[0]
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert loader.resolve_dtype("auto", cpu) == measured
+    monkeypatch.setattr(loader, "_faster", [torch.float32])  # what another CPU might measure
+    assert loader.resolve_dtype("auto", cpu) == torch.float32
+    assert loader.resolve_dtype("auto", cpu, quantized=True) == torch.float32
+    assert loader.resolve_dtype("bf16", cpu) == torch.bfloat16
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(loader, "_faster", [])
+    assert loader.resolve_dtype("auto", cpu) == torch.bfloat16 and not loader._faster  # native bf16: nothing timed
+    with pytest.raises(SpecSotError, match="unknown dtype 'fp8'"):
+        loader.check_dtype("fp8")
