@@ -8,7 +8,7 @@ accepted path after a verify) and `drop`. So every decoder runs unchanged in eit
 
 - SlotLayout ("batching"): sequence k owns cache slot k. A shared prompt prefix is computed once and
   copied into each slot; a step is one [B, T] forward, rows right-padded, or, where causal rows
-  differ in length, one token per batch row (no padding computed).
+  differ in length and the native kernels run the model, one token per batch row (no padding).
 - BimLayout ("bim", the branch-index map): all sequences (the branches of one question) share ONE
   slot. The shared prefix is stored once; after it, every step appends the branches' new tokens
   side by side, and `owner[k]` records which branch wrote entry k (-1 for the prefix). Each query
@@ -66,7 +66,7 @@ class SlotLayout:
                 hidden_layers=()) -> Prefilled:  # fmt: skip
         """Put prompts into their cache slots with as little work as possible: the shared prefix
         once (in the first slot, or already in `prefix_from`), copied to the others in place; then
-        every suffix in ONE forward (suffixes of different lengths as a ragged forward, _ragged)."""
+        every suffix in ONE forward: right-padded, or ragged where the lengths differ (_ragged)."""
         dev, cache = self.model.device, self.cache
         slots = list(prompts)
         _check_shared(prompts, shared)
@@ -86,13 +86,17 @@ class SlotLayout:
                 cache.truncate(s, 0)
         suffixes = [prompts[s][shared:] for s in slots]
         lens = [len(x) for x in suffixes]
-        if len(set(lens)) > 1:
+        if self._ragged_pays(lens):
             positions = [list(range(shared, shared + n)) for n in lens]
             logits, features = self._ragged(slots, suffixes, positions, hidden_layers, last_only=True)
             return Prefilled(slots, logits, features, prefix_features)
-        ids = torch.tensor(suffixes, device=dev)
-        positions = torch.arange(shared, shared + lens[0], device=dev).expand(len(slots), lens[0])
-        out = self.model(ids, positions, cache, slots=slots, hidden_layers=hidden_layers, last_only=True)
+        t = max(lens)
+        ids = torch.tensor([x + [0] * (t - len(x)) for x in suffixes], device=dev)
+        positions = torch.arange(shared, shared + t, device=dev).expand(len(slots), t)
+        last = torch.tensor([n - 1 for n in lens], device=dev)
+        out = self.model(ids, positions, cache, slots=slots, hidden_layers=hidden_layers, logits_at=last)
+        for s, n in zip(slots, lens):  # right padding sits after each row's tokens: causal rows never see it
+            cache.truncate(s, shared + n)
         features = torch.cat(out.hidden, -1) if hidden_layers else None
         return Prefilled(slots, out.logits[:, 0], features, prefix_features)
 
@@ -111,7 +115,7 @@ class SlotLayout:
         dev = self.model.device
         self.starts = [self.cache.lengths[s] for s in seqs]
         lens = [len(x) for x in ids]
-        if masks is None and len(set(lens)) > 1:
+        if masks is None and self._ragged_pays(lens):
             return self._ragged(seqs, ids, positions, hidden_layers)
         t = max(lens)
         # padding goes last: causal rows never see it; under a mask, padding sees only itself
@@ -124,6 +128,11 @@ class SlotLayout:
                 mask[i, :n, :n] = masks[i]
         out = self.model(tokens, pos, self.cache, slots=seqs, mask=mask, hidden_layers=hidden_layers)
         return out.logits, torch.cat(out.hidden, -1) if hidden_layers else None
+
+    def _ragged_pays(self, lens: list[int]) -> bool:
+        """Whether causal rows of these lengths run ragged (_ragged) rather than padded: where they
+        differ, and the model's attention reads the cache in place."""
+        return len(set(lens)) > 1 and self.model.attends_in_place(self.cache)
 
     def _ragged(self, seqs: list[int], ids: list, positions: list, hidden_layers=(), last_only: bool = False):
         """Causal rows of different lengths, run as one forward of a token per batch row: sequence

@@ -260,6 +260,13 @@ class LlamaModel(NativeForm):
         stack = [layer.native_weights() for layer in self.layers]
         return None if any(layer is None for layer in stack) else stack
 
+    def attends_in_place(self, cache: KVCache) -> bool:
+        """Whether forwards over `cache` run every layer in the one native call, whose attention
+        reads each row's keys where they lie: rows of one slot then cost what rows of their own
+        do (the torch path gathers a copy of the slot for every row). layout.py runs causal rows of
+        different lengths as a token per batch row only then."""
+        return self.native_stack(torch.empty(0, dtype=self.dtype, device=self.device), cache) is not None
+
     def native_head(self):
         """The final norm and output layer as the native kernels' `Head`, where decoder_layers can run
         them after the last layer (a quantized output layer without bias)."""

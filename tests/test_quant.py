@@ -359,12 +359,12 @@ def test_packed_weights_move_onto_one_huge_page_buffer_and_compute_the_same():
     assert torch.equal(logits(), before)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_ragged_rows_get_the_bits_of_padded_rows(isa, fused, monkeypatch):
-    """Causal rows of different lengths run as a token per batch row (SlotLayout._ragged): a
-    prefill of prompts of three lengths gives each prompt's last logits and cache entries as it
-    alone would, and a step of chains of 3, 1 and 2 tokens the logits of the padded [B, T]
-    forward, with every layer in one native call and module by module."""
+def test_ragged_rows_get_the_bits_of_padded_rows(isa, monkeypatch):
+    """Causal rows of different lengths run as a token per batch row (SlotLayout._ragged) where
+    the native kernels run the model: a prefill of prompts of three lengths gives each prompt's
+    last logits and cache entries as it alone would, and a step of chains of 3, 1 and 2 tokens the
+    logits of the padded [B, T] forward. Module by module (attention gathering a slot's copy per
+    row), the rows stay padded."""
     from conftest import ours_from_hf, tiny_hf
 
     from specsot_mq.layout import SlotLayout
@@ -373,8 +373,13 @@ def test_ragged_rows_get_the_bits_of_padded_rows(isa, fused, monkeypatch):
     model = ours_from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128, vocab_size=112))
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "o", "gate_up", "down")] + ["lm_head"]
     model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
-    if not fused:
-        monkeypatch.setattr(DecoderLayer, "native_weights", lambda self: None)
+    shapes, forward = [], type(model).forward
+
+    def recorded(self, ids, *args, **kwargs):  # the shape of every forward's input
+        shapes.append(tuple(ids.shape))
+        return forward(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", recorded)
     gen = torch.Generator().manual_seed(0)
     prompts = {s: torch.randint(0, 97, (n,), generator=gen).tolist() for s, n in ((0, 5), (1, 9), (2, 7))}
     steps = [[3, 4, 5], [6], [7, 8]]
@@ -395,5 +400,11 @@ def test_ragged_rows_get_the_bits_of_padded_rows(isa, fused, monkeypatch):
             layout.cache.truncate(s, len(ids))
         causal = [torch.ones(len(x), len(x), dtype=torch.bool).tril() for x in steps]
         padded, _ = layout.forward([0, 1, 2], steps, positions, masks=causal)
+        assert shapes[0] == (21, 1) and shapes[-2:] == [(6, 1), (3, 3)]  # ragged prefill and step, padded
+        monkeypatch.setattr(DecoderLayer, "native_weights", lambda self: None)
+        for s, ids in prompts.items():
+            layout.cache.truncate(s, len(ids))
+        layout.forward([0, 1, 2], steps, positions)
+        assert shapes[-1] == (3, 3)
     for i, x in enumerate(steps):
         assert torch.equal(ragged[i, : len(x)], padded[i, : len(x)])
