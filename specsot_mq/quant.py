@@ -318,9 +318,12 @@ def onto_huge_pages(module: nn.Module) -> None:
         total += -(-layer.packed.numel() // 64) * 64  # each weight on a cache line of its own
     try:
         region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(mmap.MADV_HUGEPAGE)
     except OSError:
         return
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without transparent huge pages: ordinary pages, one buffer still
+        pass
     arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
     start = -arena.data_ptr() % HUGE_PAGE  # huge pages map 2 MB-aligned addresses only
     for m in module.modules():  # the kernels' forms hold the weights: forgotten first, so that
