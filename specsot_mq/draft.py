@@ -29,7 +29,7 @@ from torch import nn
 from specsot_mq.config import ModelConfig
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.model import DecoderLayer, Linear, LlamaModel, attention_bias
+from specsot_mq.model import DecoderLayer, Linear, LlamaModel, NativeForm, attention_bias
 from specsot_mq.quant import QLinear, onto_huge_pages, quantize
 
 FORMAT = "specsot-eagle-1"
@@ -137,6 +137,7 @@ class DraftHead(nn.Module):
                 setattr(owner, name, QLinear(quantize(m.weight.float(), "q8"), m.bias))
             elif torch.backends.mkldnn.is_available():
                 m.prepack()
+        NativeForm.forget_all(self)
         onto_huge_pages(self)
         return self
 

@@ -3,6 +3,7 @@ quantized weights (kept from a GGUF by `specsot pull`, or quantized at load) in 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -208,9 +209,7 @@ def resolve_dtype(dtype: str, device: torch.device, quantized: bool = False) -> 
     return DTYPES[dtype]
 
 
-_faster: list[torch.dtype] = []  # faster_cpu_dtype's answer, once measured
-
-
+@functools.cache
 def faster_cpu_dtype(runs: int = 3) -> torch.dtype:
     """bf16 or fp32, whichever runs a widened model's linear layers faster on this CPU, timed once
     per process (a few tenths of a second). On a CPU without native bf16 a bf16 weight is
@@ -218,31 +217,29 @@ def faster_cpu_dtype(runs: int = 3) -> torch.dtype:
     on the CPU and the rows. So both run what decoding runs: a one-row step and a 6-row verify
     through six 4096 x 1024 linear layers (96 MB in fp32, more than a CPU's caches hold, as a
     model's weights are), the way the model's Linear runs them; the lower sum of the two wins."""
-    if not _faster:
-        from specsot_mq.model import Linear
+    from specsot_mq.model import Linear
 
-        seconds = {}
-        with torch.no_grad():
-            for dtype in (torch.float32, torch.bfloat16):
-                layers = []
-                for _ in range(6):
-                    layer = torch.nn.utils.skip_init(Linear, 1024, 4096, bias=False, dtype=dtype)
-                    layer.weight.fill_(0.01)  # the values do not change the time
-                    layer.prepack()
-                    layers.append(layer)
-                total = 0.0
-                for rows in (1, 6):
-                    x = torch.randn(rows, 1024, dtype=dtype)
-                    best = math.inf
-                    for _ in range(runs + 1):  # the first pass warms up
-                        start = time.perf_counter()
-                        for layer in layers:
-                            layer.linear(x)
-                        best = min(best, time.perf_counter() - start)
-                    total += best
-                seconds[dtype] = total
-        _faster.append(min(seconds, key=seconds.get))
-    return _faster[0]
+    seconds = {}
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            layers = []
+            for _ in range(6):
+                layer = torch.nn.utils.skip_init(Linear, 1024, 4096, bias=False, dtype=dtype)
+                layer.weight.fill_(0.01)  # the values do not change the time
+                layer.prepack()
+                layers.append(layer)
+            total = 0.0
+            for rows in (1, 6):
+                x = torch.randn(rows, 1024, dtype=dtype)
+                best = math.inf
+                for _ in range(runs + 1):  # the first pass warms up
+                    start = time.perf_counter()
+                    for layer in layers:
+                        layer.linear(x)
+                    best = min(best, time.perf_counter() - start)
+                total += best
+            seconds[dtype] = total
+    return min(seconds, key=seconds.get)
 
 
 def resolve_device(device: str | None) -> torch.device:

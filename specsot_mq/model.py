@@ -83,6 +83,13 @@ class NativeForm(nn.Module):
             self.__dict__["_native"] = self._native_form()
         return self.__dict__["_native"]
 
+    @staticmethod
+    def forget_all(module: nn.Module) -> None:
+        """Forget the native forms of every NativeForm in `module` (they hold its weights' tensors:
+        before those move, quant.onto_huge_pages)."""
+        for m in module.modules():
+            m.__dict__.pop("_native", None)
+
     def __setattr__(self, name, value):
         self.__dict__.pop("_native", None)
         super().__setattr__(name, value)
@@ -250,6 +257,7 @@ class LlamaModel(NativeForm):
                 for m in self.modules():
                     if isinstance(m, Linear):
                         m.prepack()
+            NativeForm.forget_all(self)
             onto_huge_pages(self)
         return self
 

@@ -307,8 +307,9 @@ def onto_huge_pages(module: nn.Module) -> None:
     OS for 2 MB pages (Linux's transparent huge pages, by madvise; elsewhere, or where they are
     off, the same buffer on ordinary pages). A one-token step streams every weight from memory
     once, and on 4 KB pages it crosses a page, with its TLB miss and a restart of the hardware's
-    prefetch, every 4 KB (benchmarks/HISTORY.md has what it gained). The kernels' forms built so
-    far are forgotten (they hold the old tensors), and the old tensors' memory goes back to the OS."""
+    prefetch, every 4 KB (benchmarks/HISTORY.md has what it gained). The old tensors' memory goes
+    back to the OS as they are copied, once nothing else holds them: the caller forgets the
+    kernels' forms first (model.NativeForm.forget_all)."""
     layers = list({id(m): m for m in module.modules() if isinstance(m, QLinear) and m.packed is not None}.values())
     if not layers or not hasattr(mmap, "MADV_HUGEPAGE"):
         return
@@ -326,8 +327,6 @@ def onto_huge_pages(module: nn.Module) -> None:
         pass
     arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
     start = -arena.data_ptr() % HUGE_PAGE  # huge pages map 2 MB-aligned addresses only
-    for m in module.modules():  # the kernels' forms hold the weights: forgotten first, so that
-        m.__dict__.pop("_native", None)  # each old weight is freed as soon as it is copied
     freed = 0
     for layer, at in zip(layers, offsets):
         n = layer.packed.numel()

@@ -213,17 +213,24 @@ def test_auto_dtype_is_the_measured_faster_one_where_the_cpu_has_no_native_bf16(
     from specsot_mq.errors import SpecSotError
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(loader, "_faster", [])
-    assert loader.faster_cpu_dtype(runs=1) in (torch.float32, torch.bfloat16)
-    measured = loader._faster[0]
+    measured = loader.faster_cpu_dtype(runs=1)
+    assert measured in (torch.float32, torch.bfloat16)
+    timed = loader.faster_cpu_dtype.cache_info().misses
+    loader.faster_cpu_dtype(runs=1)
+    assert loader.faster_cpu_dtype.cache_info().misses == timed  # measured once per process
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    monkeypatch.setattr(loader, "faster_cpu_dtype", lambda: measured)
     assert loader.resolve_dtype("auto", cpu) == measured
-    monkeypatch.setattr(loader, "_faster", [torch.float32])  # what another CPU might measure
+    monkeypatch.setattr(loader, "faster_cpu_dtype", lambda: torch.float32)  # what another CPU might measure
     assert loader.resolve_dtype("auto", cpu) == torch.float32
     assert loader.resolve_dtype("auto", cpu, quantized=True) == torch.float32
     assert loader.resolve_dtype("bf16", cpu) == torch.bfloat16
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
-    monkeypatch.setattr(loader, "_faster", [])
-    assert loader.resolve_dtype("auto", cpu) == torch.bfloat16 and not loader._faster  # native bf16: nothing timed
+
+    def untimed():
+        raise AssertionError("native bf16: nothing is timed")
+
+    monkeypatch.setattr(loader, "faster_cpu_dtype", untimed)
+    assert loader.resolve_dtype("auto", cpu) == torch.bfloat16
     with pytest.raises(SpecSotError, match="unknown dtype 'fp8'"):
         loader.check_dtype("fp8")
