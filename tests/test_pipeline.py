@@ -87,7 +87,7 @@ def tiny_model(tmp_path_factory, default_model_dir):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), default_model_dir)
 
 
-def tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu0,127.0.0.1#cpu1", point_tokens=12):
+def tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu0,127.0.0.1#cpu1", point_tokens=12, dead_after_s=2.0):
     """A run of the tiny model, and its folder (short: ipc socket paths have a length limit)."""
     import tempfile
     from pathlib import Path
@@ -96,7 +96,7 @@ def tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu0,127.0.0.1#cpu1", poi
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-test-"))
     spec = plan_run(parse_devices(devices), load_profiles(default_profiles_path()), topology, run_dir,
                     model=str(model), dtype="fp32", draft=str(draft), max_len=512,
-                    sot={"point_tokens": point_tokens, "skeleton_tokens": 16}, heartbeat_s=0.25, dead_after_s=2.0,
+                    sot={"point_tokens": point_tokens, "skeleton_tokens": 16}, heartbeat_s=0.25, dead_after_s=dead_after_s,
                     overrides={"parse": "pipeline_helpers:FixedPlanParse"})  # fmt: skip
     return spec, run_dir
 
@@ -464,29 +464,57 @@ def test_a_gateway_that_dies_fails_its_clients_requests_with_one_message(tiny_mo
 
 @pytest.mark.slow
 def test_ctrl_c_in_chat_stops_the_answer_without_a_traceback(tiny_model, tmp_path):
-    spec, run_dir = tiny_spec(tiny_model, "p2p", devices="127.0.0.1#cpu", point_tokens=360)
+    """Ctrl+C mid-answer: the chat says "stopped" and reads the next line, every stage drops the
+    request, and nothing prints a traceback. The branch stage is held (SIGSTOP) from before the
+    question until the chat has stopped, so the points cannot finish before the interrupt however
+    fast the model or slow the machine (the gateway waits far longer than that for a heartbeat)."""
+    spec, run_dir = tiny_spec(tiny_model, "p2p", devices="127.0.0.1#cpu", point_tokens=360, dead_after_s=300.0)
     with launched(spec, run_dir) as launcher:
         run_file = tmp_path / "run.json"
         launcher.write_run_file(run_file)
+        branch = next(pid for name, pid in launcher.pids().items() if name.startswith("branch"))
         chat = subprocess.Popen([sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "chat", "--run",
                                  str(run_file)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
         out = []
         reader = threading.Thread(target=lambda: out.extend(iter(lambda: chat.stdout.read(1), "")), daemon=True)
         reader.start()
-        chat.stdin.write("/set max_tokens 400\n/set repeat_stop 0\n/set mode always\nHow do I start running?\n")
-        chat.stdin.flush()
-        deadline = time.monotonic() + 60
-        while "1." not in "".join(out) and time.monotonic() < deadline:  # the skeleton began: Ctrl+C mid-answer
-            time.sleep(0.01)
-        chat.send_signal(signal.SIGINT)
-        time.sleep(1)
+
+        def wait_for(text: str) -> None:
+            deadline = time.monotonic() + 120
+            while text not in "".join(out) and time.monotonic() < deadline and chat.poll() is None:
+                time.sleep(0.01)
+            assert text in "".join(out), "".join(out)
+
+        os.kill(branch, signal.SIGSTOP)
+        try:
+            chat.stdin.write("/set max_tokens 400\n/set repeat_stop 0\n/set mode always\nHow do I start running?\n")
+            chat.stdin.flush()
+            wait_for("1.")  # the skeleton streams: the request is mid-answer, its points held at the branch
+            chat.send_signal(signal.SIGINT)
+            wait_for("stopped")
+        finally:
+            os.kill(branch, signal.SIGCONT)
+        asyncio.run(_all_idle(spec))  # the abort reached every stage, the branch included
         errors = chat.communicate("/bye\n", timeout=60)[1]
         reader.join(10)
+        logs = launcher.tail(next(name for name in launcher.pids() if name.startswith("branch")), 200)
     text = "".join(out)
-    assert "stopped" in text and "mode sot" not in text, text  # the answer did not finish
-    assert "Traceback" not in text + errors and "Error" not in errors, (text, errors)
+    assert "mode sot" not in text, text  # the answer did not finish
+    assert "Traceback" not in text + errors + logs and "Error" not in errors, (text, errors, logs)
     assert chat.returncode == 0
+
+
+async def _all_idle(spec, timeout: float = 120.0) -> None:
+    """Wait until every stage's latest heartbeat says it holds no request."""
+    deadline = time.monotonic() + timeout
+    async with Client(spec.client_address) as client:
+        while True:
+            busy = [s["stage"] for s in (await client.status()).stages if s.get("inflight")]
+            if not busy:
+                return
+            assert time.monotonic() < deadline, f"still holding the stopped request: {busy}"
+            await asyncio.sleep(0.05)
 
 
 @pytest.mark.slow
@@ -603,7 +631,7 @@ from specsot_mq.stages.launch import plan_run
 model, draft, topology = sys.argv[1:4]
 run_dir = Path(tempfile.mkdtemp(prefix="specsot-netns-"))
 spec = plan_run(parse_devices("10.77.0.1#cpu,10.77.0.2#cpu"), load_profiles(default_profiles_path()), topology, run_dir,
-                base_port=6100, model=model, dtype="fp32", draft=draft, max_len=512, heartbeat_s=0.25, dead_after_s=2.0,
+                base_port=6100, model=model, dtype="fp32", draft=draft, max_len=512, heartbeat_s=0.25, dead_after_s=dead_after_s,
                 sot={"point_tokens": 360, "skeleton_tokens": 16}, overrides={"parse": "pipeline_helpers:FixedPlanParse"})
 QUESTION, SHORT, LONG = "How do I start running?", SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=400, ignore_eos=True)
 far = "branch@10.77.0.2#cpu"
