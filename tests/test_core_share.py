@@ -39,30 +39,26 @@ def test_shares_follow_the_busy_stages_at_each_step(tmp_path):
 
 def test_a_stage_that_turns_busy_waits_for_the_cores_another_still_holds(tmp_path):
     a, b = board(tmp_path, cores=2)
+    b.max_wait_s = 3600.0  # b waits for a however slowly this test runs
     assert a.take() == 2  # a runs a step on both cores
     got = {}
-
-    def start_b():
-        begun = time.monotonic()
-        got["share"] = b.take()
-        got["waited"] = time.monotonic() - begun
-
-    waiter = threading.Thread(target=start_b)
+    waiter = threading.Thread(target=lambda: got.update(share=b.take()))
     waiter.start()
+    while not b.board[2 * b.index]:  # until b has marked itself busy and waits
+        time.sleep(0.001)
     time.sleep(0.2)  # a's step goes on: b must not start beside it on cores a holds
     assert "share" not in got
     assert a.take() == 1  # a's next step sees b busy and gives a core back
-    waiter.join(timeout=5)
-    assert got["share"] == 1 and got["waited"] >= 0.2
+    waiter.join()
+    assert got["share"] == 1
 
 
 def test_a_dead_holder_is_not_waited_for_long_and_a_restart_clears_its_place(tmp_path):
     path = tmp_path / "board"
     a, b = CoreShare(path, 0, 2, 2), CoreShare(path, 1, 2, 2)
     assert a.take() == 2  # then a's process dies without giving its cores back
-    b.max_wait_s = 0.1
-    begun = time.monotonic()
-    assert b.take() == 1 and time.monotonic() - begun < 2
+    b.max_wait_s = 0.0  # its wait for a's cores runs out at once
+    assert b.take() == 1
     b.idle()
     CoreShare(path, 0, 2, 2)  # a's stage restarts: its place is cleared
     assert b.take() == 2
