@@ -37,7 +37,7 @@ from decode import cpu_name, load_prompts  # noqa: E402  (a sibling script)
 
 from specsot_mq.client import Client  # noqa: E402
 from specsot_mq.messages import AnswerText, Answer  # noqa: E402
-from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
+from specsot_mq.sampling_params import REPEAT_STOP, SamplingParams  # noqa: E402
 from specsot_mq.stages.launch import LaunchOptions, model_id, start_topology, wait_ready  # noqa: E402
 
 CONVERSATIONS = [

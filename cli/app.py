@@ -13,7 +13,7 @@ from rich.console import Console
 from specsot_mq.cli import http, serve
 from specsot_mq.cli.options import DeviceOpt, DtypeOpt, FormatOpt, ModelOpt, ModelOptions, RepeatOpt, err, with_options
 from specsot_mq.errors import SpecSotError
-from specsot_mq.sampling import REPEAT_STOP
+from specsot_mq.sampling_params import REPEAT_STOP
 
 app = typer.Typer(
     help="SpecSoT-MQ: Skeleton-of-Thought + EAGLE speculative decoding.",
@@ -57,7 +57,7 @@ def ask(
     """Answer one question: a streamed skeleton, then every point expanded in parallel."""
     from specsot_mq.cli.display import AnswerView
     from specsot_mq.loader import load_generator
-    from specsot_mq.sampling import SamplingParams
+    from specsot_mq.sampling_params import SamplingParams
     from specsot_mq.sot.engine import SoTEngine
     from specsot_mq.sot.flow import SoTConfig
     from specsot_mq.speculative import TreeParams

@@ -10,7 +10,7 @@ import typer
 
 from specsot_mq.cli.options import LaunchFlags, ModelOptions, RepeatOpt, TopologyOptions, err, with_options
 from specsot_mq.errors import SpecSotError
-from specsot_mq.sampling import REPEAT_STOP
+from specsot_mq.sampling_params import REPEAT_STOP
 
 
 def parse_budget(text: str | None) -> int | None:

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from specsot_mq.cli.options import LaunchFlags, ModelOptions, RepeatOpt, TopologyOptions, err, with_options
 from specsot_mq.errors import SpecSotError
-from specsot_mq.sampling import REPEAT_STOP
+from specsot_mq.sampling_params import REPEAT_STOP
 
 
 def _run_file(name: str) -> Path:
@@ -179,7 +179,7 @@ def run_batch(
     """Answer questions in batch: one line in (plain or JSONL), one JSON line out, in input order."""
     from specsot_mq.client import Client
     from specsot_mq.messages import Failed
-    from specsot_mq.sampling import SamplingParams
+    from specsot_mq.sampling_params import SamplingParams
 
     if concurrency < 1:
         raise SpecSotError(f"--concurrency must be at least 1, got {concurrency}")
@@ -229,7 +229,7 @@ CHAT_HELP = """/? help · /bye or /exit quit · /clear forget the conversation �
 @with_options
 def chat(topo: TopologyOptions, model: ModelOptions):
     """Chat in the terminal: the skeleton streams, then one live row per point, then the answer."""
-    from specsot_mq.sampling import SamplingParams
+    from specsot_mq.sampling_params import SamplingParams
 
     console = Console(highlight=False)
     settings = {"mode": "auto", "temperature": 0.0, "max_tokens": 256, "repeat_stop": REPEAT_STOP}

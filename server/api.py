@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from specsot_mq.messages import Answer, MergePlan, PointEnd, PointText, Reassign, SkeletonText
-from specsot_mq.sampling import SamplingParams
+from specsot_mq.sampling_params import SamplingParams
 
 COMMON = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
           "stop", "n", "user", "sot", "timeout", "repeat_stop"}  # fmt: skip

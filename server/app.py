@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from specsot_mq.client import Client
 from specsot_mq.errors import SpecSotError
 from specsot_mq.messages import Answer, AnswerText, Failed
-from specsot_mq.sampling import REPEAT_STOP, SamplingParams
+from specsot_mq.sampling_params import REPEAT_STOP, SamplingParams
 from specsot_mq.server import api
 from specsot_mq.server.api import ApiError
 from specsot_mq.server.metrics import Metrics

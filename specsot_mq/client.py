@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.messages import Answer, Ask, Cancel, Failed, Status, StatusQuery, WireError, decode, encode, params_to_wire
-from specsot_mq.sampling import SamplingParams
+from specsot_mq.sampling_params import SamplingParams
 
 
 ALIVE_S = 5.0  # a request silent this long checks that the gateway still answers

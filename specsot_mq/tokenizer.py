@@ -1,20 +1,91 @@
-"""Tokenizer loading, chat prompts, and UTF-8-safe incremental detokenisation."""
+"""Tokenizer loading, chat prompts, and UTF-8-safe incremental detokenisation.
+
+A model folder's tokenizer is its tokenizer.json, run by the `tokenizers` library, with its chat
+template rendered by jinja2 as transformers renders it: the same ids as transformers' tokenizer,
+without importing transformers (whose tokenizer classes alone take about 140 MB of memory in
+every process, more than a stage without a model needs in all)."""
 
 from __future__ import annotations
 
+import json
+from functools import cached_property
 from pathlib import Path
 
 from specsot_mq.errors import SpecSotError
 
+SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")  # what a chat template may name
 
-def load_tokenizer(folder: str | Path):
-    """The model folder's fast tokenizer (transformers), with its chat template."""
-    from transformers import AutoTokenizer  # heavy import, paid only when a model is loaded
 
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError) as e:
-        raise SpecSotError(f"{folder} has no usable tokenizer ({e}): re-pull the model") from None
+def load_tokenizer(folder: str | Path) -> ChatTokenizer:
+    """The model folder's tokenizer, with its chat template."""
+    return ChatTokenizer(Path(folder))
+
+
+class ChatTokenizer:
+    """A fast tokenizer and its chat template: the calls the project makes of a tokenizer
+    (encode, decode, apply_chat_template, eos_token_id, len), answered as transformers'
+    PreTrainedTokenizerFast answers them."""
+
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer
+
+        try:
+            self.backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            config_path = folder / "tokenizer_config.json"
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except Exception as e:  # the tokenizers library raises plain Exceptions
+            raise SpecSotError(f"{folder} has no usable tokenizer ({e}): re-pull the model") from None
+        template = folder / "chat_template.jinja"
+        self.chat_template = template.read_text() if template.is_file() else _named_template(config.get("chat_template"))
+        # A special token is written as a string or as an added token's record ({"content": ...}).
+        self.special = {name: t.get("content") if isinstance(t, dict) else t
+                        for name in SPECIAL if (t := config.get(name)) is not None}  # fmt: skip
+        self.eos_token = self.special.get("eos_token")
+        self.eos_token_id = self._id(self.eos_token)
+        self.pad_token_id = self._id(self.special.get("pad_token"))
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True):
+        """The chat rendered by its template (the ids of the text, no special tokens added)."""
+        text = self._template.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **self.special)  # fmt: skip
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    @cached_property
+    def _template(self):
+        """The chat template compiled in the sandbox, with the settings and helpers transformers gives it."""
+        from datetime import datetime
+
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)  # fmt: skip
+        env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+        return env.from_string(self.chat_template)
+
+
+def _named_template(template) -> str | None:
+    """tokenizer_config.json's chat template: one string, or a list of named ones ("default" used)."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict] | str, system: str | None = None) -> list[int]:
@@ -24,9 +95,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict] | str, system: str | None = 
     if system is not None:
         messages = [{"role": "system", "content": system}, *messages]
     if tokenizer.chat_template:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        # transformers 5 returns a BatchEncoding here; older versions a plain list.
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     text = "\n".join(m["content"] for m in messages)
     return tokenizer.encode(text)
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator, Job
 from specsot_mq.messages import Answer, Ask, ClientEvent, Planned, PointEnd, PointText, ids, params_to_wire
-from specsot_mq.sampling import SamplingParams
+from specsot_mq.sampling_params import SamplingParams
 from specsot_mq.sot.flow import Flow, Merging, Progress, Skeletoning, SoTConfig, task_jobs
 from specsot_mq.sot.parser import Plan
 from specsot_mq.sot.scheduler import DeviceProfile

@@ -31,7 +31,7 @@ from specsot_mq.messages import (
     ids, params_from_wire, params_to_wire,
 )  # fmt: skip
 from specsot_mq.prompts import common_prefix, direct_ids, history_end, load_format
-from specsot_mq.sampling import SamplingParams
+from specsot_mq.sampling_params import SamplingParams
 from specsot_mq.sot.ordered import OrderedAnswer
 from specsot_mq.sot.parser import Plan, Point, item_starts
 from specsot_mq.sot.router import MODES, route
