@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from specsot_mq.errors import SpecSotError
-from specsot_mq.messages import Answer, Ask, Cancel, Failed, Status, StatusQuery, WireError, decode, encode, params_to_wire
+from specsot_mq.messages import Answer, Ask, Cancel, Failed, Status, StatusQuery, WireError, decode, encode
 from specsot_mq.sampling_params import SamplingParams
 
 
@@ -113,7 +113,7 @@ class Client:
         queue = self.queues[rid] = asyncio.Queue()
         done = False
         try:
-            ask = Ask(rid, question, params_to_wire(params or SamplingParams()), sot, list(history))
+            ask = Ask(rid, question, params or SamplingParams(), sot, list(history))
             try:
                 await asyncio.wait_for(self.sock.send_multipart(encode(ask, "gateway", "client")), ALIVE_S)
             except asyncio.TimeoutError:

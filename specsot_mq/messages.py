@@ -1,16 +1,18 @@
 """Every message the stage processes exchange, and the one codec that puts them on the wire.
 
-A message is a dataclass below. On the wire it is a ZeroMQ multipart message:
+A message is a msgspec Struct below. On the wire it is a ZeroMQ multipart message:
 
     frame 0   msgpack [PROTOCOL, kind, dst, src]   the envelope (a ring node forwards by it alone)
     frame 1   msgpack {field: value}               the body
-    frame 2…  raw tensor bytes                     one frame per tensor, zero copy both ways
+    frame 2…  raw token ids                        one frame per array, zero copy both ways
 
-A tensor inside the body is a msgpack extension (code 1) holding [frame number, dtype, shape]; on
-receipt it becomes `torch.frombuffer` over the frame itself. Nothing is ever pickled. A frame that is
-malformed, of another protocol version, of an unknown kind, or whose fields do not have their
-declared types (every tensor a message carries is int32 token ids, 1-D) raises WireError, which a
-stage logs and drops.
+Token ids travel as 1-D int32 numpy arrays (TokenIds): inside the body an array is a msgpack
+extension (code 1) holding its frame's number, and on receipt it becomes an array over the frame
+itself. Nothing is ever pickled, and reading a message takes no torch: the stages without a model
+never import it. msgspec decodes each body into its Struct and checks every field's declared type
+(SamplingParams' values too); a frame that is malformed, of another protocol version, of an
+unknown kind, or whose fields do not have their declared types raises WireError, which a stage
+logs and drops.
 
 Requests are named by `rid` (the client's request id) in every message. Only deltas travel: a
 point's new tokens, never the whole sequence so far.
@@ -18,31 +20,34 @@ point's new tokens, never the whole sequence so far.
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
-from dataclasses import dataclass, field
+import struct
+import threading
 from typing import Any
 
-import msgpack
-import torch
+import msgspec
+import numpy as np
 
-PROTOCOL = 1
+from specsot_mq.errors import SpecSotError
+from specsot_mq.sampling_params import SamplingParams
+
+PROTOCOL = 2
 BROADCAST = "*"  # dst of a message for every stage
-_TENSOR = 1  # msgpack extension code
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool)}  # fmt: skip
+_FRAME = 1  # msgpack extension code: token ids in the frame whose number it holds
+TokenIds = np.ndarray  # 1-D int32 (see ids())
 
 
 class WireError(ValueError):
     """A frame that is not a message of this protocol."""
 
 
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    """A wire message: a body with exactly its fields, each of its declared type."""
+
+
 # -- lifecycle ---------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Ready:
+class Ready(Message):
     """A stage is up (sent to the gateway once at start, and again after a restart)."""
 
     stage: str
@@ -51,8 +56,7 @@ class Ready:
     device: str  # "ip#gpu" for a device stage, "" otherwise
 
 
-@dataclass(slots=True)
-class Heartbeat:
+class Heartbeat(Message):
     """A stage's periodic sign of life, with what the launcher's table shows."""
 
     stage: str
@@ -73,23 +77,20 @@ class Heartbeat:
     prefix_bytes: int = 0  # the store's size now
 
 
-@dataclass(slots=True)
-class Membership:
+class Membership(Message):
     """The gateway tells the scheduler which branch stages are alive."""
 
     branches: list[str]
 
 
-@dataclass(slots=True)
-class Down:
+class Down(Message):
     """The stages the gateway holds to be down now (gateway -> every stage, straight): a ring
     routes around them until they are back."""
 
     stages: list[str]
 
 
-@dataclass(slots=True)
-class Abort:
+class Abort(Message):
     """Drop everything about this request (broadcast; a stage that holds nothing ignores it)."""
 
     rid: str
@@ -99,72 +100,66 @@ class Abort:
 # -- a request's way through the stages --------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Ask:
+class Ask(Message):
     """A question to answer (client -> gateway -> skeleton)."""
 
     rid: str
     question: str
-    params: dict  # SamplingParams fields (see params_to_wire)
+    params: SamplingParams
     sot: str = "auto"  # auto | always | never
-    history: list = field(default_factory=list)  # earlier turns, [{"role", "content"}] (system first)
+    history: list[dict[str, str]] = []  # earlier turns, [{"role", "content"}] (system first)
 
 
-@dataclass(slots=True)
-class SkeletonText:
+class SkeletonText(Message):
     """New skeleton text as it is decoded (skeleton -> gateway -> client)."""
 
     rid: str
     text: str
-    token_ids: torch.Tensor  # int32, the tokens behind the text
+    token_ids: TokenIds  # the tokens behind the text
 
 
-@dataclass(slots=True)
-class Skeleton:
+class Skeleton(Message):
     """The finished skeleton phase (skeleton -> parse). mode "direct" when the router sent the
     question the direct way (then text is empty)."""
 
     rid: str
     question: str
-    params: dict
+    params: SamplingParams
     mode: str  # "sot" or "direct"
     reason: str  # the router's verdict
     text: str  # the whole skeleton, starting with the prefilled "1."
     stats: dict  # {"tokens", "steps", "seconds"} of the skeleton phase
     finish: str = "stop"  # how the skeleton's decoding ended ("length" or "repeat": its last line is unfinished)
-    history: list = field(default_factory=list)  # Ask.history
+    history: list[dict[str, str]] = []  # Ask.history
 
 
-@dataclass(slots=True)
-class Planned:
+class Planned(Message):
     """The parsed plan (parse -> schedule). mode "direct" when there is nothing to expand."""
 
     rid: str
     question: str
-    params: dict
+    params: SamplingParams
     mode: str
     reason: str
     skeleton: str
-    points: list  # [index, title, predicted tokens or 0] per point
+    points: list[tuple[int, str, int]]  # (index, title, predicted tokens or 0) per point
     stats: dict  # phase name -> {"tokens", "steps", "seconds"}
-    history: list = field(default_factory=list)  # Ask.history
+    history: list[dict[str, str]] = []  # Ask.history
 
 
-@dataclass(slots=True)
-class BranchTask:
+class BranchTask(Message):
     """The prompts one branch stage decodes for a request (schedule -> branch). Every prompt is
     prefix + its suffix; the prefix is computed once. A direct answer is one prompt, prefix empty."""
 
     rid: str
-    params: dict  # with the phase's own max_tokens and stop strings
-    prefix: torch.Tensor  # int32 token ids shared by every prompt
+    params: SamplingParams  # with the phase's own max_tokens and stop strings
+    prefix: TokenIds  # shared by every prompt
     indices: list[int]  # the points (0 for a direct answer), longest predicted first
-    suffixes: list[torch.Tensor]  # int32 token ids, one per index
+    suffixes: list[TokenIds]  # one per index
     keep: int = 0  # the prompts' first tokens worth keeping for the conversation's next turn (Job.keep)
 
 
-@dataclass(slots=True)
-class MergePlan:
+class MergePlan(Message):
     """What the merge stage waits for (schedule -> merge; merge forwards it to the gateway, which
     learns which branch stages hold the request and shows the client the plan)."""
 
@@ -172,13 +167,12 @@ class MergePlan:
     mode: str
     reason: str
     skeleton: str
-    points: list  # [index, title] per point, in plan order ([[0, ""]] for a direct answer)
-    branches: dict  # branch stage -> the indices it decodes
+    points: list[tuple[int, str]]  # (index, title) per point, in plan order ([(0, "")] for a direct answer)
+    branches: dict[str, list[int]]  # branch stage -> the indices it decodes
     stats: dict
 
 
-@dataclass(slots=True)
-class Reroute:
+class Reroute(Message):
     """A branch stage died holding part of this request: send its points to a survivor
     (gateway -> schedule)."""
 
@@ -186,8 +180,7 @@ class Reroute:
     dead: str  # the branch stage that died
 
 
-@dataclass(slots=True)
-class Reassign:
+class Reassign(Message):
     """These points start again on another branch stage (schedule -> merge -> gateway -> client):
     what they wrote so far is dropped, and greedy decoding writes it again, the same."""
 
@@ -197,18 +190,16 @@ class Reassign:
     dead: str  # the one that died
 
 
-@dataclass(slots=True)
-class PointText:
+class PointText(Message):
     """New text of one point (branch -> merge -> gateway -> client). Index 0: a direct answer."""
 
     rid: str
     index: int
     text: str
-    token_ids: torch.Tensor  # int32
+    token_ids: TokenIds
 
 
-@dataclass(slots=True)
-class PointEnd:
+class PointEnd(Message):
     """A point finished (branch -> merge -> gateway -> client)."""
 
     rid: str
@@ -219,8 +210,7 @@ class PointEnd:
     seconds: float
 
 
-@dataclass(slots=True)
-class AnswerText:
+class AnswerText(Message):
     """New text of the merged answer, in order (merge -> gateway -> client): its pieces joined are
     exactly Answer.answer. A planned answer's points decode together, but this streams them one
     after another, each as soon as the points before it have ended (see sot/ordered.py)."""
@@ -229,8 +219,7 @@ class AnswerText:
     text: str
 
 
-@dataclass(slots=True)
-class Answer:
+class Answer(Message):
     """The merged answer, the last message of a request (merge -> gateway -> client)."""
 
     rid: str
@@ -238,13 +227,12 @@ class Answer:
     mode: str
     reason: str
     skeleton: str
-    points: list  # [index, title, expansion] in plan order
+    points: list[tuple[int, str, str]]  # (index, title, expansion) in plan order
     stats: dict  # phase -> {"tokens", "steps", "seconds"}, "seconds" end to end, "prompt_tokens"
     finish: str = "stop"  # "length" when an output hit its token cap, else "stop"
 
 
-@dataclass(slots=True)
-class Failed:
+class Failed(Message):
     """The request cannot be answered; error says why and what to do."""
 
     rid: str
@@ -260,47 +248,29 @@ ClientEvent = SkeletonText | MergePlan | PointText | PointEnd | Reassign | Answe
 # -- client <-> gateway only -------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Cancel:
+class Cancel(Message):
     """The client gives up on a request (Ctrl+C in chat)."""
 
     rid: str
 
 
-@dataclass(slots=True)
-class StatusQuery:
+class StatusQuery(Message):
     """Ask the gateway for every stage's state."""
 
 
-@dataclass(slots=True)
-class Status:
+class Status(Message):
     """Every stage as the gateway last heard from it."""
 
     ready: bool  # every stage has said Ready and none is down
-    stages: list = field(default_factory=list)  # one dict per stage: Heartbeat fields + "up", "age"
+    stages: list[dict] = []  # one dict per stage: Heartbeat fields + "up", "age"
 
 
-KINDS: dict[str, type] = {cls.__name__: cls for cls in (
+KINDS: dict[str, type[Message]] = {cls.__name__: cls for cls in (
     Ready, Heartbeat, Membership, Down, Abort, Ask, SkeletonText, Skeleton, Planned, BranchTask, MergePlan, Reroute,
     Reassign, PointText, PointEnd, AnswerText, Answer, Failed, Cancel, StatusQuery, Status)}  # fmt: skip
-_FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls)) for name, cls in KINDS.items()}
-_TYPES = {name: {f.name: f.type for f in dataclasses.fields(cls)} for name, cls in KINDS.items()}
-_PLAIN = {"str": str, "int": int, "float": (int, float), "bool": bool, "dict": dict, "list": list, "torch.Tensor": torch.Tensor}
 
 
-def _conforms(value, annotation: str) -> bool:
-    """Whether a received field's value has its declared type (a tensor: int32 token ids, 1-D)."""
-    if annotation.startswith("list[") and annotation.endswith("]"):
-        return isinstance(value, list) and all(_conforms(v, annotation[5:-1]) for v in value)
-    if isinstance(value, bool) and annotation in ("int", "float"):
-        return False
-    if isinstance(value, torch.Tensor):
-        return annotation == "torch.Tensor" and value.dtype == torch.int32 and value.dim() == 1
-    return isinstance(value, _PLAIN[annotation])
-
-
-@dataclass(slots=True)
-class Envelope:
+class Envelope(msgspec.Struct):
     """A decoded message with its routing."""
 
     msg: Any
@@ -308,34 +278,63 @@ class Envelope:
     src: str
 
 
-def encode(msg, dst: str, src: str) -> list:
-    """The frames of one message (tensors as zero-copy buffers)."""
+def ids(tokens) -> TokenIds:
+    """Token ids as the int32 array messages carry."""
+    return np.asarray(tokens, dtype=np.int32)
+
+
+# The frames of the message being encoded or decoded on this thread, for the hooks below.
+_frames = threading.local()
+
+
+def _to_frame(obj) -> msgspec.msgpack.Ext:
+    if not isinstance(obj, np.ndarray):
+        raise TypeError(f"cannot send a {type(obj).__name__} in a message")
+    if obj.dtype != np.int32 or obj.ndim != 1:
+        raise TypeError(f"token ids travel as 1-D int32 arrays, not {obj.dtype} of shape {obj.shape}")
+    _frames.out.append(memoryview(np.ascontiguousarray(obj)).cast("B"))
+    return msgspec.msgpack.Ext(_FRAME, struct.pack("<I", len(_frames.out) - 1))
+
+
+def _from_frame(code: int, data: memoryview) -> TokenIds:
+    frames = _frames.received
+    if code != _FRAME or len(data) != 4 or not 2 <= (index := struct.unpack("<I", data)[0]) < len(frames):
+        raise WireError(f"bad token-id reference (extension {code})")
+    buf = frames[index].buffer if hasattr(frames[index], "buffer") else memoryview(frames[index])
+    if len(buf) % 4:
+        raise WireError(f"token-id frame {index} has {len(buf)} bytes, not a whole number of int32s")
+    return np.frombuffer(buf, dtype=np.int32)  # read-only, as the frame is
+
+
+def _token_ids(kind: type, obj):
+    if kind is np.ndarray and isinstance(obj, np.ndarray):
+        return obj
+    raise TypeError("expected token ids (a frame reference)")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_to_frame)
+_DECODERS = {kind: msgspec.msgpack.Decoder(cls, ext_hook=_from_frame, dec_hook=_token_ids) for kind, cls in KINDS.items()}
+_ENVELOPE = msgspec.msgpack.Decoder(tuple[int, str, str, str])
+
+
+def encode(msg: Message, dst: str, src: str) -> list:
+    """The frames of one message (token ids as zero-copy buffers)."""
     kind = type(msg).__name__
-    if kind not in KINDS:
+    if KINDS.get(kind) is not type(msg):
         raise TypeError(f"{kind} is not a wire message")
-    frames: list = [None, None]
-
-    def tensor(obj):
-        if not isinstance(obj, torch.Tensor):
-            raise TypeError(f"cannot send a {type(obj).__name__} in a message")
-        name = str(obj.dtype).removeprefix("torch.")
-        if name not in _DTYPES:
-            raise TypeError(f"cannot send a {obj.dtype} tensor")
-        flat = obj.detach().to("cpu").contiguous().reshape(-1)
-        frames.append(memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b"")
-        return msgpack.ExtType(_TENSOR, msgpack.packb([len(frames) - 1, name, list(obj.shape)]))
-
-    body = {name: getattr(msg, name) for name in _FIELDS[kind]}
-    frames[0] = msgpack.packb([PROTOCOL, kind, dst, src])
-    frames[1] = msgpack.packb(body, default=tensor)
+    _frames.out = frames = [msgspec.msgpack.encode((PROTOCOL, kind, dst, src)), None]
+    try:
+        frames[1] = _ENCODER.encode(msg)
+    finally:
+        _frames.out = None
     return frames
 
 
 def peek(frames: list) -> tuple[str, str, str]:
     """(kind, dst, src) from the envelope frame alone, without decoding the body."""
     try:
-        version, kind, dst, src = msgpack.unpackb(_bytes(frames[0]))
-    except Exception as exc:
+        version, kind, dst, src = _ENVELOPE.decode(_bytes(frames[0]))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"bad envelope frame ({exc})") from None
     if version != PROTOCOL:
         raise WireError(f"protocol version {version}, this process speaks {PROTOCOL}: run one version everywhere")
@@ -349,70 +348,15 @@ def decode(frames: list) -> Envelope:
     if len(frames) < 2:
         raise WireError(f"a message has at least 2 frames, got {len(frames)}")
     kind, dst, src = peek(frames)
-
-    def ext(code, data):
-        if code != _TENSOR:
-            raise WireError(f"unknown extension {code}")
-        index, dtype, shape = msgpack.unpackb(data)
-        if not 2 <= index < len(frames) or dtype not in _DTYPES:
-            raise WireError(f"bad tensor reference (frame {index}, dtype {dtype!r})")
-        buf = _buffer(frames[index])
-        dt = _DTYPES[dtype]
-        numel = 1
-        for n in shape:
-            numel *= n
-        if len(buf) != numel * dt.itemsize:
-            raise WireError(f"tensor frame {index} has {len(buf)} bytes, {dtype} {shape} needs {numel * dt.itemsize}")
-        if numel == 0:
-            return torch.empty(shape, dtype=dt)
-        with warnings.catch_warnings():  # received frames are read-only; the tensor is too, by convention
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(buf, dtype=dt).reshape(shape)
-
+    _frames.received = frames
     try:
-        body = msgpack.unpackb(_bytes(frames[1]), ext_hook=ext)
-    except WireError:
-        raise
-    except Exception as exc:
+        msg = _DECODERS[kind].decode(_bytes(frames[1]))
+    except (msgspec.MsgspecError, SpecSotError, ValueError, TypeError) as exc:  # SamplingParams' checks raise SpecSotError
         raise WireError(f"bad {kind} body ({exc})") from None
-    if not isinstance(body, dict) or set(body) != set(_FIELDS[kind]):
-        raise WireError(f"{kind} body must have exactly the fields {', '.join(_FIELDS[kind]) or '(none)'}")
-    for name, annotation in _TYPES[kind].items():
-        if not _conforms(body[name], annotation):
-            raise WireError(f"{kind}.{name} must be {annotation}, got {type(body[name]).__name__}")
-    return Envelope(KINDS[kind](**body), dst, src)
+    finally:
+        _frames.received = None
+    return Envelope(msg, dst, src)
 
 
-def _bytes(frame) -> bytes:
-    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
-
-
-def _buffer(frame):
-    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
-
-
-def params_to_wire(params) -> dict:
-    """SamplingParams as a plain dict."""
-    return {f.name: (list(v) if isinstance(v := getattr(params, f.name), tuple) else v)
-            for f in dataclasses.fields(params)}  # fmt: skip
-
-
-def params_from_wire(data: dict):
-    """SamplingParams back from params_to_wire's dict (raises SpecSotError on bad values)."""
-    from specsot_mq.sampling import SamplingParams
-
-    names = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = set(data) - names
-    if unknown:
-        from specsot_mq.errors import SpecSotError
-
-        raise SpecSotError(f"unknown sampling setting {sorted(unknown)[0]!r}: use {', '.join(sorted(names))}")
-    values = dict(data)
-    if "stop" in values:
-        values["stop"] = tuple(values["stop"])
-    return SamplingParams(**values)
-
-
-def ids(tokens: list[int]) -> torch.Tensor:
-    """Token ids as the int32 tensor messages carry."""
-    return torch.tensor(tokens, dtype=torch.int32)
+def _bytes(frame):
+    return frame.buffer if hasattr(frame, "buffer") else frame

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from specsot_mq.messages import BranchTask, PointEnd, PointText, ids
 from specsot_mq.prompts import load_format
-from specsot_mq.sot.flow import Progress, SoTConfig, task_jobs
+from specsot_mq.sot.flow import AnswerPrompts, Progress, SoTConfig
 from specsot_mq.stages.worker import DeviceStage, batch_key
 
 
@@ -24,10 +24,10 @@ class BranchStage(DeviceStage):
             gen.keep_prefix(head)
         return gen
 
-    def accept(self, msg: BranchTask, params) -> None:
+    def accept(self, msg: BranchTask) -> None:
         # A request may send more points later (a dead stage's, rerouted here).
         self.running.setdefault(msg.rid, {}).update({i: Progress() for i in msg.indices})
-        self.worker.submit(task_jobs(msg), batch_key(msg.rid, params))
+        self.worker.submit(AnswerPrompts.of(msg).jobs(msg.indices), batch_key(msg.rid, msg.params))
 
     def on_delta(self, key, delta) -> None:
         rid, index = key

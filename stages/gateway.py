@@ -16,12 +16,15 @@ parse and schedule stages hold it until its plan is out, merge to the end), or a
 redos. Liveness travels straight to the gateway in both topologies, so the stage named is the one
 that died. A new or restarted request that needs a stage which is down (restarting) or not up yet
 waits for it, up to `restart_wait_s`.
+
+A question whose prompt cannot fit a device stage's cache (`max_len` tokens per sequence) fails at
+once, before any stage sees it. A request that runs longer than REPORT_S gets a log line saying
+which stages hold it and what was last heard of it, and again each time its age doubles.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import secrets
 import time
@@ -29,17 +32,21 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
+from msgspec.structs import asdict, replace
 
 from specsot_mq.messages import (
     Abort, Answer, AnswerText, Ask, Down, Reassign, Reroute, Cancel, Failed, Heartbeat, Membership, MergePlan, PointEnd, PointText, Ready,
     SkeletonText, Status, StatusQuery, WireError, decode, encode,
 )  # fmt: skip
 from specsot_mq.client import secure
+from specsot_mq.errors import SpecSotError
+from specsot_mq.sot.flow import Flow, SoTConfig
 from specsot_mq.stages.base import Stage
 
 log = logging.getLogger("specsot.gateway")
 LINEAR = ("skeleton", "parse", "schedule", "merge")  # kinds every request passes through
 MAX_REROUTES = 3  # a request whose work must be redone more often than this (stages died) fails
+REPORT_S = 5.0  # a request running this long is logged with where it is (then at each doubling of its age)
 
 
 @dataclass(slots=True)
@@ -62,7 +69,7 @@ class _Health:
                "ever_up": self.ever_up, "age": now - self.seen}  # fmt: skip
         if self.pid is not None:
             row["pid"] = self.pid
-        return row | (dataclasses.asdict(self.beat) if self.beat else {})
+        return row | (asdict(self.beat) if self.beat else {})
 
 
 @dataclass(slots=True)
@@ -110,6 +117,8 @@ class _Request:
     attempt: int = 0  # times it started again from its question (a ring node died)
     planned: bool = False  # the client has its plan
     shown: _Shown = field(default_factory=_Shown)
+    heard: str = "nothing yet"  # the last message about it from a stage, and which stage sent it
+    report_after: float = REPORT_S  # its age at the next log line about where it is
 
     @property
     def wire(self) -> str:
@@ -119,6 +128,11 @@ class _Request:
 
 class Gateway(Stage):
     async def start(self) -> None:
+        from specsot_mq.pull import resolve_model
+        from specsot_mq.tokenizer import load_tokenizer
+
+        # The prompts' sizes, to refuse a question that cannot fit a cache before any stage sees it.
+        self.flow = Flow(SoTConfig(**self.spec.sot), load_tokenizer(resolve_model(self.spec.model)))
         self.clients = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.clients.setsockopt(zmq.LINGER, 0)
         self.clients.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
@@ -153,6 +167,7 @@ class Gateway(Stage):
         if rid is None:
             return  # a request that ended, or an attempt that was restarted: its late messages
         request = self.requests[rid]
+        request.heard = f"{type(msg).__name__} from {env.src}"
         if isinstance(msg, (SkeletonText, PointText, AnswerText)):
             await self._stream(rid, request, msg)
         elif isinstance(msg, MergePlan):  # planned: the skeleton, parse and schedule stages are done with it
@@ -160,22 +175,22 @@ class Gateway(Stage):
             request.holders.update(msg.branches)
             if not request.planned:  # a redo plans the same points
                 request.planned = True
-                await self._send_client(request.client, dataclasses.replace(msg, rid=rid))
+                await self._send_client(request.client, replace(msg, rid=rid))
         elif isinstance(msg, PointEnd):
             if msg.index not in request.shown.ended:  # a redo ends it again
                 request.shown.ended.add(msg.index)
-                await self._send_client(request.client, dataclasses.replace(msg, rid=rid))
+                await self._send_client(request.client, replace(msg, rid=rid))
         elif isinstance(msg, Reassign):
             request.holders.add(msg.stage)
             for index in msg.indices:
                 request.shown.forget(index)
-            await self._send_client(request.client, dataclasses.replace(msg, rid=rid))
+            await self._send_client(request.client, replace(msg, rid=rid))
         elif isinstance(msg, Answer):
             self._forget(rid)
             msg.stats["seconds"] = time.monotonic() - request.started
             if request.attempt:
                 msg.stats["restarts"] = request.attempt
-            await self._send_client(request.client, dataclasses.replace(msg, rid=rid))
+            await self._send_client(request.client, replace(msg, rid=rid))
         elif isinstance(msg, Failed):
             await self._fail(rid, msg.error)
 
@@ -191,7 +206,7 @@ class Gateway(Stage):
         text, seen = fresh
         if text or (tokens is not None and seen < len(tokens)):
             update = {"rid": rid, "text": text} | ({"token_ids": tokens[seen:]} if tokens is not None else {})
-            await self._send_client(request.client, dataclasses.replace(msg, **update))
+            await self._send_client(request.client, replace(msg, **update))
 
     async def handle_local(self, msg: Ready | Heartbeat) -> None:
         """A stage's sign of life (the gateway's own heartbeat comes here too)."""
@@ -229,6 +244,20 @@ class Gateway(Stage):
                     await self._down_changed()
                     await self._stage_down(name, silent)
             await self._unpark()
+            self._report(now)
+
+    def _report(self, now: float) -> None:
+        """A log line for each request that has run long enough: where it is now."""
+        for rid, request in self.requests.items():
+            age = now - request.started
+            if age < request.report_after:
+                continue
+            request.report_after *= 2
+            if request.deadline is not None:
+                where = f"waits for the stages {', '.join(self._down()) or 'it needs'} to be up"
+            else:
+                where = f"held by {', '.join(sorted(request.holders)) or 'no stage'}; last heard: {request.heard}"
+            log.info("%s: running %.0f s, %s", rid, age, where)
 
     async def _stage_down(self, name: str, silent: float) -> None:
         """A stage went silent: the work it held is redone elsewhere (p2p: a dead branch stage's
@@ -308,11 +337,11 @@ class Gateway(Stage):
         elif isinstance(msg, Ask):
             if msg.rid in self.requests:
                 await self._send_client(client, Failed(msg.rid, f"request id {msg.rid} is already in flight"))
-            elif bad := _bad_ask(msg):
+            elif bad := self._bad_ask(msg):
                 await self._send_client(client, Failed(msg.rid, bad))
             else:
-                if msg.params.get("temperature", 0) > 0 and msg.params.get("seed") is None:
-                    msg.params["seed"] = secrets.randbits(31)  # a redo after a fault then writes the same
+                if msg.params.temperature > 0 and msg.params.seed is None:
+                    msg.params.seed = secrets.randbits(31)  # a redo after a fault then writes the same
                 now = time.monotonic()  # a request that needs a stage which is (re)starting waits, for a while
                 self.requests[msg.rid] = _Request(client, msg, now, now + self.spec.restart_wait_s)
                 await self._unpark()
@@ -336,7 +365,7 @@ class Gateway(Stage):
             if not down:
                 request.deadline, request.holders = None, set(self.linear)
                 self.wired[request.wire] = rid
-                await self.send(self.spec.named("skeleton")[0], dataclasses.replace(request.ask, rid=request.wire))
+                await self.send(self.spec.named("skeleton")[0], replace(request.ask, rid=request.wire))
             elif now > request.deadline:
                 state = "is not up yet" if not all(self.health[n].ever_up for n in down) else "is down"
                 await self._fail(rid, f"stage {down[0]} {state} (waited {self.spec.restart_wait_s:.0f} s): retry in a moment")
@@ -364,17 +393,20 @@ class Gateway(Stage):
         await self.clients.send_multipart([client, *encode(msg, "client", self.name)], copy=False)
 
 
-def _bad_ask(msg: Ask) -> str | None:
-    """What is wrong with a question as a client sent it (the stages after take it as checked)."""
-    from specsot_mq.errors import SpecSotError
-    from specsot_mq.prompts import check_history
+    def _bad_ask(self, msg: Ask) -> str | None:
+        """What is wrong with a question as a client sent it (the stages after take it as checked)."""
+        from specsot_mq.prompts import check_history
 
-    if not isinstance(msg.question, str) or not msg.question.strip():
-        return "the question must be a non-empty string"
-    if "~" in msg.rid:
-        return f"request id {msg.rid!r} has a '~', which marks a restarted request's attempts: choose another id"
-    try:
-        check_history(msg.history)
-    except SpecSotError as exc:
-        return str(exc)
-    return None
+        if not msg.question.strip():
+            return "the question must be a non-empty string"
+        if "~" in msg.rid:
+            return f"request id {msg.rid!r} has a '~', which marks a restarted request's attempts: choose another id"
+        try:
+            check_history(msg.history)
+            size = self.flow.prompt_size(msg)
+        except SpecSotError as exc:
+            return str(exc)
+        if size > self.spec.max_len:
+            return (f"the prompt is {size} tokens and the KV cache holds {self.spec.max_len} per sequence: shorten the "
+                    "prompt or raise the cache length (--max-len)")  # fmt: skip
+        return None

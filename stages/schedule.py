@@ -17,7 +17,7 @@ from specsot_mq.stages.base import Stage
 class ScheduleStage(Stage):
     async def start(self) -> None:
         from specsot_mq.pull import resolve_model
-        from specsot_mq.tokenizer import load_tokenizer
+        from specsot_mq.tokenizer import load_tokenizer  # the tokenizers library alone: no torch, no transformers
 
         self.flow = Flow(SoTConfig(**self.spec.sot), load_tokenizer(resolve_model(self.spec.model)))
         self.merge = self.spec.named("merge")[0]
@@ -45,10 +45,10 @@ class ScheduleStage(Stage):
         self.turn += 1
         k = self.turn % len(self.alive)
         order = self.alive[k:] + self.alive[:k]
-        plan, tasks = self.flow.assign(msg, [DeviceProfile(name, **self.spec.profiles[name]) for name in order])
+        plan, prompts = self.flow.assign(msg, [DeviceProfile(name, **self.spec.profiles[name]) for name in order])
         await self.send(self.merge, plan)
-        for branch, task in tasks:
-            await self._task(branch, task)
+        for branch, indices in plan.branches.items():
+            await self._task(branch, prompts.task(indices))
 
     async def _task(self, branch: str, task: BranchTask) -> None:
         """Send a task, and remember it while its request may still need it again."""

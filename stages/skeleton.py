@@ -26,7 +26,7 @@ class SkeletonStage(DeviceStage):
         gen.keep_prefix(self.flow.format.skeleton_head(gen.tokenizer))
         return gen
 
-    def accept(self, msg: Ask, params) -> None:
+    def accept(self, msg: Ask) -> None:
         try:
             first = self.flow.route(msg)
         except SpecSotError as exc:
@@ -37,7 +37,7 @@ class SkeletonStage(DeviceStage):
             return
         self.running[msg.rid] = first
         self.post("gateway", first.first())
-        self.worker.submit([first.job], batch_key(msg.rid, params))
+        self.worker.submit([first.job], batch_key(msg.rid, msg.params))
 
     def on_delta(self, key, delta) -> None:
         state = self.running.get(key[0])

@@ -25,7 +25,7 @@ import torch
 from specsot_mq.core_share import CoreShare
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator, Job
-from specsot_mq.messages import Failed, params_from_wire
+from specsot_mq.messages import Failed
 from specsot_mq.stages.base import Stage
 
 log = logging.getLogger("specsot.worker")
@@ -224,18 +224,11 @@ class DeviceStage(Stage):
         self.outbox.put_nowait((dst, msg))
 
     async def handle(self, env) -> None:
-        msg = env.msg
-        if not isinstance(msg, self.message):
-            return
-        try:
-            params = params_from_wire(msg.params)
-        except (SpecSotError, TypeError) as exc:
-            self.post("gateway", Failed(msg.rid, str(exc)))
-            return
-        self.accept(msg, params)
+        if isinstance(env.msg, self.message):
+            self.accept(env.msg)
 
-    def accept(self, msg, params) -> None:
-        """A request's message, its SamplingParams checked: queue its decoding."""
+    def accept(self, msg) -> None:
+        """A request's message (its SamplingParams checked by the codec): queue its decoding."""
 
     def on_delta(self, key, delta: Delta) -> None:
         """A job's new tokens (on the event loop)."""

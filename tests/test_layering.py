@@ -52,3 +52,19 @@ def test_the_library_never_imports_the_app_layer():
     assert files
     offenders = {str(p.relative_to(LIBRARY)): found for p in files if (found := app_imports(p.read_text()))}
     assert offenders == {}
+
+
+LEAN = ["specsot_mq.stages.gateway", "specsot_mq.stages.parse", "specsot_mq.stages.schedule", "specsot_mq.stages.merge"]
+
+
+@pytest.mark.parametrize("module", LEAN)
+def test_the_stages_without_a_model_never_import_torch_or_transformers(module):
+    """Each in a fresh interpreter, with what its start() imports (the model's folder, the tokenizer)."""
+    import subprocess
+    import sys
+
+    code = (f"import sys, {module}, specsot_mq.pull, specsot_mq.tokenizer; "
+            "print(' '.join(sorted({'torch', 'transformers'} & set(sys.modules))))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"{module} imported {out.stdout.strip()}"

@@ -12,7 +12,8 @@ import sys
 import threading
 import time
 
-import msgpack
+import msgspec
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -23,9 +24,10 @@ from specsot_mq.client import Client
 from specsot_mq.devices import parse_devices
 from specsot_mq.errors import SpecSotError
 from specsot_mq.messages import (
-    BROADCAST, Abort, Answer, AnswerText, Ask, BranchTask, Envelope, Failed, Membership, Planned, PointText, Reassign, encode, ids,
+    BROADCAST, PROTOCOL, Abort, Answer, AnswerText, Ask, BranchTask, Envelope, Failed, Membership, Planned, PointText, Reassign,
+    encode, ids,
 )  # fmt: skip
-from specsot_mq.sampling import SamplingParams
+from specsot_mq.sampling_params import SamplingParams
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
 from specsot_mq.stages.launch import plan_run
 from specsot_mq.transports import make_transport
@@ -63,7 +65,7 @@ async def test_fake_stages_reach_each_other_and_survive_malformed_frames(topolog
         # Garbage straight into merge's inbox, then a good message: only the good one arrives.
         raw = ctx.socket(zmq.PUSH)
         raw.connect(table["merge"])
-        await raw.send_multipart([msgpack.packb([99, "Nope", "merge", "x"]), b"junk"])
+        await raw.send_multipart([msgspec.msgpack.encode([99, "Nope", "merge", "x"]), b"junk"])
         await raw.send_multipart(encode(Membership(["ok"]), "merge", "parse"))
         assert (await asyncio.wait_for(inbox["merge"].get(), 5)).msg == Membership(["ok"])
         assert links["merge"].dropped == 1
@@ -277,7 +279,7 @@ def test_a_branch_killed_with_no_way_around_fails_its_request_by_name_and_the_re
     assert isinstance(after, Answer), after
 
 
-def test_a_ring_gateway_restarts_what_was_in_flight_once_and_the_client_sees_one_stream(tmp_path):
+def test_a_ring_gateway_restarts_what_was_in_flight_once_and_the_client_sees_one_stream(tmp_path, default_model_dir):
     """The gateway alone (fake stages): a sampled request gets a seed at admission; when a ring
     branch stage dies, the request starts again as rid~1 with the same question and seed, the
     old attempt is aborted everywhere and its late messages dropped, and the client gets only
@@ -294,14 +296,15 @@ def test_a_ring_gateway_restarts_what_was_in_flight_once_and_the_client_sees_one
         sent.append((dst, msg))
 
     async def scenario():
-        gateway = Gateway("gateway", RunSpec("ring", {}, kinds, {}, {}, {}, f"ipc://{tmp_path}/c.sock"), send)
+        spec = RunSpec("ring", {}, kinds, {}, {}, {}, f"ipc://{tmp_path}/c.sock", model=str(default_model_dir))
+        gateway = Gateway("gateway", spec, send)
         await gateway.start()
         gateway._send_client = lambda _, msg: asyncio.sleep(0, client.append(msg))
         try:
             for entry in gateway.health.values():
                 entry.up = entry.ever_up = True
-            await gateway._from_client(b"c", Ask("r", "How do I start running?", {"temperature": 0.7}, "always"))
-            await gateway._from_client(b"c", Ask("g", "How do I start running?", {}, "always"))
+            await gateway._from_client(b"c", Ask("r", "How do I start running?", SamplingParams(temperature=0.7), "always"))
+            await gateway._from_client(b"c", Ask("g", "How do I start running?", SamplingParams(), "always"))
             first = {msg.rid: msg for dst, msg in sent if isinstance(msg, Ask)}
             await gateway.handle(Envelope(SkeletonText("r", "1. Warm", ids([1, 2])), "gateway", "skeleton"))
             gateway.health["branch@a"].up = False
@@ -315,7 +318,7 @@ def test_a_ring_gateway_restarts_what_was_in_flight_once_and_the_client_sees_one
         return first, again, aborted
 
     first, again, aborted = asyncio.run(scenario())
-    assert isinstance(first["r"].params["seed"], int) and "seed" not in first["g"].params  # greedy needs none
+    assert isinstance(first["r"].params.seed, int) and first["g"].params.seed is None  # greedy needs none
     assert len(again) == 1 and again[0].rid == "r~1" and again[0].params == first["r"].params
     assert {("skeleton", "r"), ("merge", "r"), ("branch@b", "r"), ("skeleton", "g")} <= aborted  # both restarted
     texts = [(m.rid, m.text, m.token_ids.tolist()) for m in client if isinstance(m, SkeletonText)]
@@ -542,8 +545,8 @@ def hostile_frames(rng, count: int, vocab: int):
     fields of the wrong type, tensors whose frames do not match their shape, oversized token
     arrays, token ids outside the vocabulary, and well-formed requests with nonsense inside."""
     good = [
-        encode(Ask("fz", "How do I start running?", {"max_tokens": 4}, "always"), "skeleton", "x"),
-        encode(BranchTask("fz", {"max_tokens": 4}, ids([1, 2, 3]), [1], [ids([4, 5])]), "branch@127.0.0.1#cpu", "x"),
+        encode(Ask("fz", "How do I start running?", SamplingParams(max_tokens=4), "always"), "skeleton", "x"),
+        encode(BranchTask("fz", SamplingParams(max_tokens=4), ids([1, 2, 3]), [1], [ids([4, 5])]), "branch@127.0.0.1#cpu", "x"),
         encode(PointText("fz", 1, "text", ids([1])), "merge", "x"),
     ]
     for _ in range(count):
@@ -556,21 +559,21 @@ def hostile_frames(rng, count: int, vocab: int):
             frames[i] = frames[i][: rng.randrange(len(frames[i]) + 1)] if rng.random() < 0.5 else rng.randbytes(len(frames[i]))
             yield frames[: rng.randrange(1, len(frames) + 1)]
         elif choice == 2:
-            yield [msgpack.packb([1, "NoSuchKind", "merge", "x"]), msgpack.packb({})]
+            yield [msgspec.msgpack.encode([PROTOCOL, "NoSuchKind", "merge", "x"]), msgspec.msgpack.encode({})]
         elif choice == 3:  # fields of the wrong type
-            yield [msgpack.packb([1, "Ask", "skeleton", "x"]),
-                   msgpack.packb({"rid": 5, "question": ["q"], "params": "p", "sot": None, "history": {}})]  # fmt: skip
-        elif choice == 4:  # a tensor whose frame does not match its shape, or of the wrong shape
-            ext = msgpack.ExtType(1, msgpack.packb([2, "int32", [rng.choice([3, 1000, 2])]]))
-            yield [msgpack.packb([1, "PointText", "merge", "x"]),
-                   msgpack.packb({"rid": "fz", "index": 1, "text": "t", "token_ids": ext}), b"\0" * 8]  # fmt: skip
+            yield [msgspec.msgpack.encode([PROTOCOL, "Ask", "skeleton", "x"]),
+                   msgspec.msgpack.encode({"rid": 5, "question": ["q"], "params": "p", "sot": None, "history": {}})]  # fmt: skip
+        elif choice == 4:  # token ids in a frame that is not there, of an odd length, or a bad reference
+            ext = msgspec.msgpack.Ext(1, rng.choice([b"\2\0\0\0", b"\3\0\0\0", b"\2\0"]))
+            yield [msgspec.msgpack.encode([PROTOCOL, "PointText", "merge", "x"]),
+                   msgspec.msgpack.encode({"rid": "fz", "index": 1, "text": "t", "token_ids": ext}), b"\0" * rng.choice([7, 8])]  # fmt: skip
         elif choice == 5:  # a prompt far longer than any cache, and token ids the model does not have
-            big = torch.randint(0, vocab, (200_000,), dtype=torch.int32)
-            yield encode(BranchTask("fz", {}, big, [1], [ids([1])]), "branch@127.0.0.1#cpu", "x")
-            yield encode(BranchTask("fz2", {}, ids([vocab + 5, -3]), [1], [ids([1])]), "branch@127.0.0.1#cpu", "x")
+            big = np.random.default_rng(rng.randrange(1 << 32)).integers(0, vocab, 200_000, dtype=np.int32)
+            yield encode(BranchTask("fz", SamplingParams(), big, [1], [ids([1])]), "branch@127.0.0.1#cpu", "x")
+            yield encode(BranchTask("fz2", SamplingParams(), ids([vocab + 5, -3]), [1], [ids([1])]), "branch@127.0.0.1#cpu", "x")
         elif choice == 6:  # well-formed, nonsense inside
             yield encode(Ask("fz3", "q", {"max_tokens": -1, "bogus": 1}, "sometimes", [[1, 2]]), "skeleton", "x")
-            yield encode(Planned("fz4", "q", {}, "sot", "r", "", [[1, "a"]], {}), "schedule", "x")
+            yield encode(Planned("fz4", "q", SamplingParams(), "sot", "r", "", [[1, "a"]], {}), "schedule", "x")
         else:
             yield [bytes(f) for f in rng.choice(good)]  # valid, for a request nobody holds
 

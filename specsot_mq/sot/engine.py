@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator, Job
-from specsot_mq.messages import Answer, Ask, ClientEvent, Planned, PointEnd, PointText, ids, params_to_wire
+from specsot_mq.messages import Answer, Ask, ClientEvent, Planned, PointEnd, PointText, ids
 from specsot_mq.sampling_params import SamplingParams
-from specsot_mq.sot.flow import Flow, Merging, Progress, Skeletoning, SoTConfig, task_jobs
+from specsot_mq.sot.flow import Flow, Merging, Progress, Skeletoning, SoTConfig
 from specsot_mq.sot.parser import Plan
 from specsot_mq.sot.scheduler import DeviceProfile
 
@@ -48,8 +48,7 @@ class SoTEngine:
         """Answer one question, yielding events as the skeleton and the points grow; `history`:
         the conversation's earlier turns ({"role", "content"}), which every phase's prompt shows."""
         start = time.monotonic()
-        ask = Ask(uuid.uuid4().hex[:12], question, params_to_wire(params or SamplingParams()), self.config.sot,
-                  list(history))  # fmt: skip
+        ask = Ask(uuid.uuid4().hex[:12], question, params or SamplingParams(), self.config.sot, list(history))
         skeleton = self.flow.route(ask)
         if isinstance(skeleton, Skeletoning):
             yield skeleton.first()
@@ -63,18 +62,17 @@ class SoTEngine:
 
     def expand(self, question: str, plan: Plan, params: SamplingParams | None = None) -> Iterator[ClientEvent]:
         """Only the points phase: expand a given plan's points (all together), then merge."""
-        points = [[p.index, p.title, p.predicted_tokens or 0] for p in plan.points]
-        planned = Planned(uuid.uuid4().hex[:12], question, params_to_wire(params or SamplingParams()), "sot", "given",
-                          "", points, {})  # fmt: skip
+        points = [(p.index, p.title, p.predicted_tokens or 0) for p in plan.points]
+        planned = Planned(uuid.uuid4().hex[:12], question, params or SamplingParams(), "sot", "given", "", points, {})
         yield from self._points(planned, time.monotonic())
 
     def _points(self, planned: Planned, start: float) -> Iterator[ClientEvent]:
         """The rest of a request once its plan is known: its points (or its direct answer), merged."""
         rid = planned.rid
-        plan, tasks = self.flow.assign(planned, [self.device])
+        plan, prompts = self.flow.assign(planned, [self.device])
         merging = Merging(self.format)
         yield from merging.feed(plan, self.device.name)
-        jobs = [job for _, task in tasks for job in task_jobs(task)]
+        jobs = prompts.jobs(plan.branches[self.device.name])
         progress = {job.key: Progress() for job in jobs}
         for key, delta in self._run(jobs, self.config.layout if plan.mode == "sot" else "batching"):
             _, index = key

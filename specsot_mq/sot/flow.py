@@ -8,13 +8,16 @@ as pure steps over the wire messages (specsot_mq/messages.py), with no model and
     first = flow.route(ask)                 # a Skeleton (the direct way), or a Skeletoning to decode
     skeleton = first.done(finish)           # after first.add(delta) for each delta of its job
     planned = flow.parse(skeleton)          # the points, or the direct way
-    plan, tasks = flow.assign(planned, devices)   # a MergePlan, and a BranchTask per device
+    plan, prompts = flow.assign(planned, devices)  # a MergePlan, and the points' prompts
     merging = Merging(flow.format)          # fed MergePlan, PointText, PointEnd and Reassign,
     events = merging.feed(msg, src)         # returns what the client sees next, Answer last
 
 The stage processes run one step each (stages/skeleton|parse|schedule|branch|merge.py); the
 in-process engine (sot/engine.py) runs them in turn on one generator. A client gets the same
 events either way: SkeletonText, MergePlan, PointText, PointEnd, AnswerText, then Answer.
+
+The steps up to the prompts need no model, so parse, schedule and merge run them without torch:
+only the jobs (generate.Job) a device decodes import the decoding side.
 """
 
 from __future__ import annotations
@@ -22,13 +25,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import Delta, Job
-from specsot_mq.layout import check_layout
 from specsot_mq.messages import (
-    Answer, AnswerText, Ask, BranchTask, MergePlan, Planned, PointEnd, PointText, Reassign, Skeleton, SkeletonText,
-    ids, params_from_wire, params_to_wire,
+    Answer, AnswerText, Ask, BranchTask, MergePlan, Planned, PointEnd, PointText, Reassign, Skeleton, SkeletonText, ids,
 )  # fmt: skip
 from specsot_mq.prompts import common_prefix, direct_ids, history_end, load_format
 from specsot_mq.sampling_params import SamplingParams
@@ -36,6 +37,9 @@ from specsot_mq.sot.ordered import OrderedAnswer
 from specsot_mq.sot.parser import Plan, Point, item_starts
 from specsot_mq.sot.router import MODES, route
 from specsot_mq.sot.scheduler import DeviceProfile, schedule
+
+if TYPE_CHECKING:
+    from specsot_mq.generate import Delta, Job
 
 
 @dataclass(slots=True)
@@ -52,7 +56,10 @@ class SoTConfig:
 
     def __post_init__(self):
         load_format(self.prompt_format)  # an unknown name fails here, naming the known ones
-        check_layout(self.layout)
+        if self.layout != "batching":  # only the in-process engine sets another (layout.py imports torch)
+            from specsot_mq.layout import check_layout
+
+            check_layout(self.layout)
         if self.sot not in MODES:
             raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got '{self.sot}'")
         for flag, value, low in (("--max-points", self.max_points, 2), ("--max-parallel", self.max_parallel, 1)):
@@ -117,7 +124,9 @@ class Flow:
 
     def route(self, ask: Ask) -> Skeleton | Skeletoning:
         """Direct (a Skeleton with no text), or the skeleton to decode. Raises SpecSotError on a
-        bad `ask.sot`; `ask.params` must be checked already."""
+        bad `ask.sot`."""
+        from specsot_mq.generate import Job
+
         decision = route(ask.question, ask.sot)
         # The request's prompt size as a plain chat server counts it (the API's usage.prompt_tokens).
         stats = {"prompt_tokens": len(direct_ids(self.tokenizer, ask.question, ask.history))}
@@ -126,8 +135,16 @@ class Flow:
         fmt, tok = self.format, self.tokenizer
         prompt = fmt.skeleton_ids(tok, ask.question, ask.history)
         keep = history_end(lambda h: fmt.skeleton_ids(tok, ask.question, h), ask.history)
-        job = Job((ask.rid, 0), prompt, skeleton_params(self.config, params_from_wire(ask.params)), keep=keep)
+        job = Job((ask.rid, 0), prompt, skeleton_params(self.config, ask.params), keep=keep)
         return Skeletoning(ask, decision.reason, job, fmt.skeleton_prefix, stats, fmt)
+
+    def prompt_size(self, ask: Ask) -> int:
+        """Tokens of the longest prompt a request starts with: its direct answer's, and its
+        skeleton's where the router sends it the SoT way. Raises SpecSotError on a bad `ask.sot`."""
+        sizes = [len(direct_ids(self.tokenizer, ask.question, ask.history))]
+        if route(ask.question, ask.sot).use_sot:
+            sizes.append(len(self.format.skeleton_ids(self.tokenizer, ask.question, ask.history)))
+        return max(sizes)
 
     def parse(self, msg: Skeleton, plan: Callable[[str], Plan] | None = None) -> Planned:
         """The skeleton's plan of points, or the direct way when it is not a usable list; `plan`:
@@ -137,42 +154,62 @@ class Flow:
             text = finished_lines(msg.text, msg.finish)
             parsed = plan(text) if plan is not None else self.format.plan(text, self.config.max_points)
             if parsed.kind == "plan":
-                points = [[p.index, p.title, p.predicted_tokens or 0] for p in parsed.points]
+                points = [(p.index, p.title, p.predicted_tokens or 0) for p in parsed.points]
                 reason = parsed.reason or "planned"
             else:
                 mode, reason = "direct", f"skeleton says direct: {parsed.reason}"
         return Planned(msg.rid, msg.question, msg.params, mode, reason, msg.text, points, msg.stats, msg.history)
 
-    def assign(self, msg: Planned, devices: list[DeviceProfile]) -> tuple[MergePlan, list[tuple[str, BranchTask]]]:
+    def assign(self, msg: Planned, devices: list[DeviceProfile]) -> tuple[MergePlan, AnswerPrompts]:
         """The points spread over the devices, longest predicted first (LPT; a direct answer goes
-        whole to the first device), with their prompts: one shared prefix, a short suffix each."""
+        whole to the first device; the plan's `branches` says which device decodes which points),
+        with their prompts: one shared prefix, a short suffix each."""
         fmt, tok = self.format, self.tokenizer
         if msg.mode != "sot":
-            branch = devices[0].name
             prompt = direct_ids(tok, msg.question, msg.history)
-            plan = MergePlan(msg.rid, "direct", msg.reason, "", [[0, ""]], {branch: [0]}, msg.stats)
+            plan = MergePlan(msg.rid, "direct", msg.reason, "", [(0, "")], {devices[0].name: [0]}, msg.stats)
             # The whole prompt is kept: the next turn's begins with it (this question, then its answer).
-            return plan, [(branch, BranchTask(msg.rid, msg.params, ids([]), [0], [ids(prompt)], len(prompt)))]
+            return plan, AnswerPrompts(msg.rid, msg.params, [], {0: prompt}, len(prompt))
         plan = Plan("plan", [Point(i, title, predicted or None) for i, title, predicted in msg.points])
         prefix, suffixes = point_prompts(tok, fmt, msg.question, plan, msg.history)
         assignments = [a for a in schedule(plan.points, devices) if a.point_indices]
-        points = [[p.index, p.title] for p in plan.points]
-        merge_plan = MergePlan(msg.rid, "sot", msg.reason, msg.skeleton, points,
+        merge_plan = MergePlan(msg.rid, "sot", msg.reason, msg.skeleton, [(p.index, p.title) for p in plan.points],
                                {a.device: a.point_indices for a in assignments}, msg.stats)  # fmt: skip
-        wire = params_to_wire(point_params(self.config, params_from_wire(msg.params), plan))
         first = plan.points[0]
         keep = history_end(lambda h: fmt.point_ids(tok, msg.question, "", first.index, first.title, h), msg.history)
-        return merge_plan, [(a.device, BranchTask(msg.rid, wire, ids(prefix), a.point_indices,
-                                                  [ids(suffixes[i]) for i in a.point_indices], keep))
-                            for a in assignments]  # fmt: skip
+        return merge_plan, AnswerPrompts(msg.rid, point_params(self.config, msg.params, plan), prefix, suffixes, keep)
 
 
-def task_jobs(task: BranchTask) -> list[Job]:
-    """A branch task's prompts as jobs of one prefix group (the prefix computed once)."""
-    prefix = task.prefix.tolist()
-    params = params_from_wire(task.params)
-    return [Job((task.rid, i), prefix + s.tolist(), params, len(prefix), task.rid, task.keep)
-            for i, s in zip(task.indices, task.suffixes)]  # fmt: skip
+@dataclass(slots=True)
+class AnswerPrompts:
+    """A request's answer prompts: the prefix they all begin with and each point's suffix (a
+    direct answer: point 0, its whole prompt the suffix), their settings, and how many of their
+    first tokens are worth keeping for the conversation's next turn (Job.keep)."""
+
+    rid: str
+    params: SamplingParams
+    prefix: list[int]
+    suffixes: dict[int, list[int]]  # point index -> the rest of its prompt
+    keep: int
+
+    def jobs(self, indices: list[int]) -> list[Job]:
+        """These points' prompts, in this order, as jobs of one prefix group (the prefix computed
+        once), for a device to decode."""
+        from specsot_mq.generate import Job
+
+        return [Job((self.rid, i), self.prefix + self.suffixes[i], self.params, len(self.prefix), self.rid, self.keep)
+                for i in indices]  # fmt: skip
+
+    def task(self, indices: list[int]) -> BranchTask:
+        """These points' prompts as the message for the branch stage that decodes them."""
+        return BranchTask(self.rid, self.params, ids(self.prefix), indices, [ids(self.suffixes[i]) for i in indices],
+                          self.keep)  # fmt: skip
+
+    @classmethod
+    def of(cls, task: BranchTask) -> AnswerPrompts:
+        """A branch stage's task as received."""
+        suffixes = {i: s.tolist() for i, s in zip(task.indices, task.suffixes)}
+        return cls(task.rid, task.params, task.prefix.tolist(), suffixes, task.keep)
 
 
 @dataclass(slots=True)
@@ -253,7 +290,7 @@ class Merging:
         stats["points" if plan.mode == "sot" else "direct"] = {
             "tokens": sum(e.tokens for e in ends), "steps": sum(e.steps for e in ends),
             "seconds": max((e.seconds for e in ends), default=0.0)}  # fmt: skip
-        points = [[i, title, texts.get(i, "")] for i, title in plan.points] if plan.mode == "sot" else []
+        points = [(i, title, texts.get(i, "")) for i, title in plan.points] if plan.mode == "sot" else []
         finish = "length" if any(e.finish == "length" for e in ends) else "stop"
         answer = self.merge(plan, texts) if self.merge is not None else merged(self.fmt, plan, texts)
         whole = [AnswerText(plan.rid, answer)] if self.merge is not None and answer else []
