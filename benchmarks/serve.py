@@ -8,8 +8,9 @@ and without it.
 Requests alternate between the two paths (HTTP stream, gateway client), so both run under the
 same load; a disconnected request closes its HTTP stream after its first answer text. Reports
 answers per minute, p50/p95 latency and TTFT per path, how requests ended ([DONE], disconnected,
-failed), each stage's RSS before and after (taken idle), and the cache slots in use once idle
-(they must return to 0). Last line: one JSON object, with `http_vs_gateway_p50` (HTTP's median
+failed), the RSS of each stage and of the HTTP server before and after (taken idle) with their total
+(what `specsot serve` with a local launch holds), and the cache slots in use once idle (they must
+return to 0). Last line: one JSON object, with `http_vs_gateway_p50` (HTTP's median
 latency over the gateway client's) and the turns' TTFT ratios.
 """
 
@@ -101,6 +102,12 @@ class Served:
                 time.sleep(1.5)  # a beat or two more: the stage trims its heap when it goes idle
                 return self.stages()
             time.sleep(0.5)
+
+    def server_rss_mb(self) -> float:
+        """Resident memory of the server process now."""
+        import os
+
+        return int(Path(f"/proc/{self.server.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
     def cpu_seconds(self) -> float:
         """CPU time the server process has used (user + system)."""
@@ -234,11 +241,11 @@ def main(argv=None) -> dict:
     try:
         with progress:
             load(served, questions[:4], argparse.Namespace(**{**vars(args), "requests": 8, "disconnect": 0.0}), progress)
-            before = served.idle_stages()
+            before = served.idle_stages() | {"serve": {"rss_mb": served.server_rss_mb()}}
             cpu = served.cpu_seconds()
             rows, seconds = load(served, questions, args, progress)
             result["server_cpu_s_per_http_request"] = (served.cpu_seconds() - cpu) / max(1, (args.requests + 1) // 2)
-            after = served.idle_stages()
+            after = served.idle_stages() | {"serve": {"rss_mb": served.server_rss_mb()}}
             ttft_on = None if args.skip_turns else turns(served, progress)
             talked = served.stages()
     finally:
@@ -289,6 +296,8 @@ def main(argv=None) -> dict:
     for name, (a, b) in result["rss_mb"].items():
         sa, sb = result["prefix_store_mb"][name]
         mem.add_row(name, str(a), str(b), str(sa), str(sb), str((b - a) - (sb - sa)))
+    result["total_rss_mb"] = [sum(v[i] for v in result["rss_mb"].values()) for i in (0, 1)]
+    mem.add_row("total", *map(str, result["total_rss_mb"]), "", "", "")
     console.print(mem)
     console.print(f"answers per minute {result['answers_per_minute']:.1f} · HTTP/gateway median latency "
                   f"{result['http_vs_gateway_p50']:.3f} (paired by question: {result['http_vs_gateway_paired']:.3f}) · "

@@ -38,6 +38,7 @@ def serve(
     budget: Annotated[Optional[str], typer.Option(help="Tokens per hour per API key, e.g. 20000/hour (default: no limit).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Most new tokens per phase when a request does not say.")] = 256,
     repeat_stop: RepeatOpt = REPEAT_STOP,
+    max_body_mb: Annotated[float, typer.Option(help="Largest request body in MB; a larger one gets 413.")] = 4.0,
 ):
     """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
     /health, /metrics and a web chat at / (over a running launch, or a local one started with
@@ -53,8 +54,9 @@ def serve(
                              ("--max-tokens", max_tokens, 1), ("--port", port, 1)):  # fmt: skip
         if value < low:
             raise SpecSotError(f"{flag} must be at least {low}, got {value}")
-    if timeout <= 0:
-        raise SpecSotError(f"--timeout must be above 0 seconds, got {timeout}")
+    for flag, value, unit in (("--timeout", timeout, "seconds"), ("--max-body-mb", max_body_mb, "MB")):
+        if value <= 0:
+            raise SpecSotError(f"{flag} must be above 0 {unit}, got {value}")
     per_hour = parse_budget(budget)
     info = read_run_file(_run_file(topo.run))
     launcher = None
@@ -67,7 +69,7 @@ def serve(
         err.print("[dim]no running launch found: started a local one; /health says 503 until it is ready…[/]")
         address, served = spec.client_address, model_id(model.model)
     config = ServerConfig(address, served, keys, max_concurrency, max_queue, timeout, per_hour, max_tokens, repeat_stop,
-                          watch=launcher.check if launcher else None, curve=curve)  # fmt: skip
+                          watch=launcher.check if launcher else None, curve=curve, max_body_mb=max_body_mb)  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     err.print(f"serving {served} at http://{host}:{port}/ (API at /v1, web chat at /)"
               + (" · API key required" if keys else ""))  # fmt: skip

@@ -89,6 +89,7 @@ class LaunchFlags:
         help="Torch threads of each CPU device stage (default: its share of its host's cores, by how many of them are busy).")] = None
     prefix_cache_mb: Annotated[int, typer.Option(
         help="MB of each device stage's prefix store: a conversation's earlier turns are computed once and reused by its next turn (LRU; 0 = off).")] = 256
+    max_len: Annotated[int, typer.Option(help="KV cache length of each device stage (prompt + answer); a longer prompt is refused.")] = 2048
 
     def options(self) -> dict:
         """As LaunchOptions fields."""

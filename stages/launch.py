@@ -58,6 +58,7 @@ class LaunchOptions:
     restart: bool = True  # restart a stage that dies
     threads: int | None = None  # torch threads of each CPU device stage (None: its share of its host's cores)
     prefix_cache_mb: int = 256  # each device stage's prefix store: a conversation's earlier turns computed once
+    max_len: int = 2048  # each device stage's KV cache length (prompt + answer)
 
 
 def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
@@ -69,11 +70,14 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
     SoTConfig(**sot)  # validates
     if options.prefix_cache_mb < 0:
         raise SpecSotError(f"--prefix-cache-mb must be 0 (off) or more, got {options.prefix_cache_mb}")
+    if options.max_len < 1:
+        raise SpecSotError(f"--max-len must be at least 1 token, got {options.max_len}")
     profiles = load_profiles(options.devices_file or default_profiles_path())
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
     spec = plan_run(parse_devices(options.devices), profiles, options.topology, run_dir, options.base_port,
                     options.threads, model=options.model, dtype=options.dtype, quantize=options.quantize, draft=options.draft, tree=options.tree,
-                    sot=sot, overrides=parse_overrides(options.stages), prefix_cache_mb=options.prefix_cache_mb)  # fmt: skip
+                    sot=sot, overrides=parse_overrides(options.stages), prefix_cache_mb=options.prefix_cache_mb,
+                    max_len=options.max_len)  # fmt: skip
     launcher = Launcher(spec, run_dir, remote=options.remote, restart=options.restart)
     launcher.start()
     return launcher, spec

@@ -35,6 +35,7 @@ def specsot(*args, stdin=None, home=None):
         (["serve", "--budget", "lots"], "--budget 'lots': give tokens per hour"),
         (["serve", "--max-concurrency", "0"], "--max-concurrency must be at least 1, got 0"),
         (["serve", "--timeout", "0"], "--timeout must be above 0 seconds"),
+        (["serve", "--max-body-mb", "0"], "--max-body-mb must be above 0 MB"),
         (["serve", "--prefix-cache-mb", "-1"], "--prefix-cache-mb must be 0 (off) or more"),
         (["serve", "--draft-depth", "9"], "--draft-depth 9 is deeper"),
     ],

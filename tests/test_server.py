@@ -18,7 +18,7 @@ from pipeline_helpers import launched, make_tiny_model
 from specsot_mq.client import Client
 from specsot_mq.devices import parse_devices
 from specsot_mq.messages import Answer
-from specsot_mq.sampling import SamplingParams
+from specsot_mq.sampling_params import SamplingParams
 from specsot_mq.server.api import ApiError, parse
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
 from specsot_mq.stages.launch import plan_run
@@ -95,7 +95,7 @@ def served(tmp_path_factory, default_model_dir):
                     overrides={"parse": "pipeline_helpers:FixedPlanParse"})  # fmt: skip
     with launched(spec, run_dir):
         config = ServerConfig(spec.client_address, MODEL, [KEY], max_concurrency=2, max_queue=1, timeout=120,
-                              max_tokens=12, repeat_stop=0)  # fmt: skip
+                              max_tokens=12, repeat_stop=0, max_body_mb=1)  # fmt: skip
         port = _free_port()
         server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
@@ -200,6 +200,29 @@ def test_keys_fields_and_ids_are_checked_with_openai_shaped_errors(served):
     r = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}", "x-request-id": "my-id-1"})
     assert r.headers["x-request-id"] == "my-id-1"
     assert len(httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).headers["x-request-id"]) >= 12
+
+
+def test_a_body_over_the_limit_is_413_at_once_and_a_prompt_over_the_cache_is_400(served):
+    """--max-body-mb (1 MB here): by Content-Length before any of the body is read, and by the
+    bytes of a chunked body as they come; a prompt longer than the stages' cache (1024 tokens
+    here) is refused by the gateway before any stage sees it."""
+    base, _ = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * (1 << 20)}]}).encode()
+    r = httpx.post(f"{base}/v1/chat/completions", content=big, headers=headers, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    assert "1 MB" in r.json()["error"]["message"] and "--max-body-mb" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the server counts what arrives
+        for _ in range(40):
+            yield b" " * 65536
+
+    r = httpx.post(f"{base}/v1/chat/completions", content=chunks(), headers=headers, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    with pytest.raises(openai.BadRequestError) as caught:
+        _client(base).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 1200}])
+    message = caught.value.body["message"]  # the gateway's: a device stage's would begin "stage skeleton failed"
+    assert message.startswith("the prompt is") and "KV cache holds 1024" in message and "--max-len" in message
 
 
 def _stage_slots(base: str) -> float:
