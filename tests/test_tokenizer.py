@@ -1,0 +1,51 @@
+"""The tokenizer (the `tokenizers` library and a jinja2 chat template, no transformers) gives the
+ids and text transformers' own tokenizer gives for the same model folder."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
+
+pytestmark = pytest.mark.slow  # the real tokenizer comes with the default model
+
+CHATS = [
+    [{"role": "user", "content": "How do I start running?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello.\n\n1. One"}, {"role": "user", "content": "Ünïcödé 🚀 <|im_start|> ok?"}],
+]  # fmt: skip
+TEXTS = ["", "hello world", " 1. Title\n\n", "日本語のテキスト、絵文字 🚀🔥", "<|im_end|> special inside"]
+
+
+@pytest.fixture(scope="module")
+def both(default_model_dir):
+    return load_tokenizer(default_model_dir), AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.mark.parametrize("chat", CHATS)
+@pytest.mark.parametrize("generation", [True, False])
+def test_chat_prompts_are_transformers_ids(both, chat, generation):
+    ours, theirs = both
+    want = theirs.apply_chat_template(chat, add_generation_prompt=generation, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert ours.apply_chat_template(chat, add_generation_prompt=generation) == want
+    text = theirs.apply_chat_template(chat, add_generation_prompt=generation, tokenize=False)
+    assert ours.apply_chat_template(chat, add_generation_prompt=generation, tokenize=False) == text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_and_decode_are_transformers(both, text):
+    ours, theirs = both
+    for special in (True, False):
+        assert ours.encode(text, add_special_tokens=special) == theirs.encode(text, add_special_tokens=special)
+    ids = theirs.encode(text) + [theirs.eos_token_id, 1]
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+
+
+def test_special_tokens_and_chat_prompt_ids(both):
+    ours, theirs = both
+    assert (len(ours), ours.eos_token, ours.eos_token_id, ours.pad_token_id) == (
+        len(theirs), theirs.eos_token, theirs.eos_token_id, theirs.pad_token_id)  # fmt: skip
+    for chat in CHATS:
+        want = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        assert chat_prompt_ids(ours, chat) == list(want["input_ids"] if hasattr(want, "keys") else want)
