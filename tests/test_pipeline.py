@@ -636,7 +636,7 @@ from specsot_mq.stages.launch import plan_run
 model, draft, topology = sys.argv[1:4]
 run_dir = Path(tempfile.mkdtemp(prefix="specsot-netns-"))
 spec = plan_run(parse_devices("10.77.0.1#cpu,10.77.0.2#cpu"), load_profiles(default_profiles_path()), topology, run_dir,
-                base_port=6100, model=model, dtype="fp32", draft=draft, max_len=512, heartbeat_s=0.25, dead_after_s=dead_after_s,
+                base_port=6100, model=model, dtype="fp32", draft=draft, max_len=512, heartbeat_s=0.25, dead_after_s=2.0,
                 sot={"point_tokens": 360, "skeleton_tokens": 16}, overrides={"parse": "pipeline_helpers:FixedPlanParse"})
 QUESTION, SHORT, LONG = "How do I start running?", SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=400, ignore_eos=True)
 far = "branch@10.77.0.2#cpu"
