@@ -38,6 +38,7 @@ CHILD = """
 import json, sys, threading, time
 import torch
 from specsot_mq.loader import load_generator
+from specsot_mq.model import Step
 threads, start, seconds, tokens, dtype, where = sys.argv[1:]
 torch.set_num_threads(int(threads))
 model = load_generator(dtype=dtype, draft=None).model
@@ -46,8 +47,7 @@ ids = torch.ones(1, int(tokens), dtype=torch.long)
 positions = torch.arange(int(tokens))[None]
 def forward():
     with torch.inference_mode():
-        cache.truncate(0, 0)
-        model(ids, positions, cache, last_only=True)
+        model(ids, cache, Step.fresh(positions, logit_rows=[int(tokens) - 1]))
 def measure(out):
     torch.set_num_threads(int(threads))  # OpenMP's thread count is per thread
     for _ in range(3):

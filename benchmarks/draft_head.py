@@ -25,6 +25,7 @@ from decode import add_dtype_option, chosen_dtype  # noqa: E402  (a sibling scri
 
 from specsot_mq.draft import DraftConfig, DraftHead  # noqa: E402
 from specsot_mq.loader import load_model  # noqa: E402
+from specsot_mq.model import Step  # noqa: E402
 from specsot_mq.pull import resolve_model  # noqa: E402
 
 
@@ -35,12 +36,12 @@ def step_ms(head: DraftHead, rows: int, repeats: int = 30) -> float:
     tokens = torch.randint(0, 1000, (1, rows))
     feats = torch.randn(1, rows, h, dtype=head.dtype)
     with torch.inference_mode():
-        head(torch.randint(0, 1000, (1, 200)), torch.randn(1, 200, h, dtype=head.dtype), torch.arange(200)[None], cache)
+        head(torch.randint(0, 1000, (1, 200)), torch.randn(1, 200, h, dtype=head.dtype), cache,
+             Step.fresh(torch.arange(200)[None]))  # fmt: skip
         times = []
         for _ in range(repeats + 3):
-            cache.truncate(0, 200)
             start = time.perf_counter()
-            head(tokens, feats, torch.arange(200, 200 + rows)[None], cache)
+            head(tokens, feats, cache, Step([0], [200], torch.arange(200, 200 + rows)[None]))
             times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times[3:])
 

@@ -35,7 +35,7 @@ from decode import cpu_name  # noqa: E402
 
 from specsot_mq import quant  # noqa: E402
 from specsot_mq.loader import load_model  # noqa: E402
-from specsot_mq.model import DecoderLayer, attention_bias  # noqa: E402
+from specsot_mq.model import DecoderLayer, Step, attention_bias  # noqa: E402
 from specsot_mq.pull import resolve_model, specsot_home  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,16 +133,14 @@ def main(argv=None) -> dict:
     times = {(side, k): [] for side in kernels for k in rows}
     with torch.inference_mode():
         use("ours")
-        cache.truncate(0, 0)
-        model(ids[:, : args.context], torch.arange(args.context)[None], cache, last_only=True)
+        model(ids[:, : args.context], cache, Step.fresh(torch.arange(args.context)[None], logit_rows=[args.context - 1]))
         for k in track(rows, description="forwards by rows", console=out):
             new, positions = ids[:, args.context : args.context + k], torch.arange(args.context, args.context + k)[None]
             for run in range(-5, args.runs):  # 5 untimed rounds first: the threads and caches warm up
                 for side in kernels:
                     use(side)
-                    cache.truncate(0, args.context)
                     start = time.perf_counter()
-                    model(new, positions, cache, last_only=True)
+                    model(new, cache, Step([0], [args.context], positions, logit_rows=[k - 1]))
                     if run >= 0:
                         times[(side, k)].append(time.perf_counter() - start)
     quant._native = ours

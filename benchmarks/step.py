@@ -54,6 +54,7 @@ from decode import add_dtype_option, chosen_dtype, cpu_name, load_prompts, measu
 from specsot_mq import model as model_module  # noqa: E402
 from specsot_mq.kv_cache import KVCache  # noqa: E402
 from specsot_mq.loader import load_model  # noqa: E402
+from specsot_mq.model import Step  # noqa: E402
 from specsot_mq.pull import resolve_model  # noqa: E402
 from specsot_mq.quant import QLinear, native  # noqa: E402
 from specsot_mq.sampling import Sampler, SamplingParams, greedy_tokens  # noqa: E402
@@ -65,7 +66,7 @@ from specsot_mq.sampling import Sampler, SamplingParams, greedy_tokens  # noqa: 
 SHAPES = [(1, 1, 1), (1, 5, 1), (1, 9, 1), (1, 17, 1), (4, 1, 1), (5, 1, 1), (5, 3, 1), (8, 1, 1), (8, 2, 1),
           (8, 1, 2), (32, 1, 1), (32, 1, 2)]
 # and rows whose slots hold copies of one prompt's first SHARED entries (a question's points), which
-# they read from one slot (KVCache.prefix_sources), beside the same rows reading their own slots
+# they read from one slot (Step.sources), beside the same rows reading their own slots
 SHARED_SHAPES = [(5, 1, 1), (8, 1, 1)]
 SHARED = 250
 CONTEXT = 300  # cached tokens before the step (rows at different lengths: 300, 293, 286, ...)
@@ -152,11 +153,13 @@ def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.
     ids, positions, mask, lengths = step_inputs(b, t, model.cfg.vocab_size, gen)
     slots = range(0, b * stride, stride)
 
+    # every slot holds the 300-token prompt: any shorter length is valid; rows sharing its first
+    # SHARED entries read them from the first row's slot, as the slot manager's prefix_sources says
+    sources = ([slots[0]] * b, [0] + [SHARED] * (b - 1)) if shared else None
+    step = Step(list(slots), lengths, positions, mask, sources=sources)
+
     def forward():
-        for slot, n in zip(slots, lengths):
-            cache.lengths[slot] = n  # every slot holds the 300-token prompt: any shorter length is valid
-            cache.shared[slot] = (-1, SHARED) if shared else None  # as copy_prefix names a copied prefix
-        return model(ids, positions, cache, slots=slots, mask=mask).logits
+        return model(ids, cache, step).logits
 
     for _ in range(3):
         forward()
@@ -298,12 +301,8 @@ def main(argv=None) -> dict:
     rows = []
     with torch.inference_mode():
         prompt = torch.randint(0, model.cfg.vocab_size, (1, CONTEXT), generator=gen)
-        model(prompt, torch.arange(CONTEXT)[None], cache, last_only=True)
-        cache.copy_prefix(0, range(1, cache.num_slots))
-        # Each row reads its own slot (as a batch of separate requests does; a question's points
-        # read their shared prefix from one slot, KVCache.prefix_sources), and the shapes set
-        # lengths directly below, which that bookkeeping does not follow.
-        cache.shared = [None] * cache.num_slots
+        model(prompt, cache, Step.fresh(torch.arange(CONTEXT)[None], logit_rows=[CONTEXT - 1]))
+        cache.copy(0, range(1, cache.num_slots), CONTEXT)
         bandwidth = measure_bandwidth()
         with Progress(console=Console(stderr=True), transient=True) as bar:
             shapes = [(*shape, False) for shape in SHAPES] + [(*shape, True) for shape in SHARED_SHAPES]

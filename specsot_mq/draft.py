@@ -29,7 +29,7 @@ from torch import nn
 from specsot_mq.config import ModelConfig
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.model import DecoderLayer, Linear, LlamaModel, NativeForm, attention_bias
+from specsot_mq.model import DecoderLayer, Linear, LlamaModel, NativeForm, Step, attention_bias
 from specsot_mq.quant import QLinear, onto_huge_pages, quantize
 
 FORMAT = "specsot-eagle-1"
@@ -144,36 +144,24 @@ class DraftHead(nn.Module):
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
         return KVCache.for_model(self.cfg.layer_config(), num_slots, capacity, self.dtype, self.device)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        features: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache,
-        *,
-        slots: list[int] | None = None,
-        mask: torch.Tensor | None = None,
-        logits_at: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache, step: Step):
         """tokens [B, T] (base ids of token i+1), features at i: base features [B, T, F*H] or
-        the head's own predictions [B, T, H]; positions [B, T]; mask as LlamaModel.forward.
-        Returns (predicted last-layer features [B, T, H], draft logits [B, T, draft_vocab]);
-        with logits_at [B] (a position of each row) the logits of those positions only, [B, 1, draft_vocab]."""
+        the head's own predictions [B, T, H]; where they go and what comes back as in
+        LlamaModel.forward. Returns (predicted last-layer features [B, T, H], draft logits
+        [B, T, draft_vocab], or [R, draft_vocab] of step.logit_rows)."""
         b, t = tokens.shape
-        slots = list(range(b)) if slots is None else list(slots)
-        starts = cache.reserve(slots, t)
-        kv_len = max(starts) + t
-        bias = attention_bias(mask, starts, t, kv_len, None, self.layer.cfg.q_per_kv, self.dtype, self.device)
-        cos = self.rope_cos[positions].unsqueeze(2).to(self.dtype)
-        sin = self.rope_sin[positions].unsqueeze(2).to(self.dtype)
+        kv_len = max(step.starts) + t
+        bias = attention_bias(step.mask, step.starts, t, kv_len, None, self.layer.cfg.q_per_kv, self.dtype, self.device)
+        cos = self.rope_cos[step.positions].unsqueeze(2).to(self.dtype)
+        sin = self.rope_sin[step.positions].unsqueeze(2).to(self.dtype)
         features = features.to(self.dtype)
         if self.fuse is not None and features.shape[-1] != self.hidden_size:
             parts = features.unflatten(-1, (len(self.cfg.feature_layers), -1))
             features = self.fuse(F.rms_norm(parts, parts.shape[-1:]).flatten(-2))
         x = self.fc(torch.cat([self.embed(tokens).to(self.dtype), features], dim=-1))
-        hidden = self.layer(x, cos, sin, cache, 0, slots, starts, kv_len, bias)
-        if logits_at is not None:
-            return hidden, self.lm_head(hidden[torch.arange(b, device=hidden.device), logits_at.view(b)][:, None])
+        hidden = self.layer(x, cos, sin, cache, 0, step.slots, step.starts, kv_len, bias)
+        if step.logit_rows is not None:
+            return hidden, self.lm_head(hidden.reshape(b * t, -1)[step.logit_rows])
         return hidden, self.lm_head(hidden)
 
     # -- checkpoints -------------------------------------------------------------------------

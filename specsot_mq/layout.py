@@ -4,19 +4,20 @@ The decoders (plain and EAGLE) talk to the cache only through a layout, with fou
 `prefill` (prompts in; last logits and features out), `forward` (the new tokens of every running
 sequence, with their positions and, for a draft tree, a mask over the sequence's own new tokens),
 `commit` (which of those new entries each sequence keeps: all for a plain step, the root and the
-accepted path after a verify) and `drop`. So every decoder runs unchanged in either layout.
+accepted path after a verify) and `drop`. So every decoder runs unchanged in either layout. A
+layout keeps nothing of its own: what each slot holds is the slot manager's (slots.py).
 
 - SlotLayout ("batching"): sequence k owns cache slot k. A shared prompt prefix is computed once and
   copied into each slot; a step is one [B, T] forward, rows right-padded, or, where causal rows
   differ in length and the native kernels run the model, one token per batch row (no padding).
 - BimLayout ("bim", the branch-index map): all sequences (the branches of one question) share ONE
   slot. The shared prefix is stored once; after it, every step appends the branches' new tokens
-  side by side, and `owner[k]` records which branch wrote entry k (-1 for the prefix). Each query
-  sees the prefix, its own branch's kept entries and, within the step, what its mask allows, never
-  another branch's entries; positions restart after the prefix for every branch. A branch is thus
-  computed as if it were alone, and both layouts give the same tokens (tests check it, plain and
-  with EAGLE). A finished branch's entries stay in the slot, masked out, until the question ends.
-  The draft head's one-layer cache keeps a slot per sequence in both layouts.
+  side by side, and the manager's `owners[k]` records which branch wrote entry k (-1 for the
+  prefix). Each query sees the prefix, its own branch's kept entries and, within the step, what its
+  mask allows, never another branch's entries; positions restart after the prefix for every
+  branch. A branch is thus computed as if it were alone, and both layouts give the same tokens
+  (tests check it, plain and with EAGLE). A finished branch's entries stay in the slot, masked out,
+  until the question ends. The draft head's one-layer cache keeps a slot per sequence in both layouts.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from specsot_mq.errors import SpecSotError
-from specsot_mq.kv_cache import KVCache
-from specsot_mq.model import LlamaModel
+from specsot_mq.model import LlamaModel, Step
+from specsot_mq.prefix_store import Entry
+from specsot_mq.slots import SlotManager
 
 LAYOUTS = ("batching", "bim")
 
@@ -38,10 +40,10 @@ LAYOUTS = ("batching", "bim")
 class Prefilled:
     """The base model's pass over a set of prompts."""
 
-    slots: list[int]  # the sequences, in row order
-    last_logits: torch.Tensor  # [B, V] logits at each prompt's last token
+    last_logits: torch.Tensor  # [B, V] logits at each prompt's last token, in the prompts' order
     features: torch.Tensor | None  # [B, T, F*H] features of the suffix tokens (right-padded), if asked
-    prefix_features: torch.Tensor | None  # [shared, F*H] features of the shared prefix, if computed now
+    have: int  # tokens of the shared prefix that were computed before (in a slot, or in the store)
+    prefix_features: torch.Tensor | None  # [shared - have, F*H] features of the rest of it, if computed now
 
 
 def check_layout(name: str) -> None:
@@ -49,72 +51,76 @@ def check_layout(name: str) -> None:
         raise SpecSotError(f"--layout must be one of {', '.join(LAYOUTS)}, got '{name}'")
 
 
-def new_layout(name: str, model: LlamaModel, cache: KVCache) -> SlotLayout | BimLayout:
+def new_layout(name: str, model: LlamaModel, slots: SlotManager) -> SlotLayout | BimLayout:
     check_layout(name)
-    return SlotLayout(model, cache) if name == "batching" else BimLayout(model, cache)
+    return SlotLayout(model, slots) if name == "batching" else BimLayout(model, slots)
 
 
 class SlotLayout:
     """The batching layout: sequence k in cache slot k (see the module docstring)."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache):
-        self.model, self.cache = model, cache
-        self.max_sequences = cache.num_slots
-        self.starts: list[int] = []  # where the last forward's entries start, per row
+    def __init__(self, model: LlamaModel, slots: SlotManager):
+        self.model, self.slots = model, slots
+        self.max_sequences = slots.num_slots
 
-    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None,
+    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, source: int | Entry | None = None,
                 hidden_layers=()) -> Prefilled:  # fmt: skip
-        """Put prompts into their cache slots with as little work as possible: the shared prefix
-        once (in the first slot, or already in `prefix_from`), copied to the others in place; then
-        every suffix in ONE forward: right-padded, or ragged where the lengths differ (_ragged)."""
-        dev, cache = self.model.device, self.cache
+        """Put prompts into their cache slots with as little work as possible: their shared prefix
+        from `source` (a slot that holds it, or a prefix store entry that begins it, restored into
+        the first slot, the rest computed there once), copied to the others in place; then every
+        suffix in ONE forward: right-padded, or ragged where the lengths differ (_ragged)."""
+        mgr, cache, dev = self.slots, self.slots.cache, self.model.device
         slots = list(prompts)
+        first = slots[0]
         _check_shared(prompts, shared)
+        home, have = (source, shared) if isinstance(source, int) else (first, 0)
+        if isinstance(source, Entry):
+            have = cache.restore(first, source.state.kv)
         prefix_features = None
+        if have < shared:
+            prefix_features = _prefix(self.model, mgr, first, prompts[first][have:shared], have, hidden_layers)
         if shared:
-            if prefix_from is None:
-                prefix_from = slots[0]
-                cache.truncate(prefix_from, 0)
-                prefix_features = _prefix(self.model, cache, prefix_from, prompts[prefix_from][:shared], hidden_layers)
-            for s in slots:
-                if s == prefix_from:
-                    cache.truncate(s, shared)
-                else:
-                    cache.copy_prefix(prefix_from, [s], shared)
-        else:
-            for s in slots:
-                cache.truncate(s, 0)
+            cache.copy(home, slots, shared)
+        # one copy of the prefix: a slot that held it lends its own, a fresh one is named anew
+        copy = -1 if not shared else mgr[home].copy if isinstance(source, int) else mgr.new_id()
+        mgr.claim(slots, tuple(prompts[first][:shared]), copy)
         suffixes = [prompts[s][shared:] for s in slots]
         lens = [len(x) for x in suffixes]
+        for s, n in zip(slots, lens):
+            mgr[s].length = shared
+            mgr.check(s, shared, n)
         if self._ragged_pays(lens):
             positions = [list(range(shared, shared + n)) for n in lens]
             logits, features = self._ragged(slots, suffixes, positions, hidden_layers, last_only=True)
-            return Prefilled(slots, logits, features, prefix_features)
-        t = max(lens)
-        ids = torch.tensor([x + [0] * (t - len(x)) for x in suffixes], device=dev)
-        positions = torch.arange(shared, shared + t, device=dev).expand(len(slots), t)
-        last = torch.tensor([n - 1 for n in lens], device=dev)
-        out = self.model(ids, positions, cache, slots=slots, hidden_layers=hidden_layers, logits_at=last)
+        else:
+            t = max(lens)
+            ids = torch.tensor([x + [0] * (t - len(x)) for x in suffixes], device=dev)
+            positions = torch.arange(shared, shared + t, device=dev).expand(len(slots), t)
+            step = Step(slots, [shared] * len(slots), positions, logit_rows=[i * t + n - 1 for i, n in enumerate(lens)],
+                        hidden_layers=hidden_layers, sources=mgr.prefix_sources(slots))  # fmt: skip
+            out = self.model(ids, cache, step)
+            logits, features = out.logits, torch.cat(out.hidden, -1) if hidden_layers else None
         for s, n in zip(slots, lens):  # right padding sits after each row's tokens: causal rows never see it
-            cache.truncate(s, shared + n)
-        features = torch.cat(out.hidden, -1) if hidden_layers else None
-        return Prefilled(slots, out.logits[:, 0], features, prefix_features)
+            mgr[s].length = shared + n
+        return Prefilled(logits, features, have, prefix_features)
 
     def length(self, seq: int) -> int:
         """The position of the sequence's next token (= its entries in the cache)."""
-        return self.cache.lengths[seq]
+        return self.slots[seq].length
 
     def room(self, seqs: Sequence[int]) -> int:
         """Entries every one of `seqs` can still append."""
-        return min(self.cache.capacity - self.cache.lengths[s] for s in seqs)
+        return min(self.slots.capacity - self.slots[s].length for s in seqs)
 
     def forward(self, seqs: list[int], ids: list, positions: list, masks: list | None = None,
                 hidden_layers=()) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """New tokens ids[i] at positions[i] for sequence seqs[i] (masks[i]: [T_i, T_i] over them;
-        None: causal); returns logits [B, T, V] and features [B, T, F*H] (rows right-padded)."""
-        dev = self.model.device
-        self.starts = [self.cache.lengths[s] for s in seqs]
+        None: causal); returns logits [B, T, V] and features [B, T, F*H] (rows right-padded). The
+        entries stay the sequences' own only as commit() keeps them."""
+        dev, mgr = self.model.device, self.slots
         lens = [len(x) for x in ids]
+        for s, n in zip(seqs, lens):
+            mgr.check(s, mgr[s].length, n)
         if masks is None and self._ragged_pays(lens):
             return self._ragged(seqs, ids, positions, hidden_layers)
         t = max(lens)
@@ -126,144 +132,132 @@ class SlotLayout:
             mask = torch.eye(t, dtype=torch.bool, device=dev).repeat(len(seqs), 1, 1)
             for i, n in enumerate(lens):
                 mask[i, :n, :n] = masks[i]
-        out = self.model(tokens, pos, self.cache, slots=seqs, mask=mask, hidden_layers=hidden_layers)
+        step = Step(seqs, [mgr[s].length for s in seqs], pos, mask, hidden_layers=hidden_layers,
+                    sources=mgr.prefix_sources(seqs))  # fmt: skip
+        out = self.model(tokens, mgr.cache, step)
         return out.logits, torch.cat(out.hidden, -1) if hidden_layers else None
 
     def _ragged_pays(self, lens: list[int]) -> bool:
         """Whether causal rows of these lengths run ragged (_ragged) rather than padded: where they
         differ, and the model's attention reads the cache in place."""
-        return len(set(lens)) > 1 and self.model.attends_in_place(self.cache)
+        return len(set(lens)) > 1 and self.model.attends_in_place(self.slots.cache)
 
     def _ragged(self, seqs: list[int], ids: list, positions: list, hidden_layers=(), last_only: bool = False):
         """Causal rows of different lengths, run as one forward of a token per batch row: sequence
-        i's tokens are rows of their own, in its slot one after another (KVCache.reserve claims a
-        slot named again after its previous claim, and every row's keys are written before any row
-        attends), so the padding a [B, T] forward would compute is never computed, and each row gets
-        the bits it would get there. Returns logits [B, T, V] right-padded (last_only: [B, V], each
-        sequence's last) and features [B, T, F*H]."""
-        dev = self.model.device
+        i's tokens are rows of their own, in its slot one after another (every row's keys are
+        written before any row attends), so the padding a [B, T] forward would compute is never
+        computed, and each row gets the bits it would get there. Returns logits [B, T, V]
+        right-padded (last_only: [B, V], each sequence's last) and features [B, T, F*H]."""
+        dev, mgr = self.model.device, self.slots
         lens = [len(x) for x in ids]
         slots = [s for s, n in zip(seqs, lens) for _ in range(n)]
+        starts = [mgr[s].length + i for s, n in zip(seqs, lens) for i in range(n)]
         tokens = torch.tensor([tok for x in ids for tok in x], device=dev)[:, None]
         pos = torch.tensor([p for row in positions for p in row], device=dev)[:, None]
         ends = [n - 1 for n in itertools.accumulate(lens)]
-        out = self.model(tokens, pos, self.cache, slots=slots, hidden_layers=hidden_layers,
-                         logit_rows=ends if last_only else None)  # fmt: skip
+        step = Step(slots, starts, pos, logit_rows=ends if last_only else None, hidden_layers=hidden_layers,
+                    sources=mgr.prefix_sources(slots))  # fmt: skip
+        out = self.model(tokens, mgr.cache, step)
         features = _rows(torch.cat(out.hidden, -1)[:, 0], lens) if hidden_layers else None
-        return (out.logits[0] if last_only else _rows(out.logits[:, 0], lens)), features
+        return (out.logits if last_only else _rows(out.logits[:, 0], lens)), features
 
-    def commit(self, seqs: list[int], keep: list[list[int]]) -> None:
-        """Keep, for each sequence, its last forward's new entries at indices keep[i] (in order)."""
-        for seq, start, k in zip(seqs, self.starts, keep):
-            if k == list(range(len(k))):
-                self.cache.truncate(seq, start + len(k))
-            else:
-                self.cache.move(seq, [start + i for i in k], start)
+    def commit(self, seqs: list[int], sizes: list[int], keep: list[list[int]]) -> None:
+        """Keep, for each sequence, its last forward's new entries (sizes[i] of them) at indices
+        keep[i] (in order)."""
+        for seq, k in zip(seqs, keep):
+            start = self.slots[seq].length
+            if k != list(range(len(k))):
+                self.slots.cache.move(seq, [start + i for i in k], start)
+            self.slots[seq].length = start + len(k)
 
     def drop(self, seq: int) -> None:
         pass
 
     def snapshot(self, seq: int, n: int):
-        """A copy of the sequence's first n cache entries, for restore (the prefix store)."""
-        return self.cache.snapshot(seq, n)
-
-    def restore(self, seq: int, kv) -> bool:
-        """Make a snapshot the sequence's cache content; True (this layout always can)."""
-        self.cache.restore(seq, kv)
-        return True
+        """A copy of the sequence's first n cache entries (the prefix store)."""
+        return self.slots.cache.snapshot(seq, n)
 
 
 class BimLayout:
     """The branch-index-map layout: every sequence in cache slot `slot` (see the module docstring).
-    It holds one question's branches at a time: prefill without prefix_from starts a new one."""
+    It holds one question's branches at a time: a prefill whose prefix is not in the slot starts a
+    new one."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, slot: int = 0):
-        self.model, self.cache, self.slot = model, cache, slot
-        self.max_sequences = cache.num_slots  # the draft head's cache has a slot per sequence
-        self.owner: list[int] = []  # branch of each cache entry in the slot; -1 = shared prefix
-        self.branch: dict[int, int] = {}  # sequence -> its branch id in `owner` (sequence names get reused)
-        self.next_branch = 0
-        self.pos: dict[int, int] = {}  # running sequence -> position of its next token
-        self.last: tuple[int, list[int]] = (0, [])  # the last forward: first entry, tokens per row
+    def __init__(self, model: LlamaModel, slots: SlotManager, slot: int = 0):
+        self.model, self.slots, self.slot = model, slots, slot
+        self.max_sequences = slots.num_slots  # the draft head's cache has a slot per sequence
 
-    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None,
+    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, source: int | Entry | None = None,
                 hidden_layers=()) -> Prefilled:  # fmt: skip
-        seqs = list(prompts)
+        """As SlotLayout.prefill; a source slot's prefix is this slot's (claimed by an earlier
+        prefill of the question), a store entry's is restored into it."""
+        mgr, seqs = self.slots, list(prompts)
         _check_shared(prompts, shared)
-        prefix_features = None
-        if prefix_from is None:  # a new question: the prefix goes in once
-            if self.pos:
+        have = shared
+        if not isinstance(source, int):  # a new question: the prefix goes in once
+            if any(s.branch is not None for s in mgr.slots):
                 raise SpecSotError("the bim layout holds one question's branches at a time; finish them first")
-            self.cache.truncate(self.slot, 0)
-            self.owner = [-1] * shared
-            if shared:
-                head = prompts[seqs[0]][:shared]
-                prefix_features = _prefix(self.model, self.cache, self.slot, head, hidden_layers)
+            mgr.forget_claims()  # the slot they name is overwritten
+            have = 0 if source is None else mgr.cache.restore(self.slot, source.state.kv)
+            mgr.owners = [-1] * have
+        prefix_features = None
+        if have < shared:
+            prefix_features = _prefix(self.model, mgr, self.slot, prompts[seqs[0]][have:shared], have, hidden_layers)
+            mgr.owners += [-1] * (shared - have)
+        mgr.claim(seqs, tuple(prompts[seqs[0]][:shared]), -1)
         for s in seqs:  # a fresh branch id, so a reused name never sees its predecessor's entries
-            self.branch[s], self.next_branch = self.next_branch, self.next_branch + 1
-            self.pos[s] = shared
+            mgr[s].branch, mgr[s].length = mgr.new_id(), shared
         suffixes = [prompts[s][shared:] for s in seqs]
         lens = [len(x) for x in suffixes]
         positions = [list(range(shared, shared + n)) for n in lens]
-        ends = torch.tensor(lens).cumsum(0) - 1  # each row's last token, in the side-by-side layout
-        logits, features = self._append(seqs, suffixes, positions, None, hidden_layers, logits_at=ends)
-        self.commit(seqs, [list(range(n)) for n in lens])
-        features = None if features is None else _rows(features[0], lens)
-        return Prefilled(seqs, logits[0], features, prefix_features)
+        ends = list(itertools.accumulate(lens, initial=-1))[1:]  # each row's last token, side by side
+        logits, features = self._append(seqs, suffixes, positions, None, hidden_layers, logit_rows=ends)
+        self.commit(seqs, lens, [list(range(n)) for n in lens])
+        return Prefilled(logits, None if features is None else _rows(features[0], lens), have, prefix_features)
 
     def length(self, seq: int) -> int:
-        return self.pos[seq]
+        return self.slots[seq].length
 
     def room(self, seqs: Sequence[int]) -> int:
         """Entries each of `seqs` can append this step (the slot's free room, shared evenly)."""
-        return (self.cache.capacity - len(self.owner)) // max(1, len(seqs))
+        return (self.slots.capacity - len(self.slots.owners)) // max(1, len(seqs))
 
     def forward(self, seqs: list[int], ids: list, positions: list, masks: list | None = None,
                 hidden_layers=()) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """As SlotLayout.forward: all rows go into the one slot side by side, in one forward."""
         logits, features = self._append(seqs, ids, positions, masks, hidden_layers)
-        lens = self.last[1]
+        lens = [len(x) for x in ids]
         return _rows(logits[0], lens), None if features is None else _rows(features[0], lens)
 
-    def commit(self, seqs: list[int], keep: list[list[int]]) -> None:
-        """Keep, of the last forward's entries, keep[i] of row i; the kept ones close up in place."""
-        start, lens = self.last
-        src, owners, first = [], [], start
-        for seq, n, k in zip(seqs, lens, keep):
+    def commit(self, seqs: list[int], sizes: list[int], keep: list[list[int]]) -> None:
+        """Keep, of the last forward's entries (sizes[i] of row i, side by side after the slot's
+        kept ones), keep[i] of row i; the kept ones close up in place."""
+        mgr = self.slots
+        start = first = len(mgr.owners)
+        src = []
+        for seq, n, k in zip(seqs, sizes, keep):
             src += [first + i for i in k]
-            owners += [self.branch[seq]] * len(k)
-            self.pos[seq] += len(k)
+            mgr.owners += [mgr[seq].branch] * len(k)
+            mgr[seq].length += len(k)
             first += n
-        if src == list(range(start, start + len(src))):
-            self.cache.truncate(self.slot, start + len(src))
-        else:
-            self.cache.move(self.slot, src, start)
-        self.owner[start:] = owners
+        if src != list(range(start, start + len(src))):
+            mgr.cache.move(self.slot, src, start)
 
     def drop(self, seq: int) -> None:
-        self.pos.pop(seq, None)
+        self.slots[seq].branch = None
 
     def snapshot(self, seq: int, n: int) -> None:
         """None: a sequence's entries here interleave with its siblings' (no prefix to copy)."""
         return None
 
-    def restore(self, seq: int, kv) -> bool:
-        """A snapshot as the next question's shared prefix (prefill with prefix_from=seq then starts
-        its branches after it); False (nothing done) while branches run, whose slot it would overwrite."""
-        if self.pos:
-            return False
-        self.cache.restore(self.slot, kv)
-        self.owner = [-1] * self.cache.lengths[self.slot]
-        return True
-
-    def _append(self, seqs, ids, positions, masks, hidden_layers, logits_at=None):
-        """One forward of every row's new tokens, appended to the slot; output rows are [1, Q, ...]."""
-        dev = self.model.device
+    def _append(self, seqs, ids, positions, masks, hidden_layers, logit_rows=None):
+        """One forward of every row's new tokens, after the slot's kept entries; output rows are
+        [1, Q, ...] (logit_rows: [R, V])."""
+        dev, mgr = self.model.device, self.slots
         lens = [len(x) for x in ids]
-        start = len(self.owner)
-        self.owner += [self.branch[s] for s, n in zip(seqs, lens) for _ in range(n)]
-        self.last = (start, lens)
-        owner = torch.tensor(self.owner, device=dev)
+        start = len(mgr.owners)
+        mgr.check(self.slot, start, sum(lens))
+        owner = torch.tensor(mgr.owners + [mgr[s].branch for s, n in zip(seqs, lens) for _ in range(n)], device=dev)
         mine = owner[start:, None]
         # Kept entries: the prefix and the query's own branch; new ones: its row's mask.
         seen = (owner[None, :start] == -1) | (owner[None, :start] == mine)
@@ -272,9 +266,7 @@ class BimLayout:
         mask = torch.cat([seen, torch.block_diag(*blocks)], 1)[None]
         tokens = torch.cat([torch.as_tensor(x, device=dev).view(-1) for x in ids])[None]
         pos = torch.cat([torch.as_tensor(p, device=dev).view(-1) for p in positions])[None]
-        at = None if logits_at is None else logits_at.to(dev)[None]
-        out = self.model(tokens, pos, self.cache, slots=[self.slot], mask=mask, hidden_layers=hidden_layers,
-                         logits_at=at)  # fmt: skip
+        out = self.model(tokens, mgr.cache, Step([self.slot], [start], pos, mask, logit_rows, hidden_layers))
         return out.logits, torch.cat(out.hidden, -1) if hidden_layers else None
 
 
@@ -283,11 +275,13 @@ def _check_shared(prompts: dict[int, list[int]], shared: int) -> None:
         raise ValueError(f"shared prefix {shared} must be shorter than every prompt")
 
 
-def _prefix(model: LlamaModel, cache: KVCache, slot: int, ids: list[int], hidden_layers) -> torch.Tensor | None:
-    """The shared prefix into `slot` (which is empty); its features [shared, F*H] when asked."""
+def _prefix(model: LlamaModel, slots: SlotManager, slot: int, ids: list[int], start: int, hidden_layers):
+    """The shared prefix's tokens from `start` on into `slot` (which holds those before it); their
+    features [len(ids), F*H] when asked."""
     dev = model.device
-    out = model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None], cache, slots=[slot],
-                hidden_layers=hidden_layers, last_only=True)  # fmt: skip
+    step = Step([slot], [start], torch.arange(start, start + len(ids), device=dev)[None], logit_rows=[len(ids) - 1],
+                hidden_layers=hidden_layers)  # fmt: skip
+    out = model(torch.tensor([ids], device=dev), slots.cache, step)
     return torch.cat(out.hidden, -1)[0] if hidden_layers else None
 
 

@@ -1,8 +1,8 @@
 """One Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on plain torch.
 
-A forward takes token ids [B, T], explicit rope positions [B, T], the KV cache (new entries are
-appended at each slot's length) and an optional boolean attention mask, and returns logits and, when
-asked, hidden states of chosen layers. Per-step inputs are arguments, never state on the module.
+A forward takes token ids [B, T], the KV cache and a `Step` (each row's slot and where its new
+entries go, rope positions, an optional boolean attention mask, which logits and hidden states to
+return). Per-step inputs are arguments, never state on the module.
 
 Speed on CPU comes from: q/k/v and gate/up fused into one matmul each, the attention scale folded
 into the q projection, torch's fused attention reading the cache in place (in bf16 1.1-2.8x faster
@@ -12,7 +12,6 @@ and, after `prepack()`, weights reordered once for oneDNN.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +67,35 @@ class RMSNorm(nn.Module):
 
 
 @dataclass(slots=True)
+class Step:
+    """What one forward computes: where each row's new tokens go and what comes back (one record
+    per step, as SGLang's per-step inputs; the slot manager, slots.py, says where slots end)."""
+
+    slots: list[int]  # the cache slot of each row
+    starts: list[int]  # where each row's new entries go in its slot (a slot named again: after its previous row's)
+    positions: torch.Tensor  # [B, T] rope positions of the new tokens
+    # True = may attend: [B, T, T] relates the new tokens to each other (a draft tree) while each row
+    # sees its slot's entries before its start; [B, T, K], K = max(starts) + T, gives every query's
+    # full view (the branch-index map). None: causal
+    mask: torch.Tensor | None = None
+    logit_rows: list[int] | None = None  # the flattened rows (b * T + t) whose logits to compute, in order; None: all
+    # hidden states to return, counted as transformers counts `output_hidden_states` (0 = embeddings,
+    # i = output of layer i, num_layers = after the final norm), for every position
+    hidden_layers: tuple[int, ...] = ()
+    # where each row may read its slot's shared prefix from, and that prefix's length (0: only its
+    # own slot; SlotManager.prefix_sources); None: every row reads its own slot
+    sources: tuple[list[int], list[int]] | None = None
+
+    @classmethod
+    def fresh(cls, positions: torch.Tensor, **fields) -> "Step":
+        """Row b in empty slot b (a forward from the start of every slot)."""
+        b = positions.shape[0]
+        return cls(list(range(b)), [0] * b, positions, **fields)
+
+
+@dataclass(slots=True)
 class ForwardOutput:
-    logits: torch.Tensor  # [B, T, vocab] (or [B, 1, vocab] with last_only)
+    logits: torch.Tensor  # [B, T, vocab], or [R, vocab] for Step.logit_rows
     hidden: list[torch.Tensor]  # the hidden states asked for, in the order asked
 
 
@@ -293,99 +319,53 @@ class LlamaModel(NativeForm):
         dtype = dtype or cache_dtype(self.dtype, self.device)
         return KVCache.for_model(self.cfg, num_slots, capacity, dtype, self.device)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache,
-        *,
-        slots: Sequence[int] | None = None,
-        mask: torch.Tensor | None = None,
-        hidden_layers: Sequence[int] = (),
-        last_only: bool = False,
-        logits_at: torch.Tensor | None = None,
-        logit_rows: Sequence[int] | None = None,
-    ) -> ForwardOutput:
-        """Run the decoder over new tokens and append their keys/values to the cache.
-
-        input_ids, positions: [B, T]; row b uses cache slot slots[b] (default: slot b) and its new
-            entries go right after that slot's current length.
-        mask: optional boolean (True = may attend). [B, T, T] relates the new tokens to each other
-            (a draft tree) while each row sees all of its own cached entries; [B, T, K] with
-            K = max(new slot lengths) gives every query's full view (a branch-index map). Default:
-            causal.
-        hidden_layers: indices of hidden states to return, counted as transformers counts
-            `output_hidden_states` (0 = embeddings, i = output of layer i, num_layers = after the
-            final norm).
-        last_only: compute logits for the last position of each row only (hidden states are
-            still returned for every position).
-        logits_at: [B] or [B, K]: the positions of each row whose logits to compute (logits
-            [B, 1 or K, V]), e.g. the last token of rows of different lengths.
-        logit_rows: the flattened rows (b * T + t) whose logits to compute, logits [1, R, V] in
-            that order (a ragged batch run a token per batch row needs the last of each sequence).
-        """
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, step: Step) -> ForwardOutput:
+        """Run the decoder over new tokens input_ids [B, T], writing their keys and values into the
+        cache where `step` says, and return the logits and hidden states it asks for."""
         b, t = input_ids.shape
-        slots = list(range(b)) if slots is None else list(slots)
-        starts = cache.reserve(slots, t)
+        slots, starts = step.slots, step.starts
         kv_len = max(starts) + t
         cfg = self.cfg
-        at = positions.reshape(-1)
+        at = step.positions.reshape(-1)
         cos = self.rope_cos.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
         sin = self.rope_sin.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
+        rows = step.logit_rows
 
-        want = set(hidden_layers)
+        want = set(step.hidden_layers)
         saved = {}
         x = self.embed(input_ids).to(self.dtype)
         stack = self.native_stack(x, cache)
-        if stack is not None and mask is None and (cfg.sliding_window is None or kv_len <= cfg.sliding_window):
+        if stack is not None and step.mask is None and (cfg.sliding_window is None or kv_len <= cfg.sliding_window):
             bias = None  # causal: the native attention sees each row's keys by its start (Placement)
         else:
-            bias = attention_bias(mask, starts, t, kv_len, cfg.sliding_window, cfg.q_per_kv, self.dtype, self.device)
+            bias = attention_bias(step.mask, starts, t, kv_len, cfg.sliding_window, cfg.q_per_kv, self.dtype, self.device)
         if stack is not None:
             # every layer in one native call, with one team of threads (decoder_layers), and the
             # final norm and output layer in it too where the kernels run them
             inner = sorted(i for i in want if i < len(self.layers))
             head = self.native_head()
-            rows = _logit_rows(b, t, last_only, logits_at, logit_rows) if head is not None else []
-            # rows whose slots hold copies of one prefix read it from one of them (KVCache.prefix_sources)
-            sources = cache.prefix_sources(slots) or ([], [])
+            picked = (list(range(b * t)) if rows is None else rows) if head is not None else []
             x, *kept = native().decoder_layers(x, stack, 0, cos, sin, cache.k, cache.v, slots, starts, bias, inner, head,
-                                               rows, *sources)  # fmt: skip
+                                               picked, *(step.sources or ([], [])))  # fmt: skip
             logits = kept.pop(0) if head is not None else None  # with a head, its logits follow the state
             saved.update(zip(inner, kept))
             if head is not None:
                 saved[self.cfg.num_layers] = x  # through the final norm
-                logits = logits.view(1 if logit_rows is not None else b, -1, logits.shape[-1])
-                return ForwardOutput(logits, [saved[i] for i in hidden_layers])
+                logits = logits.view(b, t, -1) if rows is None else logits  # [R, V] already
+                return ForwardOutput(logits, [saved[i] for i in step.hidden_layers])
         else:
             for i, layer in enumerate(self.layers):
                 if i in want:
                     saved[i] = x
                 x = layer(x, cos, sin, cache, i, slots, starts, kv_len, bias)
-        # The final norm runs before last_only slices, so hidden state num_layers (EAGLE features)
-        # covers every position like the other layers do; only the logits are last-only.
+        # The final norm runs on every position, so hidden state num_layers (EAGLE features) covers
+        # every position like the other layers do; only the logits are for the rows asked.
         x = self.norm(x)
         if self.cfg.num_layers in want:
             saved[self.cfg.num_layers] = x
-        if logit_rows is not None:
-            x = x.reshape(1, b * t, -1)[:, list(logit_rows)]
-        elif last_only:
-            x = x[:, -1:]
-        elif logits_at is not None:
-            x = x[torch.arange(b, device=x.device)[:, None], logits_at.view(b, -1)]
-        return ForwardOutput(self.lm_head(x), [saved[i] for i in hidden_layers])
-
-
-def _logit_rows(b: int, t: int, last_only: bool, logits_at: torch.Tensor | None,
-                logit_rows: Sequence[int] | None) -> list[int]:  # fmt: skip
-    """Which of a forward's b x t rows (flattened) get logits, as LlamaModel.forward's arguments say."""
-    if logit_rows is not None:
-        return list(logit_rows)
-    if last_only:
-        return [i * t + t - 1 for i in range(b)]
-    if logits_at is not None:
-        return [i * t + k for i, ks in enumerate(logits_at.view(b, -1).tolist()) for k in ks]
-    return list(range(b * t))
+        if rows is not None:
+            x = x.reshape(b * t, -1)[rows]
+        return ForwardOutput(self.lm_head(x), [saved[i] for i in step.hidden_layers])
 
 
 def attention_bias(mask, starts, t, kv_len, window, groups, dtype, device) -> torch.Tensor | None:

@@ -19,9 +19,9 @@ import torch
 
 @dataclass(slots=True)
 class Kept:
-    """A prompt beginning's computed state, as a decoder's keep() returns it and its restore()
-    takes it: the base KV of its n tokens and, with a draft head, the head's KV of n - 1 positions
-    and the feature at position n - 1 (what its draft reads next)."""
+    """A prompt beginning's computed state, as a decoder's kept() gives it and a prefill from it
+    restores it: the base KV of its n tokens and, with a draft head, the head's KV of n - 1
+    positions and the feature at position n - 1 (what its draft reads next)."""
 
     kv: tuple[torch.Tensor, torch.Tensor]
     draft_kv: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -36,7 +36,7 @@ class Kept:
 @dataclass(slots=True)
 class Entry:
     ids: list[int]
-    state: Kept  # the decoder's keep() of these tokens
+    state: Kept  # a decoder's kept() of these tokens
     size: int  # bytes
     pinned: bool
 

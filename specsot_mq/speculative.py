@@ -4,8 +4,8 @@ One step for all running sequences: draft() grows an EAGLE-2 tree per sequence w
 head (tree.py), verify() runs ONE base forward over every tree ([B, N+1], each row its own slot and
 length), accept (verify.py) walks each tree, and the caches are compacted in place: the base cache
 keeps the root and the accepted entries (the layout's commit: a slot per sequence, or all
-branches in one slot, see layout.py), the draft cache is truncated back and extended with the
-accepted tokens (draft_extend), whose last output seeds the next tree.
+branches in one slot, see layout.py), the tree's draft entries are left to be overwritten, and
+the draft reads the accepted tokens (draft_extend), whose last output seeds the next tree.
 
 Conventions (shared with train_draft.py): base features F_i are the concatenated hidden states
 `head.cfg.feature_layers` at position i. Draft position i reads (token x_{i+1}, feature F_i) at rope
@@ -16,7 +16,7 @@ either.
 
 Usage, with `gen` a Generator and `head` a DraftHead attached to gen.model:
 
-    decoder = EagleDecoder(gen.model, head, gen.cache, Sampler(params), TreeParams())
+    decoder = EagleDecoder(gen.model, head, gen.slots, Sampler(params), TreeParams())
     for seq, delta in gen.stream_many(prompts, params, decoder=decoder): ...
     decoder.stats.tau  # mean tokens per verify step
 """
@@ -29,18 +29,19 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from specsot_mq.decoder import Decoder
 from specsot_mq.draft import DraftHead
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import SeqState
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.layout import new_layout
+from specsot_mq.layout import Prefilled
 from specsot_mq.lookup import History, ListTokens, NgramIndex
-from specsot_mq.model import LlamaModel
-from specsot_mq.prefix_store import Kept
+from specsot_mq.model import LlamaModel, Step
+from specsot_mq.prefix_store import Entry, Kept
 from specsot_mq.sampling import Sampler, greedy_tokens
+from specsot_mq.sequence import Sequence
+from specsot_mq.slots import SlotManager
 from specsot_mq.tree import DraftTree, TreeSearch, graft, grow_search, make_tree, root_only, select_nodes, start_search
 from specsot_mq.verify import Acceptance, SpecStats, accept_greedy, accept_sampled
-
 
 @dataclass(slots=True)
 class TreeParams:
@@ -175,42 +176,32 @@ class SpeedChooser:
         return SpeedChooser(["eagle", "lookup", "plain"] if tree.lookup else ["eagle", "plain"])
 
 
-class EagleDecoder:
+class EagleDecoder(Decoder):
     """Speculative decoding with an EAGLE head; sequence i uses slot i of the draft cache, and of
     the base cache in the batching layout. `lists`: how the tokenizer opens a numbered list's
     items, for prompt lookup's guess where a list's line ends; `history`: the generator's recent
     outputs, for its guess where a sequence's own tokens hold no match (lookup.py)."""
 
     unread_limit = 64  # steps a decision may wait for the draft (bounds the features kept for it)
+    drafts = True
 
     def __init__(
         self,
         model: LlamaModel,
         head: DraftHead,
-        cache: KVCache,
+        slots: SlotManager,
         sampler: Sampler,
         tree: TreeParams | None = None,
-        draft_cache: KVCache | None = None,
         layout: str = "batching",
         chooser: SpeedChooser | None = None,
         lists: ListTokens | None = None,
         history: History | None = None,
     ):
-        self.model, self.head, self.sampler, self.lists, self.history = model, head, sampler, lists, history
-        self.layout = new_layout(layout, model, cache)  # where the base cache holds each sequence
-        self.max_sequences = self.layout.max_sequences
+        super().__init__(model, slots, sampler, layout, lists, history)
+        self.head = head
         self.tree = tree or TreeParams()
-        # Tree entries and padded extends go past the base length; give the draft cache room for them.
-        room = (self.tree.depth + 1) * (self.tree.topk + 1)
-        self.draft_cache = draft_cache or head.new_cache(cache.num_slots, cache.capacity + room)
-        # Each running sequence's draft state is its SeqState (logits, feature, unread), which the
-        # loop hands to every step. What a cache slot holds outlives its sequence:
-        # slot -> F at its shared prefix's last position (kept after a drop: a later prompt with
-        # the same prefix may copy it from that slot)
-        self.prefix_feature: dict[int, torch.Tensor] = {}
-        # slot -> [(first position, features from there)] of its latest prefill, until its next
-        # step: what keep() reads a prompt's feature at any length from
-        self.fresh: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        # Tree entries and padded extends go past the base length: the draft cache has room for one full tree more.
+        slots.draft_cache_for(head, (self.tree.depth + 1) * (self.tree.topk + 1))
         self.stats = SpecStats(accepted_at_depth=[0] * self.tree.depth)
         # how each step speculates (a Generator passes the one it keeps for all its decoders)
         self.chooser = chooser or SpeedChooser.for_tree(self.tree, sampler.params.greedy)
@@ -219,115 +210,99 @@ class EagleDecoder:
     def layers(self) -> tuple[int, ...]:
         return tuple(self.head.cfg.feature_layers)
 
-    # -- the Decoder protocol ------------------------------------------------------------------
+    @property
+    def draft_cache(self) -> KVCache:
+        return self.slots.draft
 
-    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, prefix_from: int | None = None) -> dict[int, SeqState]:
+    # -- the decoder's calls -------------------------------------------------------------------
+
+    def prefill(self, seqs: list[Sequence], shared: int, source: int | Entry | None) -> None:
         """Base pass over the prompts (shared prefix once, see layout.py), then the draft's:
         draft position i reads (x_{i+1}, F_i), so the shared part of the draft cache is positions
         0..shared-2 and each prompt's own part starts at shared-1, with the prefix's last feature."""
-        dev = self.model.device
-        pre = self.layout.prefill(prompts, shared, prefix_from, self.layers)
+        dev, mgr, draft = self.model.device, self.slots, self.slots.draft
+        slots = [seq.slot for seq in seqs]
+        prompts = {seq.slot: seq.job.ids for seq in seqs}
+        pre = self.layout.prefill(prompts, shared, source, self.layers)
         roots = self.sampler(pre.last_logits).tolist()
         start = time.perf_counter()
+        first = slots[0]
+        home = source if isinstance(source, int) else first  # the slot whose draft entries hold the prefix
         d0 = max(shared - 1, 0)  # first draft position that differs between the prompts
-        if pre.prefix_features is not None:
-            first = pre.slots[0]
-            self.draft_cache.truncate(first, 0)
-            prefix = prompts[first]
-            if d0:
-                self.head(torch.tensor([prefix[1:shared]], device=dev), pre.prefix_features[None, :d0],
-                          torch.arange(d0, device=dev)[None], self.draft_cache, slots=[first],
-                          logits_at=torch.tensor([d0 - 1], device=dev))  # only its cache entries count  # fmt: skip
-            self.prefix_feature[first] = pre.prefix_features[shared - 1]
-            self.fresh[first] = [(0, pre.prefix_features)]
-            prefix_from = first
-        for slot in pre.slots:
-            if shared and slot != prefix_from:
-                self.draft_cache.copy_prefix(prefix_from, [slot], d0)
-            else:
-                self.draft_cache.truncate(slot, d0)
-        # Each prompt's own draft entries: tokens x_{d0+1}..x_n (x_n = its root), features F_{d0}..F_{n-1}.
-        tokens = [prompts[slot][d0 + 1 :] + [root] for slot, root in zip(pre.slots, roots)]
-        t = max(map(len, tokens))
+        if isinstance(source, Entry):  # the draft's part of a stored prefix
+            mgr[first].draft_length, mgr[first].feature = draft.restore(first, source.state.draft_kv), source.state.feature
+        if pre.prefix_features is not None:  # the base computed the prefix from pre.have on: so does the draft
+            lo = max(pre.have - 1, 0)
+            if d0 > lo:
+                feats = pre.prefix_features[: d0 - pre.have]
+                if pre.have:
+                    feats = torch.cat([mgr[first].feature[None], feats])
+                step = Step([first], [lo], torch.arange(lo, d0, device=dev)[None], logit_rows=[d0 - lo - 1])
+                self.head(torch.tensor([prompts[first][lo + 1 : shared]], device=dev), feats[None], draft, step)
+            mgr[first].feature = pre.prefix_features[-1]
+        feature = mgr[home].feature if shared else None
         if shared:
-            feature = self.prefix_feature[prefix_from]
-            self.prefix_feature.update(dict.fromkeys(pre.slots, feature))
-            feats = torch.cat([feature.expand(len(tokens), 1, -1), pre.features], 1)
-        else:
-            feats = pre.features
+            draft.copy(home, slots, d0)
+        # Each prompt's own draft entries: tokens x_{d0+1}..x_n (x_n = its root), features F_{d0}..F_{n-1}.
+        tokens = [prompts[slot][d0 + 1 :] + [root] for slot, root in zip(slots, roots)]
+        t = max(map(len, tokens))
+        feats = torch.cat([feature.expand(len(tokens), 1, -1), pre.features], 1) if shared else pre.features
         feats = torch.nn.functional.pad(feats, (0, 0, 0, max(0, t - feats.shape[1])))[:, :t]
         ids = torch.tensor([x + [0] * (t - len(x)) for x in tokens], device=dev)
         positions = torch.arange(d0, d0 + t, device=dev).expand(len(tokens), t)
-        last = torch.tensor([len(x) - 1 for x in tokens], device=dev)  # only the newest position seeds a tree
-        hidden, logits = self.head(ids, feats, positions, self.draft_cache, slots=pre.slots, logits_at=last)
+        last = [i * t + len(x) - 1 for i, x in enumerate(tokens)]  # only the newest position seeds a tree
+        hidden, logits = self.head(ids, feats, draft, Step(slots, [d0] * len(slots), positions, logit_rows=last))
         lookup = self.tree.lookup and self.sampler.params.greedy
-        states = {}
-        for row, (slot, root, x) in enumerate(zip(pre.slots, roots, tokens)):
-            own = (shared, pre.features[row, : len(prompts[slot]) - shared])
-            self.fresh[slot] = (self.fresh.get(slot, []) if slot == prefix_from and pre.prefix_features is not None else []) + [own]
-            self.draft_cache.truncate(slot, d0 + len(x))
-            index = NgramIndex(prompts[slot] + [root], lists=self.lists, history=self.history) if lookup else None
-            states[slot] = SeqState(root, index, logits[row, 0], hidden[row, len(x) - 1])
+        for row, (seq, root, x) in enumerate(zip(seqs, roots, tokens)):
+            mgr[seq.slot].draft_length, mgr[seq.slot].feature = d0 + len(x), feature
+            seq.last, seq.logits, seq.feature = root, logits[row], hidden[row, len(x) - 1]
+            if lookup:
+                seq.index = NgramIndex(seq.job.ids + [root], lists=self.lists, history=self.history)
+            if seq.job.keep:
+                self._store(seq, _feature_at(seq.job.keep - 1, pre, row, shared, feature))
         self.stats.draft_seconds += time.perf_counter() - start
-        return states
 
-    def step(self, running: dict[int, SeqState]) -> dict[int, list[int]]:
-        seqs = sorted(running)  # in slot order: a run of consecutive slots is read in place (KVCache.view)
-        states = [running[s] for s in seqs]
+    def step(self, seqs: list[Sequence]) -> list[list[int]]:
+        slots = [seq.slot for seq in seqs]
         start = time.perf_counter()
-        self.fresh.clear()
         way = self.chooser.pick(len(seqs))
-        budget = self.budget(seqs) if way == "eagle" else 0
+        budget = self.budget(slots) if way == "eagle" else 0
         timed_from = start
-        if budget or any(len(st.unread) >= self.unread_limit for st in states):
-            self.draft_extend(seqs, states)
+        if budget or any(len(seq.unread) >= self.unread_limit for seq in seqs):
+            self.draft_extend(seqs)
             if not budget:  # the head catching up, whatever the way: not this step's cost
                 timed_from = time.perf_counter()
-        trees = self.draft(seqs, states, budget)
+        trees = self.draft(seqs, budget)
         drafted = [t.size for t in trees]  # nodes beyond these come from prompt lookup alone
-        if states[0].index is not None and way != "plain":
-            trees = self.graft_lookup(seqs, states, trees)
+        if seqs[0].index is not None and way != "plain":
+            trees = self.graft_lookup(seqs, trees)
         mid = time.perf_counter()
-        logits, features = self.verify(seqs, trees)
+        logits, features = self.verify(slots, trees)
         results = self.accept(trees, logits)
-        self.layout.commit(seqs, [[0] + res.nodes for res in results])  # the root and the accepted path
+        # the root and the accepted path
+        self.layout.commit(slots, [t.size for t in trees], [[0] + res.nodes for res in results])
         end = time.perf_counter()
         # What the step decided goes to the draft before its next tree (draft_extend), not now:
         # while the batch is too large to draft for, the head is never run.
-        for i, (st, res) in enumerate(zip(states, results)):
+        for i, (seq, res) in enumerate(zip(seqs, results)):
             kept = [0] + res.nodes  # a path down a chain is a slice (a view, no copy)
-            st.unread.append((res.tokens, features[i, : len(kept)] if kept[-1] == len(res.nodes) else features[i, kept]))
-            st.last = res.tokens[-1]
-            if st.index is not None:
-                st.index.extend(res.tokens)
+            seq.unread.append((res.tokens, features[i, : len(kept)] if kept[-1] == len(res.nodes) else features[i, kept]))
+            seq.last = res.tokens[-1]
+            if seq.index is not None:
+                seq.index.extend(res.tokens)
         self.stats.draft_seconds += mid - start
         self.stats.verify_seconds += end - mid
         self.stats.count(trees, results, drafted)
         # Progress counts as the slowest sequence's: sequences decoded together (a request's points)
         # are done when the longest is, and tokens that speculation adds to the others only cost rows.
         self.chooser.record(way, end - timed_from, min(len(res.tokens) for res in results), len(seqs))
-        return {seq: res.tokens for seq, res in zip(seqs, results)}
+        return [res.tokens for res in results]
 
-    def drop(self, seq: int) -> None:
-        self.fresh.pop(seq, None)
-        self.layout.drop(seq)
-
-    def room(self, seqs: list[int]) -> int:
-        return self.layout.room(seqs)
-
-    def keep(self, slot: int, n: int) -> Kept | None:
+    def kept(self, slot: int, n: int, feature: torch.Tensor | None = None) -> Kept | None:
         """The base KV of n tokens, the draft's of n - 1 (see prefill) and the feature at n - 1
-        (from the slot's latest prefill; None when that did not compute it, or the layout cannot)."""
-        feature = next((f[n - 1 - at] for at, f in self.fresh.get(slot, ()) if at <= n - 1 < at + len(f)), None)
+        (None when it is not known, or the layout cannot give the base's)."""
         kv = self.layout.snapshot(slot, n) if feature is not None else None
-        return None if kv is None else Kept(kv, self.draft_cache.snapshot(slot, n - 1), feature.clone())
-
-    def restore(self, slot: int, kept: Kept) -> bool:
-        if kept.draft_kv is None or not self.layout.restore(slot, kept.kv):
-            return False
-        self.draft_cache.restore(slot, kept.draft_kv)
-        self.prefix_feature[slot] = kept.feature
-        return True
+        return None if kv is None else Kept(kv, self.slots.draft.snapshot(slot, n - 1), feature.clone())
 
     # -- the three phases of a step ------------------------------------------------------------
 
@@ -340,51 +315,53 @@ class EagleDecoder:
         verify_budget = max(tp.max_batch_tokens, tp.num_draft_tokens + 1)
         return max(0, min(tp.num_draft_tokens, verify_budget // len(seqs) - 1, self.layout.room(seqs) - 1))
 
-    def draft(self, seqs: list[int], states: list[SeqState], budget: int) -> list[DraftTree]:
+    def draft(self, seqs: list[Sequence], budget: int) -> list[DraftTree]:
         """Grow one EAGLE-2 tree of `budget` nodes per sequence (the draft must have read every
-        decided token: draft_extend); the draft cache is left as it was."""
-        tp, head = self.tree, self.head
+        decided token: draft_extend); the tree's draft entries go past each slot's, which stay."""
+        tp, head, mgr = self.tree, self.head, self.slots
         dev = self.model.device
-        lengths = [self.layout.length(s) for s in seqs]
+        slots = [seq.slot for seq in seqs]
+        lengths = [self.layout.length(s) for s in slots]
         if not budget:
-            return [root_only(st.last, n) for st, n in zip(states, lengths)]
+            return [root_only(seq.last, n) for seq, n in zip(seqs, lengths)]
         gen = None if self.sampler.params.greedy else self.sampler.generator
-        logq, q = self._draft_dist(torch.stack([s.logits for s in states]))
+        logq, q = self._draft_dist(torch.stack([seq.logits for seq in seqs]))
         search = start_search(logq, tp.topk, gen)
         qs = [None if q is None else q[:, None]]  # draft distributions of the expanded nodes...
         expanded = [torch.full((len(seqs), 1), -1, device=dev)]  # ...and their search nodes (-1 = root)
-        parent_feature = torch.stack([s.feature for s in states])[:, None].expand(-1, search.beam.shape[1], -1)
+        parent_feature = torch.stack([seq.feature for seq in seqs])[:, None].expand(-1, search.beam.shape[1], -1)
+        written = 0  # tree entries in the draft cache so far, after each slot's own
         for depth in range(1, min(tp.depth, budget)):
             beam = search.beam
             expanded.append(beam)
             tokens = head.d2t[search.ids.gather(1, beam)]
             positions = torch.tensor(lengths, device=dev)[:, None].expand_as(beam) + depth - 1
             mask = self._draft_mask(search, torch.cat(expanded[1:], 1), lengths)
-            hidden, logits = head(tokens, parent_feature, positions, self.draft_cache, slots=seqs, mask=mask)
+            step = Step(slots, [mgr[s].draft_length + written for s in slots], positions, mask)
+            hidden, logits = head(tokens, parent_feature, mgr.draft, step)
+            written += beam.shape[1]
             logq, q = self._draft_dist(logits)
             qs.append(q)
             search = grow_search(search, logq, tp.topk, gen)
             # The new beam's parents sit in the old beam; their predicted features feed the next level.
             from_slot = (search.parents.gather(1, search.beam)[:, :, None] == beam[:, None, :]).int().argmax(-1)
             parent_feature = hidden.gather(1, from_slot[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        for s, n in zip(seqs, lengths):
-            self.draft_cache.truncate(s, n)
         kept = select_nodes(search, budget)
         if gen is not None:
             qs = self._tree_q(search, torch.cat(expanded, 1), torch.cat(qs, 1), kept)
         return [
-            make_tree(search, i, kept[i], st.last, n, head.d2t, None if gen is None else qs[i])
-            for i, (st, n) in enumerate(zip(states, lengths))
+            make_tree(search, i, kept[i], seq.last, n, head.d2t, None if gen is None else qs[i])
+            for i, (seq, n) in enumerate(zip(seqs, lengths))
         ]
 
-    def graft_lookup(self, seqs: list[int], states: list[SeqState], trees: list[DraftTree]) -> list[DraftTree]:
+    def graft_lookup(self, seqs: list[Sequence], trees: list[DraftTree]) -> list[DraftTree]:
         """Each tree with its sequence's prompt-lookup guess grafted on (tree.graft): up to
         tree.lookup tokens alone, fewer as more sequences share the forward (max_batch_tokens
         split between them, as for the draft nodes; see benchmarks/HISTORY.md), and as long as
         the base cache has room."""
-        room = self.layout.room(seqs)
+        room = self.layout.room([seq.slot for seq in seqs])
         cap = min(self.tree.lookup, max(self.tree.max_batch_tokens, self.tree.lookup) // len(seqs))
-        return [graft(t, st.index.propose(min(cap, room - t.size))) for st, t in zip(states, trees)]
+        return [graft(t, seq.index.propose(min(cap, room - t.size))) for seq, t in zip(seqs, trees)]
 
     def verify(self, seqs: list[int], trees: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor]:
         """One base forward over every tree; returns (logits [B, T, V], features [B, T, F*H]),
@@ -400,21 +377,21 @@ class EagleDecoder:
         return [accept_sampled(tree, logits[i, : tree.size], self.sampler.probs, self.head.d2t, self.sampler.generator)
                 for i, tree in enumerate(trees)]  # fmt: skip
 
-    def draft_extend(self, seqs: list[int], states: list[SeqState]) -> None:
+    def draft_extend(self, seqs: list[Sequence]) -> None:
         """Feed the draft what the last steps decided (unread), each row in one forward: the
         accepted tokens and bonus tokens at the positions after its real length, with the base
         features of the root and accepted nodes they follow; the last output seeds the next tree."""
-        rows = [(s, st) for s, st in zip(seqs, states) if st.unread]
+        rows = [seq for seq in seqs if seq.unread]
         if not rows:
             return
-        dev = self.model.device
-        chunks = [st.unread for _, st in rows]
-        rows, states = [s for s, _ in rows], [st for _, st in rows]
-        for st in states:
-            st.unread = []
+        dev, mgr = self.model.device, self.slots
+        chunks = [seq.unread for seq in rows]
+        for seq in rows:
+            seq.unread = []
         ids = [torch.tensor([x for tokens, _ in chunk for x in tokens], device=dev) for chunk in chunks]
         lens = [len(x) for x in ids]
-        starts = [self.draft_cache.lengths[s] for s in rows]
+        slots = [seq.slot for seq in rows]
+        starts = [mgr[s].draft_length for s in slots]
         t = max(lens)
         # Rows right-padded: padding goes last, where causal rows never see it (and repeats the
         # last position).
@@ -422,11 +399,11 @@ class EagleDecoder:
         feats = pad_sequence([torch.cat([f for _, f in chunk]) for chunk in chunks], batch_first=True)
         positions = torch.stack([torch.arange(n, n + t, device=dev).clamp(max=n + k - 1)
                                  for n, k in zip(starts, lens)])  # fmt: skip
-        last = torch.tensor([k - 1 for k in lens], device=dev)  # only the newest position seeds a tree
-        hidden, logits = self.head(tokens, feats, positions, self.draft_cache, slots=rows, logits_at=last)
-        for i, (seq, st, k, n) in enumerate(zip(rows, states, lens, starts)):
-            self.draft_cache.truncate(seq, n + k)
-            st.logits, st.feature = logits[i, 0], hidden[i, k - 1]
+        last = [i * t + k - 1 for i, k in enumerate(lens)]  # only the newest position seeds a tree
+        hidden, logits = self.head(tokens, feats, mgr.draft, Step(slots, starts, positions, logit_rows=last))
+        for i, (seq, k, n) in enumerate(zip(rows, lens, starts)):
+            mgr[seq.slot].draft_length = n + k
+            seq.logits, seq.feature = logits[i], hidden[i, k - 1]
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -469,3 +446,13 @@ class EagleDecoder:
         row_of = torch.zeros(b, search.ids.shape[1] + 1, dtype=torch.long, device=qs.device)  # by search node + 1
         row_of.scatter_(1, expanded + 1, torch.arange(e, device=qs.device).expand(b, e))
         return [qs[i, row_of[i, [0] + [k + 1 for k in kept[i]]]] for i in range(b)]
+
+
+def _feature_at(position: int, pre: Prefilled, row: int, shared: int, prefix_feature: torch.Tensor | None):
+    """The base feature at a position of row `row`'s prompt, where its prefill knows it: computed
+    there (its own part, or the part of the shared prefix computed), or the prefix's last."""
+    if position >= shared:
+        return pre.features[row, position - shared]
+    if pre.prefix_features is not None and position >= pre.have:
+        return pre.prefix_features[position - pre.have]
+    return prefix_feature if position == shared - 1 else None

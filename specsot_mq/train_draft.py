@@ -31,7 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Generator, Job
-from specsot_mq.model import LlamaModel
+from specsot_mq.model import LlamaModel, Step
 from specsot_mq.prompts import load_format
 from specsot_mq.quant import QEmbedding, QLinear
 from specsot_mq.sampling import SamplingParams
@@ -227,8 +227,8 @@ def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...]
             seqs = [rows[i]["prompt"] + rows[i]["output"] for i in idx]
             n = max(len(s) for s in seqs)
             ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])  # right padding is never attended
-            cache.reset()
-            res = base(ids, torch.arange(n).expand(len(idx), n), cache, slots=range(len(idx)), hidden_layers=layers, last_only=True)
+            step = Step.fresh(torch.arange(n).expand(len(idx), n), logit_rows=[], hidden_layers=layers)
+            res = base(ids, cache, step)
             feats = torch.cat(res.hidden, dim=-1).to(torch.bfloat16)
             for row, (i, s) in enumerate(zip(idx, seqs)):
                 cut = max(0, len(rows[i]["prompt"]) - context)
@@ -288,12 +288,6 @@ class _StepCache:
     def __init__(self):
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.length = 0
-
-    def reserve(self, slots, n: int) -> list[int]:
-        starts = [self.length] * len(slots)
-        self.length += n
-        return starts
 
     def write(self, layer, slots, starts, k, v) -> None:
         self.k.append(k)
@@ -328,7 +322,7 @@ def unroll(head: DraftHead, tokens, feats, depths: int) -> list[tuple[torch.Tens
     for depth in range(1, depths + 1):
         positions = torch.arange(depth - 1, depth - 1 + t).expand(b, t)
         mask = _step_mask(t, depth, tokens.device).expand(b, t, depth * t)
-        pred, logits = head(tokens[:, depth : depth + t], inp, positions, cache, mask=mask)
+        pred, logits = head(tokens[:, depth : depth + t], inp, cache, Step(list(range(b)), [(depth - 1) * t] * b, positions, mask))
         out.append((pred, logits))
         inp = pred  # the next depth reads the head's own predictions
     return out

@@ -9,6 +9,7 @@ from conftest import ours_from_hf, tiny_hf
 from test_generate import CharTokenizer
 from test_speculative import BOS, GREEDY, LOOKUP, TREE, random_head
 from specsot_mq.generate import Generator
+from specsot_mq.model import Step
 from specsot_mq.sampling import Sampler
 from specsot_mq.speculative import EagleDecoder
 
@@ -30,7 +31,7 @@ def test_logits_match_transformers_on_the_gpu(dtype):
     ids = torch.tensor([[BOS, 5, 6, 7, 8, 9, 10, 11]], device="cuda")
     with torch.inference_mode():
         want = hf(ids).logits.float()
-        got = ours(ids, torch.arange(ids.shape[1], device="cuda")[None], ours.new_cache(1, 16)).logits.float()
+        got = ours(ids, ours.new_cache(1, 16), Step.fresh(torch.arange(ids.shape[1], device="cuda")[None])).logits.float()
     tol = 1e-4 if dtype == "fp32" else 5e-2
     assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
 
@@ -42,7 +43,7 @@ def test_greedy_eagle_equals_plain_greedy_on_the_gpu(dtype, tree):
     head = random_head(base).to(device="cuda", dtype=DTYPES[dtype])
     prompts = [[BOS, 5, 6, 7, 8, 9], [BOS, 12], [BOS, 40, 41, 42]]
     gen = Generator(base, CharTokenizer(), max_len=64, num_slots=3)
-    decoder = lambda: EagleDecoder(base, head, gen.cache, Sampler(GREEDY, base.device), tree)  # noqa: E731
+    decoder = lambda: EagleDecoder(base, head, gen.slots, Sampler(GREEDY, base.device), tree)  # noqa: E731
     plain = [gen.generate(p, GREEDY).token_ids for p in prompts]
     alone = [gen.generate(p, GREEDY, decoder=decoder()).token_ids for p in prompts]
     together = [c.token_ids for c in gen.generate_many(prompts, GREEDY, decoder=decoder())]

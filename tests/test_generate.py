@@ -9,7 +9,9 @@ import torch
 
 from conftest import ours_from_hf, tiny_hf
 from specsot_mq.errors import SpecSotError
-from specsot_mq.generate import Generator, _Output
+from specsot_mq.generate import Generator
+from specsot_mq.model import Step
+from specsot_mq.sequence import Output
 from specsot_mq.sampling import Sampler, SamplingParams, greedy_tokens
 from specsot_mq.stopping import LineWatch, StopStrings
 
@@ -38,7 +40,7 @@ def greedy_reference(gen, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             cache = gen.model.new_cache(1, 128)
-            logits = gen.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache).logits
+            logits = gen.model(torch.tensor([ids]), cache, Step.fresh(torch.arange(len(ids))[None])).logits
             ids.append(int(logits[0, -1].argmax()))
     return ids[len(prompt) :]
 
@@ -398,7 +400,7 @@ def test_stop_repeated_line_ends_the_output_with_the_line_that_repeats_an_earlie
     text = "1. Sleep well\n2. Less coffee\n3. sleep WELL!\n4. Walk"
     ids = [1, 2, 3, 4, 5, 6, 7, 4, 8, 9, 10, 11, 4, 12, 13]
     assert tok.decode(ids) == text
-    out = _Output(tok, SamplingParams(max_tokens=50, stop_repeated_line=on), frozenset([0]))
+    out = Output(tok, SamplingParams(max_tokens=50, stop_repeated_line=on), frozenset([0]))
     delta = out.take(ids)  # a speculative step proposing every token at once stops where one-by-one would
     if on:
         assert delta.finish_reason == "repeat" and delta.text == "1. Sleep well\n2. Less coffee\n3. sleep WELL!\n"
@@ -428,7 +430,7 @@ def test_stop_repeated_item_ends_an_output_that_lists_its_point_again_in_one_lin
     tok = CharTokenizer()
     text = " Sleep well: 1. Sleep well: 2. Walk"
     params = SamplingParams(max_tokens=100, stop_repeated_line=True, stop_repeated_item=items)
-    delta = _Output(tok, params, frozenset([0])).take(tok.encode(text))
+    delta = Output(tok, params, frozenset([0])).take(tok.encode(text))
     if items:
         assert delta.finish_reason == "repeat" and delta.text == " Sleep well: 1. Sleep well: 2. "
     else:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import ours_from_hf, tiny_hf
+from specsot_mq.model import Step
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 TOL = 1e-4
@@ -29,12 +30,11 @@ def test_prefill_and_incremental_decode_match_transformers(arch, prepack):
     with torch.no_grad():
         ref = hf(ids).logits
         cache = new_cache(ours, 2, 32)
-        pre = ours(ids[:, :8], torch.arange(8).expand(2, 8), cache).logits
+        pre = ours(ids[:, :8], cache, Step.fresh(torch.arange(8).expand(2, 8))).logits
         assert (pre - ref[:, :8]).abs().max() <= TOL
         for t in range(8, 12):  # one token at a time against the cache
-            step = ours(ids[:, t : t + 1], torch.full((2, 1), t), cache).logits
+            step = ours(ids[:, t : t + 1], cache, Step([0, 1], [t, t], torch.full((2, 1), t))).logits
             assert (step[:, 0] - ref[:, t]).abs().max() <= TOL
-    assert cache.lengths == [12, 12]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -52,10 +52,11 @@ def test_the_default_fp16_cache_stays_near_transformers(arch):
         ref = hf(ids).logits
         cache = ours.new_cache(2, 32)
         assert cache.k.dtype == torch.float16
-        pre = ours(ids[:, :8], torch.arange(8).expand(2, 8), cache).logits
+        pre = ours(ids[:, :8], cache, Step.fresh(torch.arange(8).expand(2, 8))).logits
         err = [(pre - ref[:, :8]).abs().max()]
         for t in range(8, 12):
-            err.append((ours(ids[:, t : t + 1], torch.full((2, 1), t), cache).logits[:, 0] - ref[:, t]).abs().max())
+            step = Step([0, 1], [t, t], torch.full((2, 1), t))
+            err.append((ours(ids[:, t : t + 1], cache, step).logits[:, 0] - ref[:, t]).abs().max())
     assert max(err) <= 2e-3
     assert max(err) > 0  # the fp16 rounding is there: this is not the exact fp32 path
 
@@ -77,9 +78,9 @@ def test_tree_mask_step_matches_each_path_decoded_alone(arch):
     mask = torch.tensor([[j in anc[i] for j in range(n)] for i in range(n)])[None]
     with torch.no_grad():
         cache = new_cache(ours, 1, 32)
-        ours(torch.tensor([prefix]), torch.arange(5)[None], cache)
+        ours(torch.tensor([prefix]), cache, Step.fresh(torch.arange(5)[None]))
         positions = torch.tensor([[5 + d for d in depth]])
-        tree = ours(torch.tensor([tokens]), positions, cache, mask=mask).logits[0]
+        tree = ours(torch.tensor([tokens]), cache, Step([0], [5], positions, mask)).logits[0]
     for i in range(n):
         path = sorted(anc[i], key=lambda j: depth[j])
         ref = hf_logits(hf, prefix + [tokens[j] for j in path])[-1]
@@ -94,10 +95,10 @@ def test_rows_of_different_lengths_in_one_batch():
     cache = new_cache(ours, 4, 32)
     with torch.no_grad():
         for slot, s in zip([3, 0, 2], seqs):  # non-consecutive slots exercise the gather path
-            ours(torch.tensor([s[:-1]]), torch.arange(len(s) - 1)[None], cache, slots=[slot])
+            ours(torch.tensor([s[:-1]]), cache, Step([slot], [0], torch.arange(len(s) - 1)[None]))
         last = torch.tensor([[s[-1]] for s in seqs])
         pos = torch.tensor([[len(s) - 1] for s in seqs])
-        out = ours(last, pos, cache, slots=[3, 0, 2]).logits[:, 0]
+        out = ours(last, cache, Step([3, 0, 2], pos[:, 0].tolist(), pos)).logits[:, 0]
     for row, s in enumerate(seqs):
         assert (out[row] - hf_logits(hf, s)[-1]).abs().max() <= TOL
 
@@ -110,13 +111,13 @@ def test_full_mask_over_cache_gives_branch_isolation():
     prefix, a, b = [3, 1, 4, 1], [5, 9], [2, 6]
     cache = new_cache(ours, 1, 32)
     with torch.no_grad():
-        ours(torch.tensor([prefix]), torch.arange(4)[None], cache)
+        ours(torch.tensor([prefix]), cache, Step.fresh(torch.arange(4)[None]))
         mask = torch.zeros(1, 4, 8, dtype=torch.bool)
         mask[:, :, :4] = True
         mask[0, 0, 4] = mask[0, 1, 4:6] = True  # branch a: cache entries 4, 5
         mask[0, 2, 6] = mask[0, 3, 6:8] = True  # branch b: cache entries 6, 7
         pos = torch.tensor([[4, 5, 4, 5]])
-        out = ours(torch.tensor([a + b]), pos, cache, mask=mask).logits[0]
+        out = ours(torch.tensor([a + b]), cache, Step([0], [4], pos, mask)).logits[0]
     assert (out[:2] - hf_logits(hf, prefix + a)[-2:]).abs().max() <= TOL
     assert (out[2:] - hf_logits(hf, prefix + b)[-2:]).abs().max() <= TOL
 
@@ -127,8 +128,8 @@ def test_sliding_window_matches_mistral():
     ids = list(range(10, 22))
     with torch.no_grad():
         cache = new_cache(ours, 1, 32)
-        out = ours(torch.tensor([ids[:8]]), torch.arange(8)[None], cache).logits[0]
-        step = ours(torch.tensor([ids[8:9]]), torch.tensor([[8]]), cache).logits[0]
+        out = ours(torch.tensor([ids[:8]]), cache, Step.fresh(torch.arange(8)[None])).logits[0]
+        step = ours(torch.tensor([ids[8:9]]), cache, Step([0], [8], torch.tensor([[8]]))).logits[0]
     ref = hf_logits(hf, ids[:9])
     assert (out - ref[:8]).abs().max() <= TOL
     assert (step[0] - ref[8]).abs().max() <= TOL
@@ -140,21 +141,22 @@ def test_hidden_states_are_counted_as_transformers_counts_them():
     ids = torch.tensor([[4, 8, 15, 16, 23]])
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True).hidden_states
-        out = ours(ids, torch.arange(5)[None], new_cache(ours, 1, 8), hidden_layers=(2, 0, 1))
+        out = ours(ids, new_cache(ours, 1, 8), Step.fresh(torch.arange(5)[None], hidden_layers=(2, 0, 1)))
     assert [h.shape for h in out.hidden] == [ref[2].shape, ref[0].shape, ref[1].shape]
     for got, want in zip(out.hidden, (ref[2], ref[0], ref[1])):
         assert (got - want).abs().max() <= TOL
 
 
-def test_last_only_logits_and_bad_mask_shape():
+def test_logits_of_chosen_rows_and_bad_mask_shape():
     ours = ours_from_hf(tiny_hf("llama"))
-    ids = torch.tensor([[4, 8, 15]])
+    ids = torch.tensor([[4, 8, 15], [16, 23, 42]])
+    positions = torch.arange(3).expand(2, 3)
     with torch.no_grad():
-        full = ours(ids, torch.arange(3)[None], new_cache(ours, 1, 8)).logits
-        last = ours(ids, torch.arange(3)[None], new_cache(ours, 1, 8), last_only=True).logits
-        assert last.shape == (1, 1, 97) and (last[:, 0] - full[:, -1]).abs().max() <= 1e-5
+        full = ours(ids, new_cache(ours, 2, 8), Step.fresh(positions)).logits
+        rows = ours(ids, new_cache(ours, 2, 8), Step.fresh(positions, logit_rows=[5, 1, 2])).logits
+        assert rows.shape == (3, 97) and (rows - full.view(6, 97)[[5, 1, 2]]).abs().max() <= 1e-5
         with pytest.raises(ValueError, match="mask must be"):
-            ours(ids, torch.arange(3)[None], new_cache(ours, 1, 8), mask=torch.ones(1, 3, 5, dtype=torch.bool))
+            ours(ids[:1], new_cache(ours, 1, 8), Step.fresh(positions[:1], mask=torch.ones(1, 3, 5, dtype=torch.bool)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -163,7 +165,7 @@ def test_bf16_and_fp32_run_and_agree_roughly(dtype):
     ours = ours_from_hf(hf).to(dtype).prepack()
     ids = torch.tensor([[4, 8, 15, 16]])
     with torch.no_grad():
-        out = ours(ids, torch.arange(4)[None], new_cache(ours, 1, 8)).logits.float()
+        out = ours(ids, new_cache(ours, 1, 8), Step.fresh(torch.arange(4)[None])).logits.float()
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     assert (out - hf(ids).logits).abs().max() < 0.1
 

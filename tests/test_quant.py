@@ -10,7 +10,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from specsot_mq import quant
+from specsot_mq.model import Step
 from specsot_mq.quant import QLinear, from_ggml, pack, unpack
+from specsot_mq.slots import SlotManager
 
 ISAS = ["avx2", "native"]
 
@@ -125,12 +127,11 @@ def test_one_native_call_for_all_layers_computes_what_the_modules_compute(isa, m
     def run():
         cache = model.new_cache(2, 32)
         with torch.no_grad():
-            first = model(prompt, torch.arange(9).expand(2, 9), cache, hidden_layers=(1, 0, len(model.layers)),
-                          logits_at=torch.tensor([[8, 3], [5, 6]]))
+            first = model(prompt, cache, Step.fresh(torch.arange(9).expand(2, 9), logit_rows=[8, 3, 14, 15],
+                                                    hidden_layers=(1, 0, len(model.layers))))  # fmt: skip
             out = [first.logits, *first.hidden]
-            cache.truncate(1, 7)
-            out.append(model(step, torch.tensor([[9], [7]]), cache).logits)
-            out.append(model(tree, torch.tensor([[10, 11, 11], [8, 9, 9]]), cache, mask=mask).logits)
+            out.append(model(step, cache, Step([0, 1], [9, 7], torch.tensor([[9], [7]]))).logits)
+            out.append(model(tree, cache, Step([0, 1], [10, 8], torch.tensor([[10, 11, 11], [8, 9, 9]]), mask)).logits)
         return out
 
     fused = run()
@@ -170,17 +171,18 @@ def test_rows_sharing_a_copied_prefix_read_it_from_one_slot_with_the_same_bits(i
     mask = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool).expand(3, 2, 2)
 
     def run(share: bool):
-        cache = model.new_cache(4, 40)
+        slots = SlotManager(model.new_cache(4, 40))
+        cache = slots.cache
         with torch.no_grad():
-            model(prefix, torch.arange(20)[None], cache, slots=[1], last_only=True)
-            for s in (3, 0):
-                cache.copy_prefix(1, [s], 20)
-            if not share:
-                cache.shared = [None] * 4
-            assert (cache.prefix_sources([3, 0, 1]) is not None) == share
-            out = [model(suffix, torch.arange(20, 24).expand(3, 4), cache, slots=[3, 0, 1]).logits]
-            cache.truncate(0, 22)
-            out.append(model(step, torch.tensor([[24, 25], [22, 23], [24, 25]]), cache, slots=[3, 0, 1], mask=mask).logits)
+            model(prefix, cache, Step([1], [0], torch.arange(20)[None], logit_rows=[19]))
+            cache.copy(1, [3, 0], 20)
+            if share:
+                slots.claim([1, 3, 0], tuple(prefix[0].tolist()), copy=0)
+            sources = slots.prefix_sources([3, 0, 1])
+            assert (sources is not None) == share
+            out = [model(suffix, cache, Step([3, 0, 1], [20] * 3, torch.arange(20, 24).expand(3, 4), sources=sources)).logits]
+            positions = torch.tensor([[24, 25], [22, 23], [24, 25]])
+            out.append(model(step, cache, Step([3, 0, 1], [24, 22, 24], positions, mask, sources=sources)).logits)
         return out
 
     for a, b in zip(run(True), run(False)):
@@ -252,8 +254,8 @@ def test_real_model_logits_match_the_dequantized_reference(default_model_dir):
     positions = torch.arange(ids.shape[1])[None]
     ours, ref = load_model(default_model_dir), load_model(default_model_dir, quantize="none")
     with torch.no_grad():
-        got = ours(ids, positions, ours.new_cache(1, ids.shape[1])).logits[0]
-        want = ref(ids, positions, ref.new_cache(1, ids.shape[1])).logits[0]
+        got = ours(ids, ours.new_cache(1, ids.shape[1]), Step.fresh(positions)).logits[0]
+        want = ref(ids, ref.new_cache(1, ids.shape[1]), Step.fresh(positions)).logits[0]
     rel = (got - want).norm(dim=-1) / want.norm(dim=-1)
     assert rel.mean() < 0.07 and rel.max() < 0.35, (rel.mean(), rel.max())
     agree = got.argmax(-1) == want.argmax(-1)
@@ -268,7 +270,7 @@ _FORWARD_SCRIPT = """
 import sys, torch
 from specsot_mq import quant
 from specsot_mq.config import ModelConfig
-from specsot_mq.model import LlamaModel
+from specsot_mq.model import LlamaModel, Step
 from specsot_mq.sampling import greedy_tokens
 
 torch.set_num_threads(2)
@@ -285,9 +287,9 @@ prompt, step, tree = (torch.randint(0, 112, shape, generator=gen) for shape in [
 mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
 cache = model.new_cache(2, 32)
 with torch.no_grad():
-    out = [model(prompt, torch.arange(9).expand(2, 9), cache).logits]
-    out.append(model(step, torch.tensor([[9], [9]]), cache).logits)
-    out.append(model(tree, torch.tensor([[10, 11, 11], [10, 11, 11]]), cache, mask=mask).logits)
+    out = [model(prompt, cache, Step.fresh(torch.arange(9).expand(2, 9))).logits]
+    out.append(model(step, cache, Step([0, 1], [9, 9], torch.tensor([[9], [9]]))).logits)
+    out.append(model(tree, cache, Step([0, 1], [10, 10], torch.tensor([[10, 11, 11], [10, 11, 11]]), mask)).logits)
 out.append(greedy_tokens(out[0]))
 torch.save(out, sys.argv[1])
 print(quant.native().isa())
@@ -346,7 +348,7 @@ def test_packed_weights_move_onto_one_huge_page_buffer_and_compute_the_same():
 
     def logits():
         with torch.no_grad():
-            return model(ids, torch.arange(7).expand(2, 7), model.new_cache(2, 16)).logits
+            return model(ids, model.new_cache(2, 16), Step.fresh(torch.arange(7).expand(2, 7))).logits
 
     before = logits()
     old = [model.get_submodule(n).packed for n in names]
@@ -386,26 +388,21 @@ def test_ragged_rows_get_the_bits_of_padded_rows(isa, monkeypatch):
     prompts = {s: torch.randint(0, 97, (n,), generator=gen).tolist() for s, n in ((0, 5), (1, 9), (2, 7))}
     steps = [[3, 4, 5], [6], [7, 8]]
     with torch.no_grad():
-        layout = SlotLayout(model, model.new_cache(3, 32))
+        layout = SlotLayout(model, SlotManager(model.new_cache(3, 32)))
         pre = layout.prefill(prompts)
         for s, ids in prompts.items():
             alone = model.new_cache(1, 32)
-            last = model(torch.tensor([ids]), torch.arange(len(ids))[None], alone, last_only=True).logits[0, -1]
+            last = model(torch.tensor([ids]), alone, Step.fresh(torch.arange(len(ids))[None])).logits[0, -1]
             assert torch.equal(pre.last_logits[s], last)
             n = len(ids)
-            assert layout.cache.lengths[s] == n
-            assert torch.equal(layout.cache.k[:, s, :, :n], alone.k[:, 0, :, :n])
+            assert layout.slots[s].length == n
+            assert torch.equal(layout.slots.cache.k[:, s, :, :n], alone.k[:, 0, :, :n])
         positions = [list(range(len(prompts[s]), len(prompts[s]) + len(x))) for s, x in enumerate(steps)]
         ragged, _ = layout.forward([0, 1, 2], steps, positions)
-        assert layout.cache.lengths == [8, 10, 9]
-        for s, ids in prompts.items():
-            layout.cache.truncate(s, len(ids))
         causal = [torch.ones(len(x), len(x), dtype=torch.bool).tril() for x in steps]
-        padded, _ = layout.forward([0, 1, 2], steps, positions, masks=causal)
+        padded, _ = layout.forward([0, 1, 2], steps, positions, masks=causal)  # the same places: nothing committed
         assert shapes[0] == (21, 1) and shapes[-2:] == [(6, 1), (3, 3)]  # ragged prefill and step, padded
         monkeypatch.setattr(DecoderLayer, "native_weights", lambda self: None)
-        for s, ids in prompts.items():
-            layout.cache.truncate(s, len(ids))
         layout.forward([0, 1, 2], steps, positions)
         assert shapes[-1] == (3, 3)
     for i, x in enumerate(steps):

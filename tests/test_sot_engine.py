@@ -177,7 +177,7 @@ def test_a_conversations_earlier_turns_are_computed_once_across_its_turns(tiny, 
     for key, d in gen.run(lambda room: [jobs.pop(0) for _ in range(min(room, len(jobs)))], gen.new_decoder(params)):
         got[key] += d.token_ids
     assert [got[0], got[1]] == want_points
-    assert widths[0] == (1, len(turn2) + 3 + 1 - len(turn1))  # the prefix from the stored turn on (plus one)
+    assert widths[0] == (1, len(turn2) + 3 - len(turn1))  # the rest of the prefix, from the stored turn on
     # Past the budget the least recently used goes; the pinned head stays.
     gen.keep_prefix(turn1[:20])
     run(other, keep=len(other))

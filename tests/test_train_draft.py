@@ -12,6 +12,7 @@ import torch
 from conftest import ours_from_hf, tiny_hf
 from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.loader import load_model
+from specsot_mq.model import Step
 from specsot_mq.errors import SpecSotError
 from specsot_mq.train_draft import TrainConfig, _pad, feature_layers, generate_data, head_losses, noisy, unroll
 
@@ -31,10 +32,9 @@ def test_losses_target_the_next_feature_and_the_token_after_it():
     class Perfect(torch.nn.Module):
         cfg = SimpleNamespace(feature_layers=(1, 2))
 
-        def __call__(self, tok, feat, pos, cache, mask):
-            cache.reserve([0], tok.shape[1])
+        def __call__(self, tok, feat, cache, step):
             t = tok.shape[1]
-            depth = int(pos[0, 0]) + 1
+            depth = int(step.positions[0, 0]) + 1
             pred = f[:, depth : depth + t, -h:]
             logits = torch.nn.functional.one_hot(tokens[:, depth + 1 : depth + 1 + t], base.cfg.vocab_size).float() * 10
             return pred, logits
@@ -76,12 +76,12 @@ def test_unrolled_training_forward_is_the_draft_chain_at_inference(layers):
         levels = unroll(head, tokens, feats, depths)
         for i in (0, 3, n - depths - 2):
             cache = head.new_cache(1, n + depths)
-            pred, logits = head(tokens[:, 1 : i + 2], feats[:, : i + 1], torch.arange(i + 1)[None], cache)
+            pred, logits = head(tokens[:, 1 : i + 2], feats[:, : i + 1], cache, Step.fresh(torch.arange(i + 1)[None]))
             feature = pred[:, -1:]
             torch.testing.assert_close(logits[:, -1], levels[0][1][:, i])
             for d in range(2, depths + 1):
                 pos = torch.tensor([[i + d - 1]])
-                feature, step_logits = head(tokens[:, i + d : i + d + 1], feature, pos, cache)
+                feature, step_logits = head(tokens[:, i + d : i + d + 1], feature, cache, Step([0], [i + d - 1], pos))
                 torch.testing.assert_close(step_logits[:, 0], levels[d - 1][1][:, i])
                 torch.testing.assert_close(feature[:, 0], levels[d - 1][0][:, i])
 
