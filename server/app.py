@@ -174,23 +174,16 @@ class Budget:
             self.spent.setdefault(key, deque()).append((time.monotonic(), tokens))
 
 
-@dataclass(slots=True)
 class ServerState:
-    """What the routes share (app.state.server): the settings, the gateway client, admission,
-    the budget and the metrics."""
+    """What the routes share (app.state.server): the settings, the gateway client (from startup to
+    shutdown), admission, the budget and the metrics."""
 
-    config: ServerConfig
-    metrics: Metrics = field(default_factory=Metrics)
-    client: Client | None = None  # from startup to shutdown
-    ready: bool = False  # every stage has been ready once
-    admission: Admission = field(init=False)
-    budget: Budget = field(init=False)
-    defaults: SamplingParams = field(init=False)  # a request's settings where its body says nothing
-
-    def __post_init__(self):
-        self.admission = Admission(self.config.max_concurrency, self.config.max_queue, self.metrics)
-        self.budget = Budget(self.config.budget)
-        self.defaults = SamplingParams(max_tokens=self.config.max_tokens, repeat_stop=self.config.repeat_stop)
+    def __init__(self, config: ServerConfig):
+        self.config, self.metrics, self.client = config, Metrics(), None
+        self.ready = False  # every stage has been ready once
+        self.admission = Admission(config.max_concurrency, config.max_queue, self.metrics)
+        self.budget = Budget(config.budget)
+        self.defaults = SamplingParams(max_tokens=config.max_tokens, repeat_stop=config.repeat_stop)  # where a body says nothing
 
     async def check_ready(self) -> None:
         """503 until every stage has been ready once (after that, a request that needs a stage

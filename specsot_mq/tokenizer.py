@@ -36,7 +36,7 @@ class ChatTokenizer:
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise SpecSotError(f"{folder} has no usable tokenizer ({e}): re-pull the model") from None
         template = folder / "chat_template.jinja"
-        self.chat_template = template.read_text() if template.is_file() else _named_template(config.get("chat_template"))
+        self.chat_template = template.read_text() if template.is_file() else config.get("chat_template")
         # A special token is written as a string or as an added token's record ({"content": ...}).
         self.special = {name: t.get("content") if isinstance(t, dict) else t
                         for name in SPECIAL if (t := config.get(name)) is not None}  # fmt: skip
@@ -78,14 +78,6 @@ class ChatTokenizer:
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)  # fmt: skip
         env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
         return env.from_string(self.chat_template)
-
-
-def _named_template(template) -> str | None:
-    """tokenizer_config.json's chat template: one string, or a list of named ones ("default" used)."""
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        return named.get("default")
-    return template
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict] | str, system: str | None = None) -> list[int]:

@@ -72,6 +72,7 @@ async def serve(name: str, spec: RunSpec, ctx=None, keys: dict | None = None) ->
     except (NotImplementedError, RuntimeError):  # not the main thread (tests run stages in threads)
         pass
     await stage.start()
+    release_free_memory()  # what loading freed (a tokenizer's JSON, a model's conversion) goes back to the OS
     host = spec.hosts.get(name, socket.gethostname())
     if name != "gateway":
         await transport.send_direct("gateway", Ready(name, os.getpid(), host, spec.devices.get(name, "")))
