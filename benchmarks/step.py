@@ -237,8 +237,7 @@ def linear_rows(model, runs: int) -> list[dict]:
         ids, positions = torch.randint(0, model.cfg.vocab_size, (1, k)), torch.arange(k)[None]
 
         def forward():
-            cache.reset()
-            model(ids, positions, cache)
+            model(ids, cache, Step.fresh(positions))
 
         forward()
         row["forward_ms"] = round(statistics.median(_seconds(forward) for _ in range(max(3, runs // 2))) * 1e3, 2)
@@ -268,7 +267,7 @@ def answer_logits(model, folder, n: int) -> torch.Tensor:
     answer = gen.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)).token_ids
     ids = torch.tensor([prompt + answer])
     with torch.inference_mode():
-        logits = model(ids, torch.arange(ids.shape[1])[None], model.new_cache(1, ids.shape[1])).logits[0]
+        logits = model(ids, model.new_cache(1, ids.shape[1]), Step.fresh(torch.arange(ids.shape[1])[None])).logits[0]
     return logits[len(prompt) - 1 : len(prompt) - 1 + n]
 
 
