@@ -60,7 +60,7 @@ def ask(
     from specsot_mq.sampling_params import SamplingParams
     from specsot_mq.sot.engine import SoTEngine
     from specsot_mq.sot.flow import SoTConfig
-    from specsot_mq.speculative import TreeParams
+    from specsot_mq.decode_params import TreeParams
 
     if question == "-":
         question = sys.stdin.read()

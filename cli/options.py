@@ -46,14 +46,14 @@ class ModelOptions:
              "has been fastest lately (default); --no-adaptive drafts every step.")] = None
 
     def __post_init__(self):
-        from specsot_mq.loader import check_quantize
+        from specsot_mq.decode_params import check_quantize
 
         check_quantize(self.quantize)  # before any model is pulled or stage started
 
     def tree(self) -> dict:
         """The TreeParams fields given by flags (a stage process gets them as they are), checked
         now: an impossible tree fails here with one clear error."""
-        from specsot_mq.speculative import TreeParams
+        from specsot_mq.decode_params import TreeParams
 
         given = {"num_draft_tokens": self.num_draft_tokens, "depth": self.draft_depth, "topk": self.draft_topk,
                  "lookup": self.lookup, "adaptive": self.adaptive}  # fmt: skip

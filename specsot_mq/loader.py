@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from specsot_mq.config import ModelConfig
+from specsot_mq.decode_params import check_quantize
 from specsot_mq.errors import SpecSotError
 from specsot_mq.gguf_convert import QUANT_METADATA
 from specsot_mq.model import LlamaModel
@@ -113,14 +114,6 @@ def hf_to_ours(state: dict[str, torch.Tensor | Blocks], cfg: ModelConfig) -> dic
 
 
 _LINEARS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight")
-QUANTIZE = ("auto", "int4", "int8", "none")  # --quantize
-
-
-def check_quantize(quantize: str) -> None:
-    if quantize not in QUANTIZE:
-        raise SpecSotError(f"unknown --quantize '{quantize}': use {', '.join(QUANTIZE)}")
-
-
 def runs_quantized(folder: Path, quantize: str, device: torch.device) -> bool:
     """Whether load_model(folder, quantize=quantize) on `device` runs quantized weights."""
     return device.type == "cpu" and (quantize in KINDS or (quantize == "auto" and is_quantized(folder)))

@@ -208,7 +208,7 @@ class DeviceStage(Stage):
     def build(self) -> Generator:
         """The stage's Generator; runs on the worker thread (see the module docstring)."""
         from specsot_mq.loader import load_generator
-        from specsot_mq.speculative import TreeParams
+        from specsot_mq.decode_params import TreeParams
 
         return load_generator(self.spec.model, self.spec.dtype, self.device, self.spec.max_len, self.slots,
                               self.spec.draft, TreeParams(**self.spec.tree), self.spec.quantize,
