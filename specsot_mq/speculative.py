@@ -28,7 +28,7 @@ import time
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from specsot_mq.decode_params import TreeParams  # noqa: F401 (re-exported: callers import it from here)
+from specsot_mq.decode_params import TreeParams
 from specsot_mq.decoder import Decoder
 from specsot_mq.draft import DraftHead
 from specsot_mq.kv_cache import KVCache
@@ -41,6 +41,7 @@ from specsot_mq.sequence import Sequence
 from specsot_mq.slots import SlotManager
 from specsot_mq.tree import DraftTree, TreeSearch, graft, grow_search, make_tree, root_only, select_nodes, start_search
 from specsot_mq.verify import Acceptance, SpecStats, accept_greedy, accept_sampled
+
 
 class SpeedChooser:
     """How each step speculates: with the draft head's tree ("eagle"), with prompt lookup alone
