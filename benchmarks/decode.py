@@ -28,7 +28,8 @@ from rich.table import Table
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Generator
-from specsot_mq.loader import QUANTIZE, load_model, resolve_dtype, runs_quantized
+from specsot_mq.decode_params import QUANTIZE
+from specsot_mq.loader import load_model, resolve_dtype, runs_quantized
 from specsot_mq.pull import resolve_model
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
