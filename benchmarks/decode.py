@@ -26,9 +26,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from specsot_mq.decode_params import QUANTIZE
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Generator
-from specsot_mq.decode_params import QUANTIZE
 from specsot_mq.loader import load_model, resolve_dtype, runs_quantized
 from specsot_mq.pull import resolve_model
 from specsot_mq.sampling import SamplingParams
