@@ -103,7 +103,7 @@ class DraftHead(nn.Module):
                 "pass --draft none or train one with `specsot train-draft`"
             )
         object.__setattr__(self, "embed", base.embed)  # not a submodule: not saved, not trained
-        if isinstance(base.lm_head, QLinear) and base.lm_head.packed is not None:
+        if isinstance(base.lm_head, QLinear) and base.lm_head.parts is not None:
             head = base.lm_head.select(self.d2t)
         else:  # a float layer, or a QLinear without the kernels (its weight dequantized)
             head = Linear(base.cfg.hidden_size, self.cfg.draft_vocab_size, bias=False)
@@ -125,7 +125,7 @@ class DraftHead(nn.Module):
         the head's own linears are quantized to 8 bits too (a draft step reads a quarter of the
         bytes: benchmarks/HISTORY.md; drafts are only proposals, verified by the base), else
         reordered for oneDNN."""
-        quantized = isinstance(self.lm_head, QLinear) and self.lm_head.packed is not None
+        quantized = isinstance(self.lm_head, QLinear) and self.lm_head.parts is not None
         if self.device.type != "cpu":
             return self
         for owner, name in ((self, "fuse"), (self, "fc"), (self.layer, "qkv"), (self.layer, "o"),
@@ -134,7 +134,7 @@ class DraftHead(nn.Module):
             if not isinstance(m, Linear):
                 continue
             if quantized and m.in_features % 32 == 0:
-                setattr(owner, name, QLinear(quantize(m.weight.float(), "q8"), m.bias))
+                setattr(owner, name, QLinear(quantize(m.weight.float(), "Q8_0"), m.bias))
             elif torch.backends.mkldnn.is_available():
                 m.prepack()
         NativeForm.forget_all(self)

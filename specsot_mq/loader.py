@@ -1,5 +1,5 @@
 """Load a Hugging Face-format model folder (config.json + safetensors) into our LlamaModel, with
-quantized weights (kept from a GGUF by `specsot pull`, or quantized at load) in QLinear layers."""
+quantized weights (kept from a GGUF file by the converter, or quantized at load) in QLinear layers."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from safetensors import safe_open
 from specsot_mq.config import ModelConfig
 from specsot_mq.decode_params import check_quantize
 from specsot_mq.errors import SpecSotError
-from specsot_mq.gguf_convert import QUANT_METADATA
+from specsot_mq.gguf_convert import PACKED_METADATA
 from specsot_mq.model import LlamaModel
 from specsot_mq import quant
-from specsot_mq.quant import KINDS, Blocks, from_ggml
+from specsot_mq.quant import FORMATS, KINDS, QWeight, fuse
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -38,21 +38,23 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_state_dict(folder: Path, dequantize: bool = False) -> dict[str, torch.Tensor | Blocks]:
-    """The folder's weights by Hugging Face name: tensors, and Blocks for the quantized ones
+def read_state_dict(folder: Path, dequantize: bool = False) -> dict[str, torch.Tensor | QWeight]:
+    """The folder's weights by Hugging Face name: tensors, and QWeight for the quantized ones
     (float32 tensors instead with `dequantize`, e.g. for a transformers reference)."""
     state = {}
     for f in weight_files(folder):
         try:
             with safe_open(f, framework="pt") as st:
-                quantized = json.loads((st.metadata() or {}).get(QUANT_METADATA, "{}"))
+                packed = json.loads((st.metadata() or {}).get(PACKED_METADATA, "{}"))
                 for name in st.keys():
-                    state[name] = st.get_tensor(name)
-                    if name in quantized:
-                        kind, rows, cols = quantized[name]
-                        state[name] = from_ggml(state[name].numpy(), kind, (rows, cols))
+                    tensor = st.get_tensor(name)  # a view of the file, mapped
+                    if name in packed:  # copied once by prepack (onto_huge_pages), the mapping then let go
+                        kind, rows, cols = packed[name]
+                        state[name] = QWeight(FORMATS[kind], rows, cols, tensor)
                         if dequantize:
                             state[name] = state[name].dequantize()
+                    else:  # norms and biases would keep the whole mapping resident
+                        state[name] = tensor.clone()
         except Exception as e:  # safetensors raises several types for a damaged file
             raise SpecSotError(f"{f} cannot be read ({e}): the file is damaged; re-pull the model") from None
     return state
@@ -71,18 +73,20 @@ def transformers_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     return model.to(dtype).eval()
 
 
-def _cat(parts: list) -> torch.Tensor | Blocks:
-    return Blocks.cat(parts) if isinstance(parts[0], Blocks) else torch.cat(parts)
+def _cat(parts: list) -> torch.Tensor | list[QWeight]:
+    if any(isinstance(p, QWeight) for p in parts):  # a file may quantize some and not others
+        return fuse([p if isinstance(p, QWeight) else quant.quantize(p, "Q8_0") for p in parts])
+    return torch.cat(parts)
 
 
-def _scaled(w: torch.Tensor | Blocks, s: float) -> torch.Tensor | Blocks:
-    return w.scaled(s) if isinstance(w, Blocks) else w * s
+def _scaled(w: torch.Tensor | QWeight, s: float) -> torch.Tensor | QWeight:
+    return w.scaled(s) if isinstance(w, QWeight) else w * s
 
 
-def hf_to_ours(state: dict[str, torch.Tensor | Blocks], cfg: ModelConfig) -> dict[str, torch.Tensor | Blocks]:
+def hf_to_ours(state: dict[str, torch.Tensor | QWeight], cfg: ModelConfig) -> dict[str, torch.Tensor | QWeight]:
     """Rename Hugging Face weights to ours, fusing q/k/v and gate/up, and folding the attention
     scale 1/sqrt(head_dim) into the q projection (or the q norm, which comes after it).
-    Quantized weights (Blocks) stay quantized."""
+    Quantized weights (QWeight) stay quantized; a fused projection is a list of parts."""
     scale = 1.0 / math.sqrt(cfg.head_dim)
     out = {"embed.weight": state["model.embed_tokens.weight"], "norm.weight": state["model.norm.weight"]}
     out["lm_head.weight"] = state["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
@@ -125,12 +129,12 @@ def _quantized_as_asked(weights: dict, quantize: str, device: torch.device) -> d
     embedding to 8 bits either way, as 4-bit GGUF files keep them)."""
     check_quantize(quantize)
     if quantize == "none" or device.type != "cpu":
-        return {k: v.dequantize() if isinstance(v, Blocks) else v for k, v in weights.items()}
+        return {k: _dequantized(v) for k, v in weights.items()}
     if quantize == "auto":
         return weights
     out, done = dict(weights), {}
     for name, w in weights.items():
-        kind = KINDS[quantize] if name.endswith(_LINEARS) else "q8" if name in ("embed.weight", "lm_head.weight") else None
+        kind = KINDS[quantize] if name.endswith(_LINEARS) else "Q8_0" if name in ("embed.weight", "lm_head.weight") else None
         if kind and torch.is_tensor(w) and w.dim() == 2 and w.shape[1] % 32 == 0:
             if id(w) not in done:  # a tied embedding and output layer stay one matrix
                 done[id(w)] = quant.quantize(w, kind)
@@ -138,11 +142,21 @@ def _quantized_as_asked(weights: dict, quantize: str, device: torch.device) -> d
     return out
 
 
+def _dequantized(w: torch.Tensor | QWeight | list[QWeight]) -> torch.Tensor:
+    if isinstance(w, list):
+        return torch.cat([p.dequantize() for p in w])
+    return w.dequantize() if isinstance(w, QWeight) else w
+
+
+def _is_quantized(w) -> bool:
+    return isinstance(w, (QWeight, list))
+
+
 def is_quantized(folder: Path) -> bool:
     """Whether a folder's weights hold quantized tensors (reads the safetensors headers only)."""
     for f in weight_files(folder):
         with safe_open(f, framework="pt") as st:
-            if json.loads((st.metadata() or {}).get(QUANT_METADATA, "{}")):
+            if json.loads((st.metadata() or {}).get(PACKED_METADATA, "{}")):
                 return True
     return False
 
@@ -169,7 +183,7 @@ def load_model(
     model.load_state_dict({k: v for k, v in weights.items() if torch.is_tensor(v)}, strict=False, assign=True)
     if cfg.tie_embeddings and torch.is_tensor(weights["lm_head.weight"]):
         model.lm_head.weight = model.embed.weight
-    model.use_quantized({k.removesuffix(".weight"): v for k, v in weights.items() if isinstance(v, Blocks)}, dtype)
+    model.use_quantized({k.removesuffix(".weight"): v for k, v in weights.items() if _is_quantized(v)}, dtype)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise SpecSotError(f"{folder} lacks weights {missing[:3]}: re-pull the model")

@@ -20,7 +20,7 @@ from torch import nn
 
 from specsot_mq.config import ModelConfig
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.quant import GROUP, Blocks, QEmbedding, QLinear, linear_forward, native, onto_huge_pages
+from specsot_mq.quant import GROUP, QEmbedding, QLinear, QWeight, linear_forward, native, onto_huge_pages
 
 
 class Linear(nn.Linear):
@@ -144,19 +144,21 @@ class DecoderLayer(NativeForm):
 
     def native_weights(self):
         """The layer's weights as the native kernels' `Layer`, where they can run the whole layer
-        (decoder_layers): every linear quantized with the kernels, no biases, no q/k norms."""
+        (decoder_layers): every linear quantized with the kernels, no biases but q/k/v's (Qwen2),
+        no q/k norms."""
         return self.native_form()
 
     def _native_form(self):
         linears = (self.qkv, self.o, self.gate_up, self.down)
         kernel = native()
         if kernel is None or self.q_norm is not None or self.cfg.head_dim % 8 or not all(
-            isinstance(m, QLinear) and m.packed is not None and m.bias is None and m.out_features % GROUP == 0 for m in linears
-        ):
+            isinstance(m, QLinear) and m.parts is not None and m.out_features % GROUP == 0 for m in linears
+        ) or any(m.bias is not None for m in linears[1:]):
             return None
-        qkv, o, gate_up, down = ((m.packed, int(m.kind[1]), m.out_features) for m in linears)
+        qkv, o, gate_up, down = (m.native_weights() for m in linears)
         first, second = (self.input_norm.weight, self.input_norm.eps), (self.post_norm.weight, self.post_norm.eps)
-        return kernel.Layer(*first, *qkv, *o, *second, *gate_up, *down, self.cfg.num_heads, self.cfg.num_kv_heads)
+        return kernel.Layer(*first, qkv, o, *second, gate_up, down, self.cfg.num_heads, self.cfg.num_kv_heads,
+                            self.qkv.bias)
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, slots, starts, kv_len, bias):
         cfg = self.cfg
@@ -262,7 +264,7 @@ class LlamaModel(NativeForm):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def use_quantized(self, weights: dict[str, Blocks], dtype: torch.dtype) -> None:
+    def use_quantized(self, weights: dict[str, QWeight | list[QWeight]], dtype: torch.dtype) -> None:
         """Swap the linear layers named in `weights` ('layers.3.qkv', 'lm_head', 'embed') for
         QLinear over those blocks; a tied embedding reads the output layer's rows."""
         made: dict[int, QLinear] = {}
@@ -308,10 +310,10 @@ class LlamaModel(NativeForm):
 
     def _native_form(self):
         lm, kernel = self.lm_head, native()
-        ok = kernel is not None and isinstance(lm, QLinear) and lm.packed is not None and lm.bias is None
+        ok = kernel is not None and isinstance(lm, QLinear) and lm.parts is not None and lm.bias is None
         if not (ok and lm.out_features % GROUP == 0 and self.cfg.hidden_size % 32 == 0):
             return None
-        return kernel.Head(self.norm.weight, self.norm.eps, lm.packed, int(lm.kind[1]), lm.out_features)
+        return kernel.Head(self.norm.weight, self.norm.eps, lm.native_weights())
 
     def new_cache(self, num_slots: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         """A cache of `num_slots` sequences of up to `capacity` tokens, in `dtype` (default:

@@ -1,12 +1,10 @@
 """Quantized weights: GGUF blocks kept at the precision they ship, packed for the native kernels.
 
-A quantized matrix [N, K] is held as `Blocks`: integer values per element and, per row and block
-of 32 inputs, a scale d and (4-bit only) an offset m, both fp16:
-- `q4`: q in 0..15, w = d * q + m. GGUF's Q4_1 is exactly this; Q4_0 (w = d * (q - 8)) is m = -8d.
-- `q8`: q in -127..127, w = d * q. GGUF's Q8_0 is exactly this.
-Other GGUF types (the K-quants, Q5_x, ...) are dequantized by `gguf` and re-quantized to q8 per
-block of 32 (an error of at most half a step of 1/127 of the block's largest value, far below
-their own 4-6 bit steps). A float model is quantized at load with `quantize()`.
+A quantized matrix [N, K] is a `QWeight`: the GGUF file's own integers (weights, scales, mins)
+rearranged for the kernels with no widening (gguf_blocks.py). The formats are GGUF's Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (what Q4_K_M and Q5_K_M files mix); other GGUF
+types (Q2_K, Q3_K, IQ*) become Q8_0 when a file is converted, with one line saying so. A float
+model is quantized at load with `quantize()`.
 
 `QLinear` runs the native kernels (`specsot_mq/kernels/`, built once per machine with torch's
 extension builder); where they cannot be built it says so once and runs the dequantized weights.
@@ -29,141 +27,95 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BLOCK = 32
-LANES = 8  # output columns interleaved in one vector of the kernels (a half of a group)
-GROUP = 16  # output columns per packed group: two halves of LANES, side by side in each block
-HALF_BYTES = {"q4": 160, "q8": 272}  # per half group and block of 32 inputs
-BLOCK_BYTES = {kind: 2 * n for kind, n in HALF_BYTES.items()}  # per group and block of 32 inputs
-KINDS = {"int4": "q4", "int8": "q8"}  # --quantize names
+from specsot_mq.gguf_blocks import (BLOCK, FORMATS, GROUP, Format, dequantize_columns,
+                                    pack_columns, pack_ggml, unpack_columns)  # fmt: skip
+
+KINDS = {"int4": "Q4_1", "int8": "Q8_0"}  # --quantize names
 
 
 @dataclass(slots=True)
-class Blocks:
-    """A quantized [N, K] matrix: values q [N, K] (uint8 0..15 for q4, int8 for q8), scales d and
-    offsets m (q4 only) [N, K / 32] in fp16."""
+class QWeight:
+    """A quantized [n, k] matrix in a packed format (gguf_blocks): data [groups of 16 rows,
+    records, record bytes] (rows padded to a multiple of 16)."""
 
-    kind: str
-    q: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor | None = None
+    format: Format
+    n: int
+    k: int
+    data: torch.Tensor
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        return self.n, self.k
+
+    def columns(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """The per-row record bytes [n (or len(rows)), records, column bytes]."""
+        flat = unpack_columns(self.format, self.data.numpy())
+        return flat[: self.n] if rows is None else flat[rows]
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 matrix these blocks stand for."""
-        n, k = self.shape
-        w = self.q.float().view(n, k // BLOCK, BLOCK) * self.d.float()[..., None]
-        if self.m is not None:
-            w += self.m.float()[..., None]
-        return w.view(n, k)
+        """The float32 matrix, by the GGUF type's own formula (as gguf's dequantize computes it)."""
+        return torch.from_numpy(dequantize_columns(self.format, self.columns(), self.k))
 
-    def scaled(self, s: float) -> "Blocks":
-        """w * s (exact for a power of two, as the attention scale 1/sqrt(head_dim) usually is)."""
-        return Blocks(self.kind, self.q, self.d * s, None if self.m is None else self.m * s)
+    def select(self, rows: torch.Tensor) -> "QWeight":
+        """The rows at `rows`, exactly as they are (a draft head's reduced output layer)."""
+        picked = np.ascontiguousarray(self.columns(rows.cpu().numpy()))
+        return QWeight(self.format, len(picked), self.k, torch.from_numpy(pack_columns(self.format, picked)))
+
+    def scaled(self, s: float) -> "QWeight":
+        """w * s, by scaling the fp16 scale fields where they lie in the packed records (exact for a
+        power of two, as the attention scale 1/sqrt(head_dim) usually is)."""
+        data = self.data.numpy().copy()
+        for start, stop in self.format.fp16_fields:
+            field = data[..., start:stop].view(np.float16)
+            field *= np.float16(s)
+        return QWeight(self.format, self.n, self.k, torch.from_numpy(data))
 
     @staticmethod
-    def cat(parts: list["Blocks"]) -> "Blocks":
-        """Rows of several matrices of one kind stacked (a fused q/k/v or gate/up projection)."""
-        kinds = {p.kind for p in parts}
-        if len(kinds) != 1:  # a file mixing types within one fused projection: go to the widest
-            parts = [p if p.kind == "q8" else quantize(p.dequantize(), "q8") for p in parts]
-        def cat(xs):
-            return torch.from_numpy(np.concatenate([x.numpy() for x in xs]))
+    def cat(parts: list["QWeight"]) -> "QWeight":
+        """Rows of several matrices of one format stacked: their groups one after another where
+        every part but the last fills whole groups, else repacked."""
+        fmt, k = parts[0].format, parts[0].k
+        assert all(p.format == fmt and p.k == k for p in parts)
+        n = sum(p.n for p in parts)
+        if all(p.n % GROUP == 0 for p in parts[:-1]):
+            return QWeight(fmt, n, k, torch.cat([p.data for p in parts]))
+        columns = np.concatenate([p.columns() for p in parts])
+        return QWeight(fmt, n, k, torch.from_numpy(pack_columns(fmt, columns)))
 
-        m = None if parts[0].m is None else cat([p.m for p in parts])
-        return Blocks(parts[0].kind, cat([p.q for p in parts]), cat([p.d for p in parts]), m)
+
+def fuse(parts: list[QWeight]) -> list[QWeight]:
+    """Matrices stacked by rows (a fused q/k/v or gate/up projection) as the parts of one QLinear:
+    neighbours of one format merged. Where a GGUF file quantized them in different formats (Q4_K_M
+    gives v and down Q6_K in some layers) each keeps its own, which needs whole groups of 16 rows in
+    every part but the last; else all become Q8_0."""
+    merged: list[list[QWeight]] = []
+    for p in parts:
+        if merged and merged[-1][0].format == p.format:
+            merged[-1].append(p)
+        else:
+            merged.append([p])
+    out = [m[0] if len(m) == 1 else QWeight.cat(m) for m in merged]
+    if any(p.n % GROUP for p in out[:-1]):
+        return [quantize(torch.cat([p.dequantize() for p in out]), "Q8_0")]
+    return out
 
 
-def quantize(w: torch.Tensor, kind: str) -> Blocks:
-    """Quantize a float [N, K] matrix per block of 32: q4 by each block's min and max (Q4_1's rule),
-    q8 by its largest magnitude (Q8_0's). Values are rounded against the fp16 scales they keep."""
+def quantize(w: torch.Tensor, kind: str) -> QWeight:
+    """Quantize a float [N, K] matrix to GGUF type `kind` (Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0, with
+    gguf's own quantizer)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as ggml_quantize
+
     n, k = w.shape
     if k % BLOCK:
         raise ValueError(f"cannot quantize a matrix with {k} inputs: a multiple of {BLOCK} is needed")
-    x = w.detach().float().reshape(n, k // BLOCK, BLOCK)
-    if kind == "q4":
-        lo, hi = x.amin(-1), x.amax(-1)
-        d = ((hi - lo) / 15).half()
-        m = lo.half()
-        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))
-        q = ((x - m.float()[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
-        return Blocks("q4", q.view(n, k), d, m)
-    if kind == "q8":
-        d = (x.abs().amax(-1) / 127).half()
-        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float))
-        q = (x * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
-        return Blocks("q8", q.view(n, k), d)
-    raise ValueError(f"unknown quantized kind {kind!r}")
+    raw = ggml_quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType[kind])
+    return from_ggml(raw, kind, (n, k))
 
 
-def from_ggml(raw: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> Blocks:
-    """Blocks of a GGUF tensor's raw bytes ([N, bytes per row], uint8) of type `ggml_type`
-    ("Q4_0", "Q4_1", "Q8_0", or any type `gguf` can dequantize)."""
-    n, k = shape
-    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1)
-    nb = k // BLOCK
-    if ggml_type in ("Q4_0", "Q4_1"):
-        head = 2 if ggml_type == "Q4_0" else 4
-        blocks = raw.reshape(n, nb, head + 16)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-        qs = blocks[..., head:]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)  # byte j: inputs j, j + 16
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if ggml_type == "Q4_1" else -8 * d
-        return Blocks("q4", torch.from_numpy(q), torch.from_numpy(d.copy()), torch.from_numpy(np.ascontiguousarray(m)))
-    if ggml_type == "Q8_0":
-        blocks = raw.reshape(n, nb, 34)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-        q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-        return Blocks("q8", torch.from_numpy(q), torch.from_numpy(d.copy()))
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    w = dequantize(raw, GGMLQuantizationType[ggml_type]).reshape(n, k)
-    return quantize(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), "q8")
-
-
-def pack(blocks: Blocks) -> torch.Tensor:
-    """The kernel layout (see kernels/qgemm_body.h): rows padded to a multiple of 16, then per group
-    of 16 rows and block of 32 inputs two halves of 8 rows, each with its values interleaved 4
-    inputs per row, then its d (and m). A group's blocks follow each other, so a tile of 16
-    columns reads one sequential stream."""
-    n, k = blocks.shape
-    pad = -n % GROUP
-    h, nb = (n + pad) // LANES, k // BLOCK  # halves
-    arrays = [x.numpy() for x in (blocks.q, blocks.d, blocks.m) if x is not None]
-    q, *scales = [np.pad(a, ((0, pad), (0, 0))) for a in arrays] if pad else arrays
-    out = np.empty((h, nb, HALF_BYTES[blocks.kind]), dtype=np.uint8)
-    if blocks.kind == "q4":
-        # input 16h + 4v + j of row c -> byte (v, c, j), low nibble for h = 0, high for h = 1
-        v = q.reshape(h, LANES, nb, 2, 4, 4).transpose(0, 2, 3, 4, 1, 5)
-        np.bitwise_or(v[:, :, 0], v[:, :, 1] << 4, out=out[..., :128].reshape(h, nb, 4, LANES, 4))
-    else:
-        out[..., :256].reshape(h, nb, 8, LANES, 4)[:] = q.view(np.uint8).reshape(h, LANES, nb, 8, 4).transpose(0, 2, 3, 1, 4)
-    at = out.shape[-1] - 2 * LANES * len(scales)
-    for x in scales:
-        out[..., at : at + 2 * LANES].view(np.float16)[:] = x.reshape(h, LANES, nb).transpose(0, 2, 1)
-        at += 2 * LANES
-    # [half, block, bytes] -> [group, block, (its two halves) bytes]
-    out = out.reshape(h // 2, 2, nb, -1).transpose(0, 2, 1, 3).reshape(h // 2, nb, -1)
-    return torch.from_numpy(np.ascontiguousarray(out))
-
-
-def unpack(packed: torch.Tensor, kind: str, index: torch.Tensor, k: int) -> Blocks:
-    """Rows `index` [T] of a packed matrix with k inputs, as Blocks (exactly what was packed)."""
-    nb = k // BLOCK
-    halves = packed.view(packed.shape[0], nb, 2, HALF_BYTES[kind])
-    rows = halves[index // GROUP, :, (index % GROUP) // LANES]  # [T, nb, bytes]: the halves holding the rows
-    t, col = torch.arange(len(index), device=packed.device), index % LANES
-    if kind == "q4":
-        v = rows[..., :128].reshape(-1, nb, 4, LANES, 4)[t, :, :, col]  # [T, nb, 4(v), 4(j)]
-        q = torch.stack([v & 0x0F, v >> 4], dim=2).reshape(-1, k)  # input 16h + 4v + j
-        dm = rows[..., 128:].contiguous().view(torch.float16).view(-1, nb, 2, LANES)[t, :, :, col]
-        return Blocks("q4", q, dm[..., 0], dm[..., 1])
-    q = rows[..., :256].contiguous().view(torch.int8).view(-1, nb, 8, LANES, 4)[t, :, :, col]
-    d = rows[..., 256:].contiguous().view(torch.float16).view(-1, nb, LANES)[t, :, col]
-    return Blocks("q8", q.reshape(-1, k), d)
+def from_ggml(raw: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> QWeight:
+    """A GGUF tensor's raw bytes ([N, bytes per row], uint8) of one of FORMATS' types."""
+    return QWeight(FORMATS[ggml_type], shape[0], shape[1], torch.from_numpy(pack_ggml(raw, ggml_type, shape)))
 
 
 # -- the native kernels -----------------------------------------------------------------------
@@ -229,35 +181,51 @@ def build_kernels(folder: Path, name: str = "specsot_qgemm", announce: str | Non
 
 
 class QLinear(nn.Module):
-    """A linear layer over quantized weights: y = x W^T (+ bias), W given as Blocks.
+    """A linear layer over quantized weights: y = x W^T (+ bias), W given as QWeight parts stacked by
+    rows (see fuse).
 
     Runs the native kernel on float32 activations (other dtypes are converted on the way in and
     out); where the kernel is not available the weight is kept dequantized to `dtype`."""
 
-    def __init__(self, blocks: Blocks, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(self, weights: QWeight | list[QWeight], bias: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32):  # fmt: skip
         super().__init__()
-        self.out_features, self.in_features = blocks.shape
-        self.kind = blocks.kind
+        parts = weights if isinstance(weights, list) else [weights]
+        self.out_features, self.in_features = sum(p.n for p in parts), parts[0].k
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.kernel = native()
         if self.kernel is not None:
-            self.register_buffer("packed", pack(blocks))
+            self.parts = parts
             self.weight = None
         else:
-            self.packed = None
-            self.weight = nn.Parameter(blocks.dequantize().to(dtype), requires_grad=False)
+            self.parts = None
+            self.weight = nn.Parameter(torch.cat([p.dequantize() for p in parts]).to(dtype), requires_grad=False)
+
+    @property
+    def formats(self) -> list[str]:
+        return [p.format.name for p in self.parts or []]
+
+    def native_weights(self):
+        """The kernels' `Weights` over the parts (worked out once; onto_huge_pages and
+        NativeForm.forget_all forget it), or None without the kernels."""
+        if self.parts is None:
+            return None
+        if "_native" not in self.__dict__:
+            self.__dict__["_native"] = self.kernel.Weights([p.data for p in self.parts],
+                                                           [p.format.code for p in self.parts], self.in_features)
+        return self.__dict__["_native"]
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None, glu: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """As model.Linear.forward: norm(x), or silu * up of x's halves (glu), then the product,
         then + residual; with the kernel, all of it in one native call."""
-        if self.packed is None:
+        if self.parts is None:
             return linear_forward(self, x, norm, glu, residual)
         n = self.out_features
         rows = x.reshape(-1, x.shape[-1]).float()
         fused = residual if residual is not None and n % GROUP == 0 else None
-        y = self.kernel.qlinear(rows, self.packed, int(self.kind[1]), n + (-n % GROUP),
-                                None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, glu,
+        y = self.kernel.qlinear(rows, self.native_weights(), None if norm is None else norm.weight,
+                                0.0 if norm is None else norm.eps, glu,
                                 None if fused is None else fused.reshape(-1, n).float())  # fmt: skip
         if n % GROUP:
             y = y[:, :n]
@@ -273,19 +241,22 @@ class QLinear(nn.Module):
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Float32 weight rows at `index` (an embedding lookup of a tied output layer)."""
-        if self.packed is None:
+        if self.parts is None:
             return self.weight[index].float()
-        rows = self.kernel.dequantize_rows(self.packed, int(self.kind[1]), self.in_features, index.reshape(-1))
+        rows = self.kernel.dequantize_rows(self.native_weights(), index.reshape(-1))
         return rows.view(*index.shape, self.in_features)
 
     def dequantized(self) -> torch.Tensor:
         """The whole weight as float32 [N, K]."""
-        return self.rows(torch.arange(self.out_features, device=(self.packed if self.weight is None else self.weight).device))
+        if self.parts is None:
+            return self.weight.float()
+        return torch.cat([p.dequantize() for p in self.parts])
 
     def select(self, index: torch.Tensor) -> "QLinear":
-        """A QLinear of the rows at `index`, packed as they are (a draft head's reduced output
-        layer); kernel path only."""
-        return QLinear(unpack(self.packed, self.kind, index, self.in_features))
+        """A QLinear of the rows at `index`, exactly as they are (a draft head's reduced output
+        layer); kernel path, one part only."""
+        (part,) = self.parts
+        return QLinear(part.select(index))
 
 
 def linear_forward(layer, x, norm, glu, residual):
@@ -310,13 +281,14 @@ def onto_huge_pages(module: nn.Module) -> None:
     prefetch, every 4 KB (benchmarks/HISTORY.md has what it gained). The old tensors' memory goes
     back to the OS as they are copied, once nothing else holds them: the caller forgets the
     kernels' forms first (model.NativeForm.forget_all)."""
-    layers = list({id(m): m for m in module.modules() if isinstance(m, QLinear) and m.packed is not None}.values())
-    if not layers or not hasattr(mmap, "MADV_HUGEPAGE"):
+    layers = list({id(m): m for m in module.modules() if isinstance(m, QLinear) and m.parts is not None}.values())
+    parts = [p for layer in layers for p in layer.parts]
+    if not parts or not hasattr(mmap, "MADV_HUGEPAGE"):
         return
     offsets, total = [], 0
-    for layer in layers:
+    for p in parts:
         offsets.append(total)
-        total += -(-layer.packed.numel() // 64) * 64  # each weight on a cache line of its own
+        total += -(-p.data.numel() // 64) * 64  # each weight on a cache line of its own
     try:
         region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:
@@ -327,12 +299,14 @@ def onto_huge_pages(module: nn.Module) -> None:
         pass
     arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
     start = -arena.data_ptr() % HUGE_PAGE  # huge pages map 2 MB-aligned addresses only
+    for layer in layers:
+        layer.__dict__.pop("_native", None)
     freed = 0
-    for layer, at in zip(layers, offsets):
-        n = layer.packed.numel()
-        moved = arena[start + at : start + at + n].view(layer.packed.shape)
-        moved.copy_(layer.packed)
-        layer.packed = moved
+    for p, at in zip(parts, offsets):
+        n = p.data.numel()
+        moved = arena[start + at : start + at + n].view(p.data.shape)
+        moved.copy_(p.data)
+        p.data = moved
         freed += n
         if freed >= 16 << 20:  # the process's peak memory stays near its final size
             _release_freed_memory()

@@ -458,11 +458,11 @@ def feature_layers(base: LlamaModel, cfg: TrainConfig) -> tuple[int, ...]:
 
 
 def _float_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A module's state with quantized layers as float weights (a QLinear's packed blocks become
+    """A module's state with quantized layers as float weights (a QLinear's packed parts become
     its dequantized `weight`), as a float copy of the module loads it."""
-    state = {k: v for k, v in module.state_dict().items() if not k.endswith(".packed")}
+    state = dict(module.state_dict())
     for name, m in module.named_modules():
-        if isinstance(m, QLinear) and m.packed is not None:
+        if isinstance(m, QLinear) and m.parts is not None:
             state[f"{name}.weight"] = m.dequantized()
     return state
 

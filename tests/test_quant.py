@@ -1,20 +1,22 @@
-"""Quantized weights: GGUF blocks read exactly, the packed layout round-trips, the native kernels
-match the dequantized matrix product within the error of int8 activations, and every row's result
-is bit for bit the same whatever the number of rows or threads (what keeps speculative decoding
-lossless on quantized weights)."""
+"""Quantized weights: every GGUF type the kernels run is read exactly (its dequantized matrix is
+gguf's own), the packed layout round-trips, the native kernels match gguf's dequantize-then-multiply
+within the error of int8 activations, and every row's result is bit for bit the same whatever the
+number of rows or threads (what keeps speculative decoding lossless on quantized weights)."""
 
 import numpy as np
 import pytest
 import torch
+from ggml_reference import quantize as ggml_quantize
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
 from specsot_mq import quant
 from specsot_mq.model import Step
-from specsot_mq.quant import QLinear, from_ggml, pack, unpack
+from specsot_mq.quant import FORMATS, QLinear, from_ggml, fuse
 from specsot_mq.slots import SlotManager
 
 ISAS = ["avx2", "native"]
+TYPES = list(FORMATS)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
 
 
 @pytest.fixture(params=ISAS)
@@ -26,59 +28,75 @@ def isa(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
-def test_native_gguf_types_are_read_exactly(ggml_type):
-    w = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
-    qt = GGMLQuantizationType[ggml_type]
-    raw = quantize(w, qt)
-    blocks = from_ggml(raw, ggml_type, w.shape)
-    assert blocks.kind == ("q8" if ggml_type == "Q8_0" else "q4")
-    assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(raw, qt).reshape(w.shape)))
+def quantized(w: torch.Tensor, ggml_type: str) -> quant.QWeight:
+    """w as GGUF blocks of `ggml_type` (gguf's quantizer, or the reference one for K-quants), packed."""
+    return from_ggml(ggml_quantize(w.numpy(), ggml_type), ggml_type, tuple(w.shape))
 
 
-@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K"])
-def test_k_quants_become_8_bit_blocks_within_half_a_step(ggml_type):
-    # gguf cannot quantize K-quants: random bytes with small fp16 super-block scales stand in
-    qt = GGMLQuantizationType[ggml_type]
-    block_bytes = {"Q4_K": 144, "Q6_K": 210}[ggml_type]
-    rng = np.random.default_rng(1)
-    raw = rng.integers(0, 256, (8, 2, block_bytes), dtype=np.uint8)
-    scale_at = {"Q4_K": slice(0, 4), "Q6_K": slice(208, 210)}[ggml_type]
-    raw[..., scale_at] = np.tile(np.array([0.01], np.float16).view(np.uint8), (scale_at.stop - scale_at.start) // 2)
-    raw = raw.reshape(8, -1)
-    want = torch.from_numpy(dequantize(raw, qt).reshape(8, 512))
-    blocks = from_ggml(raw, ggml_type, (8, 512))
-    step = want.view(8, 16, 32).abs().amax(-1, keepdim=True) / 127
-    assert blocks.kind == "q8"
-    assert ((blocks.dequantize().view(8, 16, 32) - want.view(8, 16, 32)).abs() <= step * 0.51 + 1e-3 * step).all()
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_every_gguf_type_is_read_exactly(ggml_type):
+    w = np.random.default_rng(0).standard_normal((24, 512)).astype(np.float32) * 0.05
+    raw = ggml_quantize(w, ggml_type)
+    qw = from_ggml(raw, ggml_type, w.shape)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[ggml_type]).reshape(w.shape))
+    assert qw.format.name == ggml_type
+    assert torch.equal(qw.dequantize(), want)
+    assert np.abs(want.numpy() - w).max() < 0.05  # the reference quantizer's blocks mean what gguf reads
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_pack_unpack_round_trip_and_padding(kind):
-    w = torch.randn(21, 64)  # 21 rows: padded to 32 in the packed layout
-    blocks = quant.quantize(w, kind)
-    packed = pack(blocks)
-    assert packed.shape == (2, 2, quant.BLOCK_BYTES[kind])
-    back = unpack(packed, kind, torch.arange(21), 64)
-    assert torch.equal(back.dequantize(), blocks.dequantize())
-    # quantizing is close to the float matrix: within half a step of each block
-    step = (w.view(21, 2, 32).amax(-1) - w.view(21, 2, 32).amin(-1)) / 15 if kind == "q4" else w.view(21, 2, 32).abs().amax(-1) / 127
-    assert ((blocks.dequantize() - w).view(21, 2, 32).abs() <= step[..., None] * 0.51 + 1e-3).all()
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_packed_bytes_per_weight_are_the_files(ggml_type):
+    """No widening: a packed matrix takes the file's bytes, but for K-quants' 6-bit scales and
+    mins, a byte each (Q4_K 4.625 bits per weight against 4.5, Q5_K 5.625 against 5.5)."""
+    n, k = 64, 1024
+    qw = quantized(torch.randn(n, k), ggml_type)
+    file_bytes = ggml_quantize(np.zeros((n, k), np.float32), ggml_type).nbytes
+    extra = {"Q4_K": 4 / 144, "Q5_K": 4 / 176}.get(ggml_type, 0.0)
+    assert qw.data.numel() == pytest.approx(file_bytes * (1 + extra))
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
-@pytest.mark.parametrize("shape", [(40, 64), (576, 576), (96, 1536)])
-def test_kernel_matches_dequantized_product(isa, kind, shape):
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_pack_round_trip_select_scale_and_padding(ggml_type):
+    w = torch.randn(21, 512)  # 21 rows: padded to 32 in the packed layout
+    qw = quantized(w, ggml_type)
+    assert qw.data.shape[0] == 2
+    index = torch.tensor([20, 0, 7, 16])
+    assert torch.equal(qw.select(index).dequantize(), qw.dequantize()[index])
+    assert torch.equal(quant.QWeight.cat([qw, qw.select(index)]).dequantize(), torch.cat([qw.dequantize(), qw.dequantize()[index]]))
+    halved = qw.scaled(0.5).dequantize()
+    normal = qw.dequantize().abs() > 1e-3  # fp16 scales that stay normal numbers scale exactly
+    assert torch.equal(halved[normal], qw.dequantize()[normal] * 0.5)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("shape", [(40, 256), (512, 768), (96, 1536)])
+def test_kernel_matches_dequantized_product(isa, ggml_type, shape):
     torch.manual_seed(0)
-    blocks = quant.quantize(torch.randn(shape) * 0.05, kind)
-    layer = QLinear(blocks)
+    qw = quantized(torch.randn(shape) * 0.05, ggml_type)
+    layer = QLinear(qw)
     x = torch.randn(7, shape[1])
-    want = x @ blocks.dequantize().T
+    want = x @ qw.dequantize().T
     got = layer(x)
     # int8 activations per block of 32 (as llama.cpp's Q8_1): relative error of a dot product
     # stays far below 1%
     rel = (got - want).norm() / want.norm()
     assert rel < 0.01, rel
+
+
+def test_a_fused_projection_keeps_each_parts_format(isa):
+    """q, k and v quantized in different formats (Q4_K_M gives v Q6_K) run as one QLinear whose
+    parts keep their formats, with each part's bits; parts of one format merge."""
+    torch.manual_seed(2)
+    q, k, v = (quantized(torch.randn(n, 256) * 0.05, t) for n, t in ((64, "Q4_K"), (32, "Q4_K"), (32, "Q6_K")))
+    parts = fuse([q, k, v])
+    assert [p.format.name for p in parts] == ["Q4_K", "Q6_K"] and parts[0].n == 96
+    fused = QLinear(parts)
+    x = torch.randn(5, 256)
+    alone = torch.cat([QLinear(w)(x) for w in (q, k, v)], dim=-1)
+    assert torch.equal(fused(x), alone)
+    assert torch.equal(fused.rows(torch.tensor([0, 95, 96, 127])), torch.cat([w.dequantize() for w in (q, k, v)])[[0, 95, 96, 127]])
+    odd = fuse([quantized(torch.randn(40, 256), "Q4_0"), quantized(torch.randn(16, 256), "Q8_0")])
+    assert [p.format.name for p in odd] == ["Q8_0"]  # 40 rows are no whole groups: one format for all
 
 
 @pytest.mark.parametrize("fused", ["norm", "glu", "residual"])
@@ -88,10 +106,10 @@ def test_fused_norm_glu_and_residual_match_torch(isa, fused):
     from specsot_mq.model import RMSNorm
 
     torch.manual_seed(3)
-    blocks = quant.quantize(torch.randn(96, 320) * 0.05, "q4")
+    blocks = quant.quantize(torch.randn(96, 320) * 0.05, "Q4_1")
     layer = QLinear(blocks)
     reference = QLinear(blocks)
-    reference.packed, reference.weight = None, torch.nn.Parameter(blocks.dequantize(), requires_grad=False)
+    reference.parts, reference.weight = None, torch.nn.Parameter(blocks.dequantize(), requires_grad=False)
     x = torch.randn(6, 640 if fused == "glu" else 320) * 3
     norm = RMSNorm(320, 1e-5)
     norm.weight.data = torch.rand(320) + 0.5
@@ -115,7 +133,7 @@ def test_one_native_call_for_all_layers_computes_what_the_modules_compute(isa, m
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "o", "gate_up", "down")]
     assert model.layers[0].native_weights() is None and model.native_head() is None  # float linears: module by module
     names.append("lm_head")
-    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
+    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "Q4_1") for n in names}, torch.float32)
     assert all(layer.native_weights() is not None for layer in model.layers)  # the swap was seen
     assert model.native_head() is not None
     with torch.no_grad():
@@ -165,7 +183,7 @@ def test_rows_sharing_a_copied_prefix_read_it_from_one_slot_with_the_same_bits(i
 
     model = ours_from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128, vocab_size=112))
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "o", "gate_up", "down")] + ["lm_head"]
-    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
+    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "Q4_1") for n in names}, torch.float32)
     gen = torch.Generator().manual_seed(0)
     prefix, suffix, step = (torch.randint(0, 112, shape, generator=gen) for shape in [(1, 20), (3, 4), (3, 2)])
     mask = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool).expand(3, 2, 2)
@@ -189,11 +207,11 @@ def test_rows_sharing_a_copied_prefix_read_it_from_one_slot_with_the_same_bits(i
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_rows_are_bit_identical_whatever_the_batch(isa, kind):
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_rows_are_bit_identical_whatever_the_batch(isa, ggml_type):
     torch.manual_seed(1)
-    layer = QLinear(quant.quantize(torch.randn(200, 320), kind))
-    x = torch.randn(17, 320)
+    layer = QLinear(quantized(torch.randn(200, 512), ggml_type))
+    x = torch.randn(17, 512)
     whole = layer(x)
     one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(17)])
     assert torch.equal(whole, one_by_one)
@@ -205,35 +223,35 @@ def test_rows_are_bit_identical_whatever_the_batch(isa, kind):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_both_instruction_sets_compute_the_same_bits(monkeypatch, kind):
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_both_instruction_sets_compute_the_same_bits(monkeypatch, ggml_type):
     if quant.native() is None or quant.native().isa() != "avx512-vnni":
         pytest.skip("needs a CPU with AVX-512 VNNI to compare against its AVX2 path")
-    layer = QLinear(quant.quantize(torch.randn(64, 256), kind))
-    x = torch.randn(5, 256)
+    layer = QLinear(quantized(torch.randn(64, 512), ggml_type))
+    x = torch.randn(13, 512)
     vnni = layer(x)
     monkeypatch.setenv("SPECSOT_KERNEL_ISA", "avx2")
     assert torch.equal(layer(x), vnni)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_select_and_rows_keep_the_exact_values(isa, kind):
-    blocks = quant.quantize(torch.randn(50, 64), kind)
-    layer = QLinear(blocks, bias=None)
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_select_and_rows_keep_the_exact_values(isa, ggml_type):
+    qw = quantized(torch.randn(50, 256), ggml_type)
+    layer = QLinear(qw, bias=None)
     index = torch.tensor([49, 0, 7, 8, 31])
-    assert torch.equal(layer.rows(index), blocks.dequantize()[index])
-    assert torch.equal(layer.rows(index.view(1, 5)), blocks.dequantize()[index].view(1, 5, 64))  # an embedding's [B, T]
+    assert torch.equal(layer.rows(index), qw.dequantize()[index])
+    assert torch.equal(layer.rows(index.view(1, 5)), qw.dequantize()[index].view(1, 5, 256))  # an embedding's [B, T]
     picked = layer.select(index)
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 256)
     assert torch.equal(picked(x), layer(x)[:, index])
 
 
 def test_without_the_kernels_the_dequantized_weights_run(monkeypatch):
     monkeypatch.setattr(quant, "_native", False)
-    blocks = quant.quantize(torch.randn(16, 64), "q8")
+    blocks = quant.quantize(torch.randn(16, 64), "Q8_0")
     layer = QLinear(blocks, bias=torch.ones(16))
     x = torch.randn(2, 64)
-    assert layer.packed is None
+    assert layer.parts is None
     torch.testing.assert_close(layer(x), x @ blocks.dequantize().T + 1)
 
 
@@ -268,21 +286,28 @@ def test_real_model_logits_match_the_dequantized_reference(default_model_dir):
 # saved to argv[1], the kernels' instruction set printed: run natively and on an emulated CPU.
 _FORWARD_SCRIPT = """
 import sys, torch
+sys.path.insert(0, sys.argv[2])
+from ggml_reference import quantize
 from specsot_mq import quant
 from specsot_mq.config import ModelConfig
 from specsot_mq.model import LlamaModel, Step
 from specsot_mq.sampling import greedy_tokens
 
 torch.set_num_threads(2)
-cfg = ModelConfig(vocab_size=112, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=16)
+cfg = ModelConfig(vocab_size=112, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=64)
 model = LlamaModel(cfg).eval().requires_grad_(False)
 gen = torch.Generator().manual_seed(0)
 with torch.no_grad():
     for p in model.parameters():
-        p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.05 + (1.0 if p.dim() == 1 else 0.0))
 names = [f"layers.{i}.{n}" for i in range(2) for n in ("qkv", "o", "gate_up", "down")] + ["lm_head"]
-model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
+types = list(quant.FORMATS) * 2  # every format the kernels run, in some layer
+weights = {}
+for name, kind in zip(names, types):
+    w = model.get_submodule(name).weight.detach()
+    weights[name] = quant.from_ggml(quantize(w.numpy(), kind), kind, tuple(w.shape))
+model.use_quantized(weights, torch.float32)
 prompt, step, tree = (torch.randint(0, 112, shape, generator=gen) for shape in [(2, 9), (2, 1), (2, 3)])
 mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
 cache = model.new_cache(2, 32)
@@ -299,13 +324,15 @@ print(quant.native().isa())
 def test_a_cpu_without_avx512_runs_the_avx2_kernels(tmp_path):
     """On an emulated AVX2-only EPYC (qemu-user's EPYC-Rome: AVX2, FMA, F16C, no AVX-512), the
     kernels built here pick their AVX2 path by themselves, run without an AVX-512 instruction, and
-    compute the same bits as this machine's AVX2 path (SPECSOT_KERNEL_ISA=avx2): what a user with
-    such a CPU runs, checked where CI has only AVX-512 machines."""
+    compute the same bits as this machine's AVX2 path (SPECSOT_KERNEL_ISA=avx2), for a model whose
+    linears hold every format the kernels run: what a user with such a CPU runs, checked where CI
+    has only AVX-512 machines."""
     import os
     import platform
     import shutil
     import subprocess
     import sys
+    from pathlib import Path
 
     if quant.native() is None or platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the native kernels are not available on this machine")
@@ -319,7 +346,8 @@ def test_a_cpu_without_avx512_runs_the_avx2_kernels(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SPECSOT_KERNEL_ISA"}
 
     def run(prefix: list[str], out: str, extra: dict) -> str:
-        done = subprocess.run([*prefix, sys.executable, str(script), str(tmp_path / out)], env={**env, **extra},
+        done = subprocess.run([*prefix, sys.executable, str(script), str(tmp_path / out), str(Path(__file__).parent)],
+                              env={**env, **extra},
                               capture_output=True, text=True, timeout=600)  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout.split()[-1]
@@ -343,7 +371,7 @@ def test_packed_weights_move_onto_one_huge_page_buffer_and_compute_the_same():
         pytest.skip("needs the native kernels and Linux's madvise")
     model = ours_from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128, vocab_size=112))
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "o", "gate_up", "down")] + ["lm_head"]
-    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
+    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "Q4_1") for n in names}, torch.float32)
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
 
     def logits():
@@ -351,11 +379,11 @@ def test_packed_weights_move_onto_one_huge_page_buffer_and_compute_the_same():
             return model(ids, model.new_cache(2, 16), Step.fresh(torch.arange(7).expand(2, 7))).logits
 
     before = logits()
-    old = [model.get_submodule(n).packed for n in names]
+    old = [p.data for n in names for p in model.get_submodule(n).parts]
     model.prepack()
     for p in old:  # what the kernels' forms built by the first forward held: forgotten, not read
         p.zero_()
-    packed = [model.get_submodule(n).packed for n in names]
+    packed = [p.data for n in names for p in model.get_submodule(n).parts]
     storages = {p.untyped_storage().data_ptr() for p in packed}
     assert len(storages) == 1
     assert min(p.data_ptr() for p in packed) % (2 << 20) == 0
@@ -376,7 +404,7 @@ def test_ragged_rows_get_the_bits_of_padded_rows(isa, monkeypatch):
 
     model = ours_from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128, vocab_size=112))
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "o", "gate_up", "down")] + ["lm_head"]
-    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "q4") for n in names}, torch.float32)
+    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "Q4_1") for n in names}, torch.float32)
     shapes, forward = [], type(model).forward
 
     def recorded(self, ids, *args, **kwargs):  # the shape of every forward's input

@@ -1,13 +1,20 @@
 // Quantized matrix-vector / small-GEMM kernel body, compiled once per instruction set: the file
 // that includes it sets `#pragma GCC target(...)`, `SPECSOT_VNNI` and the namespace.
 //
-// Weights are packed by groups of 16 output columns (see specsot_mq/quant.py, `pack`): for each
-// group and each block of 32 inputs, two halves of 8 columns, each with its columns' values
-// interleaved 4 inputs at a time, so one 32-bit lane of a vector holds 4 consecutive inputs of one
-// column and a u8 x s8 dot product of 4 bytes (dpbusd, or maddubs + madd on AVX2) yields each
-// column's partial sum in its own lane: no horizontal sums. A group's blocks follow each other in
-// memory (one sequential stream). Activations arrive quantized to int8 per block of 32 with a
-// float scale.
+// Weights are packed by groups of 16 output columns (see specsot_mq/quant.py, `Format`): a group
+// holds its records (a block of 32 inputs, or a K-quant super-block of 8 such blocks) one after
+// another, so a tile of 16 columns reads one sequential stream. Within a record every field holds
+// 16 columns side by side: a K-quant's super-block header (fp16 d, dmin), then per block of 32
+// inputs the weights' low nibbles as 4 vectors of 64 bytes (column c's byte j of vector v: input
+// 4v + j in the low nibble, input 16 + 4v + j in the high one), the high bits of 5- and 6-bit
+// weights as one or two more vectors of such bytes, then the block's scales: fp16 d (and m), or a
+// K-quant's 6-bit sub-block scales and mins as bytes (Q6_K: signed scales of each half). So one
+// 32-bit lane holds 4 consecutive inputs of one column and a u8 x s8 dot product of 4 bytes
+// (dpbusd, or maddubs + madd on AVX2) yields each column's partial sum in its own lane: no
+// horizontal sums. 8-bit weights (Q8_0) hold 8 vectors of signed bytes, then d. The values are the
+// GGUF file's own integers: unsigned weights q with w = s * q + o per column and block of 32 (of 16
+// for Q6_K), s and o from the block's and super-block's scales. Activations arrive quantized to int8
+// per block of 32 with a float scale, with d * sum(q) per block and per half block for the offsets.
 //
 // Every output element is computed by one thread, over the blocks in order, with exact integer
 // partial sums: its value does not depend on how many rows or threads ran, so a k-row verify
@@ -16,6 +23,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+
+#include "qformat.h"
 
 namespace SPECSOT_ISA {
 
@@ -25,275 +35,381 @@ namespace SPECSOT_ISA {
 #define SPECSOT_PIN(v) asm("" : "+v"(v))
 #endif
 
+static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Ask for `bytes` bytes from p on (the same place in the next group) to be brought into L1; nothing
+// when p is null.
+static inline void prefetch_range(const uint8_t* p, int bytes) {
+    if (p == nullptr) return;
+    for (int c = 0; c < bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + c, _MM_HINT_T0);
+}
+
+// Shift each byte's bits by s (left for s > 0), on 16-bit lanes: the callers mask the bits they take,
+// which never come from the neighbouring byte (s from -4 to 4; bits 4-5 taken, or the low nibble after -4).
+#if SPECSOT_VNNI
+using VI = __m512i;
+using VF = __m512;
+static inline VI shift_bits(VI x, int s) {
+    switch (s) {
+        case 4: return _mm512_slli_epi16(x, 4);
+        case 3: return _mm512_slli_epi16(x, 3);
+        case 2: return _mm512_slli_epi16(x, 2);
+        case 1: return _mm512_slli_epi16(x, 1);
+        case 0: return x;
+        case -1: return _mm512_srli_epi16(x, 1);
+        case -2: return _mm512_srli_epi16(x, 2);
+        case -3: return _mm512_srli_epi16(x, 3);
+        default: return _mm512_srli_epi16(x, 4);
+    }
+}
+static inline VI vand(VI a, VI b) { return _mm512_and_si512(a, b); }
+static inline VI vor(VI a, VI b) { return _mm512_or_si512(a, b); }
+static inline VI bytes_set(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+static inline VI load_w(const uint8_t* p) { return _mm512_loadu_si512(p); }
+// 16 columns' scales as floats: fp16, unsigned or signed bytes
+static inline VF f16s(const uint8_t* p) { return _mm512_cvtph_ps(load32(p)); }
+static inline VF u8s(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline VF i8s(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline VF fmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+static inline VF fset(float v) { return _mm512_set1_ps(v); }
+#else
+using VI = __m256i;
+using VF = __m256;
+static inline VI shift_bits(VI x, int s) {
+    switch (s) {
+        case 4: return _mm256_slli_epi16(x, 4);
+        case 3: return _mm256_slli_epi16(x, 3);
+        case 2: return _mm256_slli_epi16(x, 2);
+        case 1: return _mm256_slli_epi16(x, 1);
+        case 0: return x;
+        case -1: return _mm256_srli_epi16(x, 1);
+        case -2: return _mm256_srli_epi16(x, 2);
+        case -3: return _mm256_srli_epi16(x, 3);
+        default: return _mm256_srli_epi16(x, 4);
+    }
+}
+static inline VI vand(VI a, VI b) { return _mm256_and_si256(a, b); }
+static inline VI vor(VI a, VI b) { return _mm256_or_si256(a, b); }
+static inline VI bytes_set(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+static inline VI load_w(const uint8_t* p) { return load32(p); }
+// 8 columns' scales as floats (one half of a group: the caller offsets p)
+static inline VF f16s(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+static inline VF u8s(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline VF i8s(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline VF fmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+static inline VF fset(float v) { return _mm256_set1_ps(v); }
+#endif
+
+// Columns per vector, and the byte step from one half group's scales to the next (AVX2 runs a group
+// as two halves of 8 columns; VNNI's 512-bit vectors hold all 16).
+#if SPECSOT_VNNI
+constexpr int kHalves = 1;
+#else
+constexpr int kHalves = 2;
+#endif
+
+// The record header's vectors (K-quants): the super-block scale d and minus its dmin.
+struct Head {
+    VF d, neg_min;
+};
+template <int C>
+static inline Head read_head(const uint8_t* rec, int g) {
+    Head h{};
+    if constexpr (Fmt<C>::k_quant) {
+        h.d = f16s(rec + 16 * g);
+        if constexpr (C != kQ6_K) h.neg_min = fmul(f16s(rec + 32 + 16 * g), fset(-1.f));
+    }
+    return h;
+}
+
+// A block's scales s and offsets o (w = s * q + o) for half g of the group, from its scale fields at
+// `sc`: lo for inputs 0-15 of the block, hi for 16-31 (the same unless the format splits them).
+template <int C>
+static inline void read_scales(const uint8_t* sc, const Head& h, int g, VF& s_lo, VF& s_hi, VF& o_lo, VF& o_hi) {
+    constexpr int step = 16 / kHalves;  // fp16 bytes per half = 2 * (8 columns); bytes: 8 columns
+    if constexpr (C == kQ4_0 || C == kQ5_0 || C == kQ8_0) {
+        s_lo = f16s(sc + 2 * step * g);
+        o_lo = fmul(s_lo, fset(C == kQ4_0 ? -8.f : -16.f));
+    } else if constexpr (C == kQ4_1 || C == kQ5_1) {
+        s_lo = f16s(sc + 2 * step * g);
+        o_lo = f16s(sc + 32 + 2 * step * g);
+    } else if constexpr (C == kQ6_K) {
+        s_lo = fmul(h.d, i8s(sc + step * g));
+        s_hi = fmul(h.d, i8s(sc + 16 + step * g));
+        o_lo = fmul(s_lo, fset(-32.f));
+        o_hi = fmul(s_hi, fset(-32.f));
+        return;
+    } else {  // Q4_K, Q5_K: 6-bit scale and min per block, as bytes
+        s_lo = fmul(h.d, u8s(sc + step * g));
+        o_lo = fmul(h.neg_min, u8s(sc + 16 + step * g));
+    }
+    s_hi = s_lo;
+    o_hi = o_lo;
+}
+
+// Vector v of a block's weights at `blk` (half g on AVX2) as unsigned bytes: lo for inputs 4v..4v+3
+// of each column, hi for 16+4v..16+4v+3, the high bits of 5- and 6-bit weights put back.
+template <int C>
+static inline void read_weights(const uint8_t* blk, int v, int g, VI& lo, VI& hi) {
+    const VI nib = load_w(blk + 64 * v + 32 * g);
+    const VI low = bytes_set(0x0F);
+    lo = vand(nib, low);
+    hi = vand(shift_bits(nib, -4), low);
+    if constexpr (Fmt<C>::bits == 5) {
+        // one byte of high bits per column and 4 inputs: bit v for input 4v + j, bit 4 + v for 16 + 4v + j
+        const VI p = load_w(blk + 256 + 32 * g), bit = bytes_set(0x10);
+        lo = vor(lo, vand(shift_bits(p, 4 - v), bit));
+        hi = vor(hi, vand(shift_bits(p, -v), bit));
+    } else if constexpr (Fmt<C>::bits == 6) {
+        // two vectors of 2-bit pairs: bits 2v, 2v + 1 for input 4v + j (then 16 + 4v + j)
+        const VI two = bytes_set(0x30);
+        lo = vor(lo, vand(shift_bits(load_w(blk + 256 + 32 * g), 4 - 2 * v), two));
+        hi = vor(hi, vand(shift_bits(load_w(blk + 320 + 32 * g), 4 - 2 * v), two));
+    }
+}
+
+// Rows in one tile: its accumulators and integer sums stay in the registers. VNNI: 2 R (3 R for
+// Q6_K's split halves) of AVX-512's 32; 12 rather than 6 made a whole forward of 8 / 12 / 16 / 32
+// rows 1.08x / 1.05x / 1.05x / 1.03x as fast (`python benchmarks/kernels.py --base 21f7383`, AVX-512
+// Zen 4). AVX2: 2 halves x 2 R of its 16, fewer for the wider weights.
+template <int C>
+constexpr int max_rows() {
+#if SPECSOT_VNNI
+    return C == kQ6_K ? 8 : 12;
+#else
+    return Fmt<C>::bits == 6 ? 2 : Fmt<C>::bits == 5 ? 3 : 4;
+#endif
+}
+
+#if SPECSOT_VNNI
+static inline __m512i bcast4(const int8_t* p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// A tile: R rows by one group of 16 columns (one 512-bit vector), over every record of the inputs.
+// Unsigned weights: dpbusd adds each lane's 4 weight x int8 products into its int32 sum. 8-bit
+// weights: dpbusd takes x + 128 (x's sign bit flipped) as its unsigned side, and 128 * sum(q) per
+// column (one more dpbusd per weight vector, shared by the rows) comes off at the end of the block.
+template <int C, int R>
+static inline void tile(const uint8_t* w, int nrec, const int8_t* const* xq, const float* const* xd,
+                        const float* const* xs, const float* const* xh, float* const* out, const uint8_t* next) {
+    using F = Fmt<C>;
+    const uint8_t* const start = w;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int rec = 0; rec < nrec; ++rec) {
+        const Head h = read_head<C>(w, 0);
+        w += F::head;
+        for (int j = 0; j < F::blocks; ++j, w += F::block) {
+            const int b = rec * F::blocks + j;
+            prefetch_range(next == nullptr ? nullptr : next + (w - start), F::block);
+            __m512i isum[R], isum_hi[F::split ? R : 1];
+            for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+            if constexpr (F::split)
+                for (int r = 0; r < R; ++r) isum_hi[r] = _mm512_setzero_si512();
+            if constexpr (C == kQ8_0) {
+                const __m512i flip = bytes_set(0x80);
+                __m512i offset = _mm512_setzero_si512();
+                for (int v = 0; v < 8; ++v) {
+                    const __m512i q = load_w(w + 64 * v);
+                    offset = _mm512_dpbusd_epi32(offset, flip, q);
+                    for (int r = 0; r < R; ++r) {
+                        isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_xor_si512(bcast4(xq[r] + 32 * b + 4 * v), flip), q);
+                        SPECSOT_PIN(isum[r]);
+                    }
+                }
+                for (int r = 0; r < R; ++r) isum[r] = _mm512_sub_epi32(isum[r], offset);
+            } else {
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; ++v) {
+                    __m512i lo, hi;
+                    read_weights<C>(w, v, 0, lo, hi);
+                    for (int r = 0; r < R; ++r) {
+                        const int8_t* x = xq[r] + 32 * b + 4 * v;
+                        if constexpr (F::split) {
+                            isum[r] = _mm512_dpbusd_epi32(isum[r], lo, bcast4(x));
+                            isum_hi[r] = _mm512_dpbusd_epi32(isum_hi[r], hi, bcast4(x + 16));
+                            SPECSOT_PIN(isum_hi[r]);
+                        } else {
+                            isum[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r], lo, bcast4(x)), hi, bcast4(x + 16));
+                        }
+                        SPECSOT_PIN(isum[r]);
+                    }
+                }
+            }
+            __m512 s_lo, s_hi, o_lo, o_hi;
+            read_scales<C>(w + F::weights, h, 0, s_lo, s_hi, o_lo, o_hi);
+            for (int r = 0; r < R; ++r) {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(s_lo, _mm512_set1_ps(xd[r][b])), acc[r]);
+                if constexpr (F::split) {
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum_hi[r]), _mm512_mul_ps(s_hi, _mm512_set1_ps(xd[r][b])), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(o_lo, _mm512_set1_ps(xh[r][2 * b]), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(o_hi, _mm512_set1_ps(xh[r][2 * b + 1]), acc[r]);
+                } else if constexpr (F::offset) {
+                    acc[r] = _mm512_fmadd_ps(o_lo, _mm512_set1_ps(xs[r][b]), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+#else
 static inline __m256i bcast4(const int8_t* p) {
     int32_t v;
     __builtin_memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
 
-// Ask for block b of the next group (block_bytes bytes from next + b * block_bytes) to be brought
-// into L1; nothing when next is null.
-static inline void prefetch_block(const uint8_t* next, int b, int block_bytes) {
-    if (next == nullptr) return;
-    const char* p = reinterpret_cast<const char*>(next) + static_cast<int64_t>(b) * block_bytes;
-    for (int c = 0; c < block_bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
-}
-
-static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-static inline __m256 load_half8(const uint8_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// Rows in one tile: its accumulators and integer sums stay in the registers (AVX2: 2 G R of its 16;
-// VNNI: 2 R of AVX-512's 32, leaving room for the weights and broadcasts). VNNI's 12 rather than 6
-// made a whole forward of 8 / 12 / 16 / 32 rows 1.08x / 1.05x / 1.05x / 1.03x as fast, 1 to 6 rows
-// unchanged (`python benchmarks/kernels.py --base 21f7383`, AVX-512 Zen 4): 8 rows run as one
-// tile instead of two of 4.
-#if SPECSOT_VNNI
-constexpr int kMaxRows = 12;
-#else
-constexpr int kMaxRows = 4;
-#endif
-
-// A tile: R rows (R <= kMaxRows) by one group (AVX2: its two halves of 8 columns, G = 2), over every
-// block of the inputs. Each activation broadcast serves both halves and each unpacked weight vector the R
-// rows, which keeps the loads and shuffles per multiply-add low enough for the multiply units to be
-// the limit.
-constexpr int G = 2;
-
-#if SPECSOT_VNNI
-// VNNI: the tiles on 512-bit vectors (every VNNI CPU has AVX-512), one vector holding a group's 16
-// columns (its two halves side by side, G = 1): half the instructions of two 256-bit vectors, for
-// the same per-lane arithmetic in the same order as the AVX2 tiles below. 4-bit blocks: dpbusd
-// adds each lane's 4 nibble x int8 products into its int32 sum. 8-bit blocks: dpbusd takes x + 128
-// (x's sign bit flipped) as its unsigned side, and 128 * sum(q) per column (one more dpbusd per
-// weight vector, shared by the rows) comes off at the end of the block.
-static inline __m512i load64(const uint8_t* a, const uint8_t* b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
-}
-static inline __m512 load_half16(const uint8_t* a, const uint8_t* b) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
-}
-static inline __m512i bcast4_512(const int8_t* p) {
-    int32_t v;
-    __builtin_memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
-template <int R>
-static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
-                           const float* const* xs, float* const* out, const uint8_t* next) {
-    constexpr int half = 160;
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int b = 0; b < nblocks; ++b, w += 2 * half) {
-        prefetch_block(next, b, 2 * half);
-        __m512i isum[R];
-        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-        for (int v = 0; v < 4; ++v) {
-            const __m512i packed = load64(w + 32 * v, w + half + 32 * v);
-            const __m512i lo = _mm512_and_si512(packed, low);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-            for (int r = 0; r < R; ++r) {
-                const int8_t* x = xq[r] + 32 * b + 4 * v;
-                isum[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r], lo, bcast4_512(x)), hi, bcast4_512(x + 16));
-                SPECSOT_PIN(isum[r]);
-            }
-        }
-        const __m512 d = load_half16(w + 128, w + half + 128), m = load_half16(w + 144, w + half + 144);
-        for (int r = 0; r < R; ++r) {
-            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[r][b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
-            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r][b]), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
-}
-
-template <int R>
-static inline void q8_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
-                           const float* const*, float* const* out, const uint8_t* next) {
-    constexpr int half = 272;
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int b = 0; b < nblocks; ++b, w += 2 * half) {
-        prefetch_block(next, b, 2 * half);
-        __m512i isum[R];
-        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-        __m512i offset = _mm512_setzero_si512();
-        for (int v = 0; v < 8; ++v) {
-            const __m512i q = load64(w + 32 * v, w + half + 32 * v);
-            offset = _mm512_dpbusd_epi32(offset, flip, q);
-            for (int r = 0; r < R; ++r) {
-                isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_xor_si512(bcast4_512(xq[r] + 32 * b + 4 * v), flip), q);
-                SPECSOT_PIN(isum[r]);
-            }
-        }
-        const __m512 d = load_half16(w + 256, w + half + 256);
-        for (int r = 0; r < R; ++r) {
-            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[r][b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], offset)), scale, acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
-}
-#else
-// 4-bit weights, unsigned nibbles with a scale d and an offset m per (column, block):
-// w = d * q + m. A half's block: 4 vectors of 32 bytes (low nibbles: inputs 4v..4v+3, high
-// nibbles: inputs 16+4v..16+4v+3, per column lane), then 8 fp16 d, then 8 fp16 m: 160 bytes. A
-// row's block sums are exact integers: maddubs' u8 x s8
-// pair sums added in int16 lanes for the whole block (a nibble <= 15 times |x| <= 127, 2 per
-// lane, 8 times: at most 30480), widened once by madd.
-template <int R>
-static inline void q4_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
-                           const float* const* xs, float* const* out, const uint8_t* next) {
-    constexpr int half = 160;
-    const __m256i low = _mm256_set1_epi8(0x0F);
+// A tile: R rows by one group, as its two halves of 8 columns (G), over every record of the inputs.
+// Each activation broadcast serves both halves and each unpacked weight vector the R rows. maddubs'
+// u8 x s8 pair sums add up in int16 lanes for as many vectors as cannot overflow (4-bit weights: a
+// whole block, 15 x 127 x 2 x 8 = 30480; 5-bit: two vectors; 6-bit, per half block: two), then madd
+// widens them. 8-bit weights: maddubs takes |q| and x with q's sign (llama.cpp's trick), which keeps
+// its int16 pairs from saturating. The sums are exact integers.
+template <int C, int R>
+static inline void tile(const uint8_t* w, int nrec, const int8_t* const* xq, const float* const* xd,
+                        const float* const* xs, const float* const* xh, float* const* out, const uint8_t* next) {
+    using F = Fmt<C>;
+    constexpr int G = kHalves, widen = F::bits == 4 ? 4 : 2;
+    constexpr int S = F::split ? 2 : 1;  // integer sums per row and half: the block's, or each half block's
+    const uint8_t* const start = w;
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[R][G];
     for (int r = 0; r < R; ++r)
         for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
-    for (int b = 0; b < nblocks; ++b, w += G * half) {
-        prefetch_block(next, b, G * half);
-        __m256i isum[R][G];
-        for (int r = 0; r < R; ++r)
-            for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
-        for (int v = 0; v < 4; ++v) {
-            __m256i lo[G], hi[G];
+    for (int rec = 0; rec < nrec; ++rec) {
+        Head h[G];
+        for (int g = 0; g < G; ++g) h[g] = read_head<C>(w, g);
+        w += F::head;
+        for (int j = 0; j < F::blocks; ++j, w += F::block) {
+            const int b = rec * F::blocks + j;
+            prefetch_range(next == nullptr ? nullptr : next + (w - start), F::block);
+            __m256i isum[R][G][S];
+            if constexpr (C == kQ8_0) {
+                for (int r = 0; r < R; ++r)
+                    for (int g = 0; g < G; ++g) isum[r][g][0] = _mm256_setzero_si256();
+                for (int v = 0; v < 8; ++v) {
+                    __m256i q[G];
+                    for (int g = 0; g < G; ++g) q[g] = load_w(w + 64 * v + 32 * g);
+                    for (int r = 0; r < R; ++r) {
+                        const __m256i x = bcast4(xq[r] + 32 * b + 4 * v);
+                        for (int g = 0; g < G; ++g) {
+                            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q[g]), _mm256_sign_epi8(x, q[g]));
+                            isum[r][g][0] = _mm256_add_epi32(isum[r][g][0], _mm256_madd_epi16(pairs, ones));
+                            SPECSOT_PIN(isum[r][g][0]);
+                        }
+                    }
+                }
+            } else {
+                __m256i part[R][G][S];
+                for (int r = 0; r < R; ++r)
+                    for (int g = 0; g < G; ++g)
+                        for (int s = 0; s < S; ++s) part[r][g][s] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; ++v) {
+                    __m256i lo[G], hi[G];
+                    for (int g = 0; g < G; ++g) read_weights<C>(w, v, g, lo[g], hi[g]);
+                    for (int r = 0; r < R; ++r) {
+                        const int8_t* x = xq[r] + 32 * b + 4 * v;
+                        const __m256i x_lo = bcast4(x), x_hi = bcast4(x + 16);
+                        for (int g = 0; g < G; ++g) {
+                            part[r][g][0] = _mm256_add_epi16(part[r][g][0], _mm256_maddubs_epi16(lo[g], x_lo));
+                            part[r][g][S - 1] = _mm256_add_epi16(part[r][g][S - 1], _mm256_maddubs_epi16(hi[g], x_hi));
+                            SPECSOT_PIN(part[r][g][0]);
+                            if constexpr (S == 2) SPECSOT_PIN(part[r][g][1]);
+                        }
+                    }
+                    if ((v + 1) % widen == 0) {
+                        for (int r = 0; r < R; ++r)
+                            for (int g = 0; g < G; ++g)
+                                for (int s = 0; s < S; ++s) {
+                                    const __m256i wide = _mm256_madd_epi16(part[r][g][s], ones);
+                                    isum[r][g][s] = v + 1 == widen ? wide : _mm256_add_epi32(isum[r][g][s], wide);
+                                    part[r][g][s] = _mm256_setzero_si256();
+                                }
+                    }
+                }
+            }
             for (int g = 0; g < G; ++g) {
-                const __m256i packed = load32(w + g * half + 32 * v);
-                lo[g] = _mm256_and_si256(packed, low);
-                hi[g] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-            }
-            for (int r = 0; r < R; ++r) {
-                const int8_t* x = xq[r] + 32 * b + 4 * v;
-                const __m256i x_lo = bcast4(x), x_hi = bcast4(x + 16);
-                for (int g = 0; g < G; ++g) {
-                    isum[r][g] = _mm256_add_epi16(isum[r][g], _mm256_maddubs_epi16(lo[g], x_lo));
-                    isum[r][g] = _mm256_add_epi16(isum[r][g], _mm256_maddubs_epi16(hi[g], x_hi));
-                    SPECSOT_PIN(isum[r][g]);
+                __m256 s_lo, s_hi, o_lo, o_hi;
+                read_scales<C>(w + F::weights, h[g], g, s_lo, s_hi, o_lo, o_hi);
+                for (int r = 0; r < R; ++r) {
+                    acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g][0]), _mm256_mul_ps(s_lo, _mm256_set1_ps(xd[r][b])), acc[r][g]);
+                    if constexpr (F::split) {
+                        acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g][1]), _mm256_mul_ps(s_hi, _mm256_set1_ps(xd[r][b])), acc[r][g]);
+                        acc[r][g] = _mm256_fmadd_ps(o_lo, _mm256_set1_ps(xh[r][2 * b]), acc[r][g]);
+                        acc[r][g] = _mm256_fmadd_ps(o_hi, _mm256_set1_ps(xh[r][2 * b + 1]), acc[r][g]);
+                    } else if constexpr (F::offset) {
+                        acc[r][g] = _mm256_fmadd_ps(o_lo, _mm256_set1_ps(xs[r][b]), acc[r][g]);
+                    }
                 }
-            }
-        }
-        for (int g = 0; g < G; ++g) {
-            const __m256 d = load_half8(w + g * half + 128), m = load_half8(w + g * half + 144);
-            for (int r = 0; r < R; ++r) {
-                isum[r][g] = _mm256_madd_epi16(isum[r][g], _mm256_set1_epi16(1));
-                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
-                acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g]), scale, acc[r][g]);
-                acc[r][g] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r][b]), acc[r][g]);
             }
         }
     }
     for (int r = 0; r < R; ++r)
         for (int g = 0; g < G; ++g) _mm256_storeu_ps(out[r] + 8 * g, acc[r][g]);
 }
-
-// 8-bit signed weights with a scale d per (column, block): w = d * q. A half's block: 8 vectors of
-// 32 bytes (inputs 4v..4v+3 per column lane), then 8 fp16 d: 272 bytes. maddubs takes |q| and
-// x with q's sign (llama.cpp's trick), which keeps its int16 pairs from saturating; madd widens
-// each. The sums are exact integers.
-template <int R>
-static inline void q8_tile(const uint8_t* w, int nblocks, const int8_t* const* xq, const float* const* xd,
-                           const float* const*, float* const* out, const uint8_t* next) {
-    constexpr int half = 272;
-    __m256 acc[R][G];
-    for (int r = 0; r < R; ++r)
-        for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
-    for (int b = 0; b < nblocks; ++b, w += G * half) {
-        prefetch_block(next, b, G * half);
-        __m256i isum[R][G];
-        for (int r = 0; r < R; ++r)
-            for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
-        for (int v = 0; v < 8; ++v) {
-            __m256i q[G];
-            for (int g = 0; g < G; ++g) q[g] = load32(w + g * half + 32 * v);
-            for (int r = 0; r < R; ++r) {
-                const __m256i x = bcast4(xq[r] + 32 * b + 4 * v);
-                for (int g = 0; g < G; ++g) {
-                    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q[g]), _mm256_sign_epi8(x, q[g]));
-                    isum[r][g] = _mm256_add_epi32(isum[r][g], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-                    SPECSOT_PIN(isum[r][g]);
-                }
-            }
-        }
-        for (int g = 0; g < G; ++g) {
-            const __m256 d = load_half8(w + g * half + 256);
-            for (int r = 0; r < R; ++r) {
-                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r][b]));
-                acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g]), scale, acc[r][g]);
-            }
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int g = 0; g < G; ++g) _mm256_storeu_ps(out[r] + 8 * g, acc[r][g]);
-}
-
 #endif
 
-template <int R>
-struct Q4 {
-    static void run(const uint8_t* w, int nb, const int8_t* const* xq, const float* const* xd, const float* const* xs,
-                    float* const* out, const uint8_t* next) {
-        q4_tile<R>(w, nb, xq, xd, xs, out, next);
+// A row tile of `rows` rows (1 .. R) of format C: the tile compiled for exactly that many.
+template <int C, int R>
+static inline void run_tile(int rows, const uint8_t* w, int nrec, const int8_t* const* xq, const float* const* xd,
+                            const float* const* xs, const float* const* xh, float* const* out, const uint8_t* next) {
+    if constexpr (R > 1) {
+        if (rows < R) return run_tile<C, R - 1>(rows, w, nrec, xq, xd, xs, xh, out, next);
     }
-};
-template <int R>
-struct Q8 {
-    static void run(const uint8_t* w, int nb, const int8_t* const* xq, const float* const* xd, const float* const* xs,
-                    float* const* out, const uint8_t* next) {
-        q8_tile<R>(w, nb, xq, xd, xs, out, next);
-    }
-};
+    tile<C, R>(w, nrec, xq, xd, xs, xh, out, next);
+}
 
-// out[m, 16g .. 16g+16] for column groups g in [g0, g1) and every row m < M, in tiles of at most
-// kMaxRows rows (a group's weights stay in L1 across its row tiles).
-template <template <int> class Tile>
-static void gemm(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t g0, int64_t g1, const int8_t* xq,
-                 const float* xd, const float* xs, int64_t M, float* out, int64_t N) {
-    const int64_t K = 32 * nblocks, tiles = (M + kMaxRows - 1) / kMaxRows;
-    const int nb = static_cast<int>(nblocks);
+// out[m, 16g .. 16g+16] (row stride N) for column groups g in [g0, g1) of a weight of format C with
+// nrec records per group, and every row m < M, in tiles of at most max_rows rows (a group's weights
+// stay in L1 across its row tiles). xq [M, K] int8, xd and xs [M, K / 32], xh [M, K / 16].
+template <int C>
+static void gemm_format(const uint8_t* w, int64_t nrec, int64_t g0, int64_t g1, const int8_t* xq, const float* xd,
+                        const float* xs, const float* xh, int64_t M, float* out, int64_t N) {
+    constexpr int kMax = max_rows<C>();
+    const int64_t nb = nrec * Fmt<C>::blocks, K = 32 * nb, tiles = (M + kMax - 1) / kMax;
+    const int64_t group_bytes = nrec * (Fmt<C>::head + Fmt<C>::blocks * Fmt<C>::block);
     for (int64_t g = g0; g < g1; ++g) {
-        const uint8_t* wg = w + g * nblocks * block_bytes;
+        const uint8_t* wg = w + g * group_bytes;
         for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
             // rows split evenly between the tiles (5 rows on AVX2: 3 + 2, not 4 + 1, whose one-row
             // tile unpacks the weights for a single row)
             const int rows = static_cast<int>(M / tiles + (t < M % tiles ? 1 : 0));
-            const int8_t* xr[kMaxRows];
-            const float *dr[kMaxRows], *sr[kMaxRows];
-            float* orow[kMaxRows];
+            const int8_t* xr[kMax];
+            const float *dr[kMax], *sr[kMax], *hr[kMax];
+            float* orow[kMax];
             for (int r = 0; r < rows; ++r) {
                 xr[r] = xq + (m0 + r) * K;
-                dr[r] = xd + (m0 + r) * nblocks;
-                sr[r] = xs + (m0 + r) * nblocks;
+                dr[r] = xd + (m0 + r) * nb;
+                sr[r] = xs + (m0 + r) * nb;
+                hr[r] = xh + (m0 + r) * 2 * nb;
                 orow[r] = out + (m0 + r) * N + 16 * g;
             }
             // With several rows, the first row tile brings the next group in while it computes
             // (weights come from memory: without this, the rows' compute and the next load took
             // turns); one to three rows are memory-bound and the hardware's own prefetch does better.
-            const uint8_t* next = M >= 4 && m0 == 0 && g + 1 < g1 ? wg + nblocks * block_bytes : nullptr;
-            switch (rows) {
-#if SPECSOT_VNNI
-                case 12: Tile<12>::run(wg, nb, xr, dr, sr, orow, next); break;
-                case 11: Tile<11>::run(wg, nb, xr, dr, sr, orow, next); break;
-                case 10: Tile<10>::run(wg, nb, xr, dr, sr, orow, next); break;
-                case 9: Tile<9>::run(wg, nb, xr, dr, sr, orow, next); break;
-                case 8: Tile<8>::run(wg, nb, xr, dr, sr, orow, next); break;
-                case 7: Tile<7>::run(wg, nb, xr, dr, sr, orow, next); break;
-                case 6: Tile<6>::run(wg, nb, xr, dr, sr, orow, next); break;
-                case 5: Tile<5>::run(wg, nb, xr, dr, sr, orow, next); break;
-#endif
-                case 4: Tile<4>::run(wg, nb, xr, dr, sr, orow, next); break;
-                case 3: Tile<3>::run(wg, nb, xr, dr, sr, orow, next); break;
-                case 2: Tile<2>::run(wg, nb, xr, dr, sr, orow, next); break;
-                default: Tile<1>::run(wg, nb, xr, dr, sr, orow, next); break;
-            }
+            const uint8_t* next = M >= 4 && m0 == 0 && g + 1 < g1 ? wg + group_bytes : nullptr;
+            run_tile<C, kMax>(rows, wg, static_cast<int>(nrec), xr, dr, sr, hr, orow, next);
             m0 += rows;
         }
     }
+}
+
+// gemm_format for the format numbered `code` (quant.py's Format.code).
+void gemm(int64_t code, const uint8_t* w, int64_t nrec, int64_t g0, int64_t g1, const int8_t* xq, const float* xd,
+          const float* xs, const float* xh, int64_t M, float* out, int64_t N) {
+    by_format(code, [&](auto, auto c) { gemm_format<decltype(c)::value>(w, nrec, g0, g1, xq, xd, xs, xh, M, out, N); });
 }
 
 // `iters` rounds of 8 independent chains of what the 4-bit tile's inner loop issues per 32
@@ -340,16 +456,6 @@ double int8_peak(int64_t iters) {
     (void)sink;
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return 8.0 * 32.0 * static_cast<double>(iters) / seconds;
-}
-
-void gemm_q4(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t g0, int64_t g1, const int8_t* xq,
-             const float* xd, const float* xs, int64_t M, float* out, int64_t N) {
-    gemm<Q4>(w, block_bytes, nblocks, g0, g1, xq, xd, xs, M, out, N);
-}
-
-void gemm_q8(const uint8_t* w, int64_t block_bytes, int64_t nblocks, int64_t g0, int64_t g1, const int8_t* xq,
-             const float* xd, const float* xs, int64_t M, float* out, int64_t N) {
-    gemm<Q8>(w, block_bytes, nblocks, g0, g1, xq, xd, xs, M, out, N);
 }
 
 // exp(x) for 8 floats (Cephes' range reduction and polynomial; max relative error ~2e-7,
@@ -438,11 +544,12 @@ void rms_norm(const float* x, int64_t K, const float* norm, float eps, float* ou
 
 // Row x of a layer's input, as the layer reads it, quantized: x itself, RMS-normalised and
 // weighted (norm != nullptr), or silu(x[:K]) * x[K:] (glu, x holding 2K floats); then int8 values
-// q, the scale d (x ~ d * q) and d * sum(q) per block of 32 (K a multiple of 32). buf holds K
+// q, the scale d (x ~ d * q) and d * sum(q) per block of 32 (s) and per half block (h: the offsets of
+// Q6_K's 16-input sub-blocks) (K a multiple of 32). buf holds K
 // floats. Vector code throughout, each sum in a fixed order: a row's bits do not depend on the
 // other rows of its call.
 void quantize_input(const float* x, int64_t K, const float* norm, float eps, bool glu, float* buf, int8_t* q,
-                    float* d, float* s) {
+                    float* d, float* s, float* h) {
     const float* row = x;
     if (norm != nullptr) {
         rms_norm(x, K, norm, eps, buf);
@@ -468,17 +575,22 @@ void quantize_input(const float* x, int64_t K, const float* norm, float eps, boo
         const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
         __m256i n[4];
         for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest, ties to even
-        const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+        const __m256i halves[2] = {_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3])};
         // int32 lanes -> int8, back in input order (packs interleave 128-bit halves)
         const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[0], n[1]), 0xD8);
         const __m256i x16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[2], n[3]), 0xD8);
         const __m256i b8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(w16, x16), 0xD8);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b8);
-        int32_t sums[8];
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums), total);
-        const int sum = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+        int half_sum[2];
+        for (int i = 0; i < 2; ++i) {
+            int32_t sums[8];
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums), halves[i]);
+            half_sum[i] = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+        }
         d[b] = top / 127.f;
-        s[b] = d[b] * static_cast<float>(sum);
+        s[b] = d[b] * static_cast<float>(half_sum[0] + half_sum[1]);
+        h[2 * b] = d[b] * static_cast<float>(half_sum[0]);
+        h[2 * b + 1] = d[b] * static_cast<float>(half_sum[1]);
     }
 }
 

@@ -13,12 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "qformat.h"
+
 #define SPECSOT_DECLARE(ISA)                                                                          \
     namespace ISA {                                                                                   \
-    void gemm_q4(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const int8_t*, const float*,     \
-                 const float*, int64_t, float*, int64_t);                                             \
-    void gemm_q8(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const int8_t*, const float*,     \
-                 const float*, int64_t, float*, int64_t);                                             \
+    void gemm(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*, \
+              const float*, int64_t, float*, int64_t);                                                \
     double int8_peak(int64_t);                                                                        \
     }
 SPECSOT_DECLARE(avx2)
@@ -29,15 +29,15 @@ void attend_group(const float*, const float*, const float*, int64_t, int64_t, co
 void attend_group(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, const int32_t*, int64_t, int64_t,
                   float*, float*);
 void to_half(const float*, int64_t, uint16_t*);
-void quantize_input(const float*, int64_t, const float*, float, bool, float*, int8_t*, float*, float*);
+void quantize_input(const float*, int64_t, const float*, float, bool, float*, int8_t*, float*, float*, float*);
 void rms_norm(const float*, int64_t, const float*, float, float*);
 int64_t first_max(const float*, int64_t);
 }
 
 namespace {
 
-using GemmFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const int8_t*, const float*,
-                        const float*, int64_t, float*, int64_t);
+using GemmFn = void (*)(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, const float*,
+                        const float*, const float*, int64_t, float*, int64_t);
 
 // SPECSOT_KERNEL_ISA=avx2 holds a VNNI machine to the AVX2 path (tests run both).
 bool cpu_has_vnni() {
@@ -56,42 +56,67 @@ bool cpu_has_avx2() {
 namespace {
 
 // Rows [m0, m1) of x (row stride `stride`) as a linear reads them (see quantize_input), quantized
-// into q [M, K], d and s [M, K / 32]. buf holds K floats.
+// into q [M, K], d and s [M, K / 32], h [M, K / 16]. buf holds K floats.
 void quantize_rows(const float* x, int64_t stride, int64_t K, const float* norm, float eps, bool glu, int8_t* q,
-                   float* d, float* s, int64_t m0, int64_t m1, float* buf) {
+                   float* d, float* s, float* h, int64_t m0, int64_t m1, float* buf) {
     const int64_t nb = K / 32;
     for (int64_t m = m0; m < m1; ++m)
-        avx2::quantize_input(x + m * stride, K, norm, eps, glu, buf, q + m * K, d + m * nb, s + m * nb);
+        avx2::quantize_input(x + m * stride, K, norm, eps, glu, buf, q + m * K, d + m * nb, s + m * nb, h + m * 2 * nb);
 }
 
-// A packed quantized weight (format 4 or 8, N output columns, K inputs), as quant.pack lays it out:
-// groups of 16 columns.
-struct Packed {
-    const uint8_t* w;
-    int64_t N, K, block_bytes;
+// The activations of M rows, quantized as the kernels read them: int8 values, and per block of 32
+// the scale, d * sum, and d * sum per half block.
+struct Quantized {
+    int8_t* q;
+    float *d, *s, *h;
+};
+
+// One linear layer's quantized weights: one or more parts side by side in its output columns (a
+// fused q/k/v projection whose parts a GGUF file quantized in different formats), each a packed
+// weight [groups of 16 columns, records, record bytes] of one format, as quant.QWeight lays it out.
+// Every part but the last has whole groups of columns, so the parts' columns follow each other.
+struct Weights {
+    struct Part {
+        const uint8_t* w;
+        int64_t code, groups, nrec, first;  // first: the part's first group among the layer's
+    };
+    std::vector<torch::Tensor> data;  // what the parts point into, kept alive
+    std::vector<Part> parts;
+    int64_t N = 0, K = 0;
     GemmFn fn;
 
-    Packed(const torch::Tensor& t, int64_t fmt, int64_t n) : N(n) {
-        TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.is_contiguous(), "qlinear wants a packed uint8 weight");
-        TORCH_CHECK(fmt == 4 || fmt == 8, "qlinear format must be 4 or 8");
-        TORCH_CHECK(N % 16 == 0, "qlinear wants N a multiple of 16");
-        block_bytes = fmt == 4 ? 320 : 544;
-        TORCH_CHECK(t.numel() % ((N / 16) * block_bytes) == 0, "qlinear weight size does not match N");
-        K = 32 * (t.numel() / ((N / 16) * block_bytes));
-        w = t.data_ptr<uint8_t>();
-        const bool vnni = cpu_has_vnni();
-        fn = fmt == 4 ? (vnni ? vnni::gemm_q4 : avx2::gemm_q4) : (vnni ? vnni::gemm_q8 : avx2::gemm_q8);
+    Weights(std::vector<torch::Tensor> tensors, std::vector<int64_t> codes, int64_t k) : data(std::move(tensors)), K(k) {
+        TORCH_CHECK(!data.empty() && data.size() == codes.size(), "quantized weights: one format per part");
+        TORCH_CHECK(K % 32 == 0, "quantized weights want K a multiple of 32");
+        for (size_t i = 0; i < data.size(); ++i) {
+            const torch::Tensor& t = data[i];
+            TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.is_contiguous() && t.dim() == 3,
+                        "quantized weights want packed uint8 [groups, records, bytes]");
+            int64_t blocks = 0, record = 0;
+            TORCH_CHECK(by_format(codes[i], [&](auto f, auto) { blocks = f.blocks; record = f.record; }),
+                        "unknown quantized format ", codes[i]);
+            TORCH_CHECK(K % (32 * blocks) == 0 && t.size(1) == K / (32 * blocks) && t.size(2) == record,
+                        "quantized weights: the packed size does not match K and the format");
+            parts.push_back({t.data_ptr<uint8_t>(), codes[i], t.size(0), t.size(1), N / 16});
+            N += 16 * t.size(0);
+        }
+        fn = cpu_has_vnni() ? vnni::gemm : avx2::gemm;
     }
 
-    // Column groups [g0, g1) of out [M, N] = rows x W^T (quantized rows q, d, s), plus residual
+    // Column groups [g0, g1) of out [M, N] = rows x W^T (the rows quantized as x), plus residual
     // [M, N] where given. Every element is one thread's, over the blocks in order.
-    void groups(int64_t g0, int64_t g1, const int8_t* q, const float* d, const float* s, int64_t M, float* out,
-                const float* residual) const {
-        if (g0 >= g1) return;
-        fn(w, block_bytes, K / 32, g0, g1, q, d, s, M, out, N);
-        if (residual != nullptr)
+    void groups(int64_t g0, int64_t g1, const Quantized& x, int64_t M, float* out, const float* residual,
+                const float* bias = nullptr) const {
+        for (const Part& p : parts) {
+            const int64_t a = std::max(g0, p.first), b = std::min(g1, p.first + p.groups);
+            if (a < b) fn(p.code, p.w, p.nrec, a - p.first, b - p.first, x.q, x.d, x.s, x.h, M, out + 16 * p.first, N);
+        }
+        if (residual != nullptr && g0 < g1)
             for (int64_t m = 0; m < M; ++m)
                 for (int64_t c = 16 * g0; c < 16 * g1; ++c) out[m * N + c] += residual[m * N + c];
+        if (bias != nullptr && g0 < g1)
+            for (int64_t m = 0; m < M; ++m)
+                for (int64_t c = 16 * g0; c < 16 * g1; ++c) out[m * N + c] += bias[c];
     }
 };
 
@@ -128,18 +153,16 @@ std::pair<int64_t, int64_t> share_by_cost(int64_t n, Cost cost) {
 
 }  // namespace
 
-// y = f(x) W^T (+ residual): x float32 [M, K] (K a multiple of 32; [M, 2K] with glu), w the packed
-// uint8 weight of format 4 or 8 with N output columns; f is the identity, an RMSNorm with
-// `norm_weight` and `eps`, or (glu) silu(x[:, :K]) * x[:, K:]. Returns float32 [M, N].
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N,
-                      std::optional<torch::Tensor> norm_weight, double eps, bool glu,
-                      std::optional<torch::Tensor> residual) {
+// y = f(x) W^T (+ residual): x float32 [M, K] (K a multiple of 32; [M, 2K] with glu), w the
+// quantized weights with N output columns; f is the identity, an RMSNorm with `norm_weight` and
+// `eps`, or (glu) silu(x[:, :K]) * x[:, K:]. Returns float32 [M, N].
+torch::Tensor qlinear(torch::Tensor x, std::shared_ptr<Weights> w, std::optional<torch::Tensor> norm_weight, double eps,
+                      bool glu, std::optional<torch::Tensor> residual) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qlinear wants float32 [M, K] input");
-    const Packed lin(w, fmt, N);
+    const Weights& lin = *w;
     x = x.contiguous();
-    const int64_t M = x.size(0), stride = x.size(1), K = glu ? stride / 2 : stride;
-    TORCH_CHECK(K % 32 == 0, "qlinear wants K a multiple of 32");
-    TORCH_CHECK(K == lin.K, "qlinear weight size does not match N and K");
+    const int64_t M = x.size(0), stride = x.size(1), K = glu ? stride / 2 : stride, N = lin.N;
+    TORCH_CHECK(K == lin.K, "qlinear: the input's size does not match the weights'");
     const int64_t nblocks = K / 32, groups = N / 16;
     torch::Tensor nw;
     if (norm_weight.has_value()) {
@@ -152,21 +175,20 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t N,
         res = residual->reshape({M, N}).to(torch::kFloat32).contiguous();
     }
     auto xq = torch::empty({M, K}, torch::kInt8);
-    auto xd = torch::empty({M, nblocks}, torch::kFloat32);
-    auto xs = torch::empty({M, nblocks}, torch::kFloat32);
-    int8_t* qp = xq.data_ptr<int8_t>();
-    float *dp = xd.data_ptr<float>(), *sp = xs.data_ptr<float>();
+    auto scales = torch::empty({4, M, nblocks}, torch::kFloat32);  // d, s, h (two per block)
+    const Quantized xin{xq.data_ptr<int8_t>(), scales[0].data_ptr<float>(), scales[1].data_ptr<float>(),
+                        scales[2].data_ptr<float>()};
     at::parallel_for(0, M, std::max<int64_t>(1, 64 / nblocks), [&](int64_t m0, int64_t m1) {
         std::vector<float> buf(K);
         quantize_rows(x.data_ptr<float>(), stride, K, norm_weight.has_value() ? nw.data_ptr<float>() : nullptr,
-                      static_cast<float>(eps), glu, qp, dp, sp, m0, m1, buf.data());
+                      static_cast<float>(eps), glu, xin.q, xin.d, xin.s, xin.h, m0, m1, buf.data());
     });
     torch::Tensor out = torch::empty({M, N}, torch::kFloat32);
     // A chunk of column groups worth at least ~2k block dot products, so small matrices stay on
     // one thread instead of paying for a parallel region.
     const int64_t grain = std::max<int64_t>(1, 1024 / (nblocks * M));
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-        lin.groups(g0, g1, qp, dp, sp, M, out.data_ptr<float>(), residual.has_value() ? res.data_ptr<float>() : nullptr);
+        lin.groups(g0, g1, xin, M, out.data_ptr<float>(), residual.has_value() ? res.data_ptr<float>() : nullptr);
     });
     return out;
 }
@@ -206,44 +228,84 @@ torch::Tensor greedy(torch::Tensor logits) {
     return out;
 }
 
-// Rows `index` [T] of a packed weight of format 4 or 8 with K inputs, dequantized to float32 [T, K]:
-// q * d (+ m), one rounding after each step, as quant.Blocks.dequantize computes them (an embedding
-// lookup of a tied output layer).
-torch::Tensor dequantize_rows(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor index) {
-    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "dequantize_rows wants a packed uint8 weight");
-    TORCH_CHECK((fmt == 4 || fmt == 8) && K % 32 == 0, "dequantize_rows wants format 4 or 8 and K a multiple of 32");
-    const int64_t half = fmt == 4 ? 160 : 272, nb = K / 32, N = w.numel() / (2 * half * nb) * 16;
+namespace {
+
+float half_at(const uint8_t* p) {
+    uint16_t bits;
+    std::memcpy(&bits, p, 2);
+    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Column c (0..15) of a group of format F, dequantized into y [K]: the GGUF type's own formula
+// (gguf's dequantize: d * (q - 8) for Q4_0, d * q + m for Q4_1, (d * sc) * q - dmin * m for Q4_K,
+// ...), one rounding after each step, as quant.QWeight.dequantize computes it.
+template <class F, int C>
+void dequantize_column(const uint8_t* group, int64_t nrec, int c, float* y) {
+    for (int64_t rec = 0; rec < nrec; ++rec, group += F::record) {
+        const float d = F::k_quant ? half_at(group + 2 * c) : 0.f;
+        const float dmin = F::k_quant && C != kQ6_K ? half_at(group + 32 + 2 * c) : 0.f;
+        for (int j = 0; j < F::blocks; ++j, y += 32) {
+            const uint8_t* blk = group + F::head + j * F::block;
+            const uint8_t* sc = blk + F::weights;
+            int q[32];
+            for (int v = 0; v < (F::bits == 8 ? 8 : 4); ++v)
+                for (int i = 0; i < 4; ++i) {
+                    const uint8_t byte = blk[64 * v + 4 * c + i];
+                    if (F::bits == 8) {
+                        q[4 * v + i] = static_cast<int8_t>(byte);
+                        continue;
+                    }
+                    int lo = byte & 0x0F, hi = byte >> 4;
+                    if (F::bits == 5) {
+                        const uint8_t p = blk[256 + 4 * c + i];
+                        lo |= ((p >> v) & 1) << 4;
+                        hi |= ((p >> (4 + v)) & 1) << 4;
+                    } else if (F::bits == 6) {
+                        lo |= ((blk[256 + 4 * c + i] >> (2 * v)) & 3) << 4;
+                        hi |= ((blk[320 + 4 * c + i] >> (2 * v)) & 3) << 4;
+                    }
+                    q[4 * v + i] = lo;
+                    q[16 + 4 * v + i] = hi;
+                }
+            for (int i = 0; i < 32; ++i) {
+                const float x = static_cast<float>(q[i]);
+                if constexpr (C == kQ4_0 || C == kQ5_0) {
+                    y[i] = half_at(sc + 2 * c) * static_cast<float>(q[i] - (C == kQ4_0 ? 8 : 16));
+                } else if constexpr (C == kQ4_1 || C == kQ5_1) {
+                    y[i] = half_at(sc + 2 * c) * x + half_at(sc + 32 + 2 * c);
+                } else if constexpr (C == kQ8_0) {
+                    y[i] = half_at(sc + 2 * c) * x;
+                } else if constexpr (C == kQ6_K) {
+                    const float s = d * static_cast<float>(static_cast<int8_t>(sc[(i < 16 ? 0 : 16) + c]));
+                    y[i] = s * static_cast<float>(q[i] - 32);
+                } else {  // Q4_K, Q5_K
+                    const float s = d * static_cast<float>(sc[c]), m = dmin * static_cast<float>(sc[16 + c]);
+                    y[i] = s * x - m;
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// Rows `index` [T] of quantized weights (output columns of the layer), dequantized to float32
+// [T, K] (an embedding lookup of a tied output layer, or of a quantized embedding).
+torch::Tensor dequantize_rows(std::shared_ptr<Weights> w, torch::Tensor index) {
     const auto rows = index.to(torch::kInt64).contiguous();
-    const int64_t T = rows.numel();
+    const int64_t T = rows.numel(), K = w->K;
     auto out = torch::empty({T, K}, torch::kFloat32);
     const int64_t* ids = rows.data_ptr<int64_t>();
-    const uint8_t* base = w.data_ptr<uint8_t>();
-    auto half_float = [](const uint8_t* p) {
-        uint16_t bits;
-        std::memcpy(&bits, p, 2);
-        return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-    };
     for (int64_t t = 0; t < T; ++t) {
         const int64_t i = ids[t];
-        TORCH_CHECK(i >= 0 && i < N, "dequantize_rows: row index out of range");
-        const int64_t c = i % 8;
-        float* y = out.data_ptr<float>() + t * K;
-        for (int64_t b = 0; b < nb; ++b, y += 32) {
-            const uint8_t* blk = base + ((i / 16) * nb + b) * 2 * half + ((i % 16) / 8) * half;
-            if (fmt == 4) {
-                const float d = half_float(blk + 128 + 2 * c), m = half_float(blk + 144 + 2 * c);
-                for (int v = 0; v < 4; ++v)
-                    for (int j = 0; j < 4; ++j) {
-                        const uint8_t byte = blk[32 * v + 4 * c + j];
-                        float lo = static_cast<float>(byte & 0x0F) * d, hi = static_cast<float>(byte >> 4) * d;
-                        y[4 * v + j] = lo + m;
-                        y[16 + 4 * v + j] = hi + m;
-                    }
-            } else {
-                const float d = half_float(blk + 256 + 2 * c);
-                for (int v = 0; v < 8; ++v)
-                    for (int j = 0; j < 4; ++j) y[4 * v + j] = static_cast<float>(static_cast<int8_t>(blk[32 * v + 4 * c + j])) * d;
-            }
+        TORCH_CHECK(i >= 0 && i < w->N, "dequantize_rows: row index out of range");
+        for (const auto& p : w->parts) {
+            if (i / 16 < p.first || i / 16 >= p.first + p.groups) continue;
+            by_format(p.code, [&](auto f, auto c) {
+                const uint8_t* group = p.w + (i / 16 - p.first) * p.nrec * f.record;
+                dequantize_column<decltype(f), decltype(c)::value>(group, p.nrec, static_cast<int>(i % 16),
+                                                                   out.data_ptr<float>() + t * K);
+            });
         }
     }
     return out;
@@ -497,44 +559,46 @@ torch::Tensor attend_cached(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 }
 
 // One decoder layer on quantized weights, as the native stack runs it: RMSNorm (in_norm), the fused
-// q/k/v projection, rope + cache write + attention, the output projection plus the input, RMSNorm
-// (post_norm), gate/up, silu(gate) * up, down plus the residual. Each linear is a packed weight
-// with its format and output columns, as qlinear takes them; H q heads, KV kv heads.
+// q/k/v projection (plus its bias, where the model has one: Qwen2), rope + cache write + attention,
+// the output projection plus the input, RMSNorm (post_norm), gate/up, silu(gate) * up, down plus the
+// residual. H q heads, KV kv heads.
 struct Layer {
-    torch::Tensor in_norm, post_norm, weights[4];  // weights: what `linears` point into, kept alive
+    torch::Tensor in_norm, post_norm, qkv_bias;
     float in_eps, post_eps;
-    std::vector<Packed> linears;  // qkv, o, gate_up, down
+    std::shared_ptr<Weights> linears[4];  // qkv, o, gate_up, down
     int64_t H, KV, hidden, D, inter;
 
-    Layer(torch::Tensor in_norm_, double in_eps_, torch::Tensor qkv, int64_t qkv_fmt, int64_t qkv_n, torch::Tensor o,
-          int64_t o_fmt, int64_t o_n, torch::Tensor post_norm_, double post_eps_, torch::Tensor gate_up,
-          int64_t gate_up_fmt, int64_t gate_up_n, torch::Tensor down, int64_t down_fmt, int64_t down_n, int64_t H_,
-          int64_t KV_)
+    Layer(torch::Tensor in_norm_, double in_eps_, std::shared_ptr<Weights> qkv, std::shared_ptr<Weights> o,
+          torch::Tensor post_norm_, double post_eps_, std::shared_ptr<Weights> gate_up, std::shared_ptr<Weights> down,
+          int64_t H_, int64_t KV_, std::optional<torch::Tensor> bias)
         : in_norm(in_norm_.to(torch::kFloat32).contiguous()), post_norm(post_norm_.to(torch::kFloat32).contiguous()),
-          weights{qkv, o, gate_up, down}, in_eps(static_cast<float>(in_eps_)), post_eps(static_cast<float>(post_eps_)),
-          linears{Packed(qkv, qkv_fmt, qkv_n), Packed(o, o_fmt, o_n), Packed(gate_up, gate_up_fmt, gate_up_n),
-                  Packed(down, down_fmt, down_n)},
-          H(H_), KV(KV_) {
-        hidden = linears[0].K;
-        D = qkv_n / (H + 2 * KV);
-        inter = linears[3].K;
-        TORCH_CHECK(H % KV == 0 && D % 8 == 0 && qkv_n == (H + 2 * KV) * D, "decoder layer: bad head counts");
-        TORCH_CHECK(linears[1].K == H * D && o_n == hidden && linears[2].K == hidden && gate_up_n == 2 * inter &&
-                        down_n == hidden && in_norm.numel() == hidden && post_norm.numel() == hidden,
+          in_eps(static_cast<float>(in_eps_)), post_eps(static_cast<float>(post_eps_)),
+          linears{std::move(qkv), std::move(o), std::move(gate_up), std::move(down)}, H(H_), KV(KV_) {
+        hidden = linears[0]->K;
+        D = linears[0]->N / (H + 2 * KV);
+        inter = linears[3]->K;
+        TORCH_CHECK(H % KV == 0 && D % 8 == 0 && linears[0]->N == (H + 2 * KV) * D, "decoder layer: bad head counts");
+        TORCH_CHECK(linears[1]->K == H * D && linears[1]->N == hidden && linears[2]->K == hidden &&
+                        linears[2]->N == 2 * inter && linears[3]->N == hidden && in_norm.numel() == hidden &&
+                        post_norm.numel() == hidden,
                     "decoder layer: the weights' shapes do not fit together");
+        if (bias.has_value()) {
+            qkv_bias = bias->to(torch::kFloat32).contiguous();
+            TORCH_CHECK(qkv_bias.numel() == linears[0]->N, "decoder layer: the q/k/v bias differs in size");
+        }
     }
 };
 
-// The model's final RMSNorm and its output layer (a packed weight of N columns), which decoder_layers
-// can run after the last layer with the same team of threads.
+// The model's final RMSNorm and its output layer, which decoder_layers can run after the last layer
+// with the same team of threads.
 struct Head {
-    torch::Tensor norm, weight;  // weight: what `lin` points into, kept alive
+    torch::Tensor norm;
     float eps;
-    Packed lin;
+    std::shared_ptr<Weights> lin;
 
-    Head(torch::Tensor norm_, double eps_, torch::Tensor w, int64_t fmt, int64_t n)
-        : norm(norm_.to(torch::kFloat32).contiguous()), weight(w), eps(static_cast<float>(eps_)), lin(w, fmt, n) {
-        TORCH_CHECK(norm.numel() == lin.K, "head: the norm and the output layer differ in size");
+    Head(torch::Tensor norm_, double eps_, std::shared_ptr<Weights> w)
+        : norm(norm_.to(torch::kFloat32).contiguous()), eps(static_cast<float>(eps_)), lin(std::move(w)) {
+        TORCH_CHECK(norm.numel() == lin->K, "head: the norm and the output layer differ in size");
     }
 };
 
@@ -584,18 +648,19 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
         kept.push_back(torch::empty({B, T, hidden}, torch::kFloat32));
     }
     const int64_t R = head ? static_cast<int64_t>(logit_rows.size()) : 0;
-    TORCH_CHECK(!head || head->lin.K == hidden, "decoder_layers: the head's size differs from the layers'");
+    TORCH_CHECK(!head || head->lin->K == hidden, "decoder_layers: the head's size differs from the layers'");
     TORCH_CHECK(R <= M, "decoder_layers: more logit rows than rows");
     for (const int64_t r : logit_rows) TORCH_CHECK(r >= 0 && r < M, "decoder_layers: logit row out of range");
-    auto logits = torch::empty({R, head ? head->lin.N : 0}, torch::kFloat32);
+    auto logits = torch::empty({R, head ? head->lin->N : 0}, torch::kFloat32);
     auto normed = head ? torch::empty({B, T, hidden}, torch::kFloat32) : state;
     const int64_t K = std::max({hidden, H * D, inter});
     auto f32 = [](int64_t n) { return torch::empty({std::max<int64_t>(n, 1)}, torch::kFloat32); };
     auto xq_t = torch::empty({M * K}, torch::kInt8);
-    auto xd_t = f32(M * K / 32), xs_t = f32(M * K / 32), qkv_t = f32(M * F), q_t = f32(M * H * D),
+    auto xd_t = f32(M * K / 32), xs_t = f32(M * K / 32), xh_t = f32(M * K / 16), qkv_t = f32(M * F), q_t = f32(M * H * D),
          att_t = f32(M * H * D), h_t = f32(M * hidden), gu_t = f32(M * 2 * inter);
     int8_t* xq = xq_t.data_ptr<int8_t>();
-    float *xd = xd_t.data_ptr<float>(), *xs = xs_t.data_ptr<float>(), *qkv = qkv_t.data_ptr<float>(),
+    float *xd = xd_t.data_ptr<float>(), *xs = xs_t.data_ptr<float>(), *xh = xh_t.data_ptr<float>(),
+          *qkv = qkv_t.data_ptr<float>(),
           *q = q_t.data_ptr<float>(), *att = att_t.data_ptr<float>(), *h = h_t.data_ptr<float>(),
           *gu = gu_t.data_ptr<float>(), *hs = state.data_ptr<float>();  // hs: the running hidden state
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -613,20 +678,20 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
             // other), more are split between the threads.
             const bool own = M <= kOwnRows;
             std::vector<int8_t> own_q(own ? M * K : 0);
-            std::vector<float> own_d(own ? M * K / 32 : 0), own_s(own ? M * K / 32 : 0);
-            int8_t* q8 = own ? own_q.data() : xq;
-            float *qd = own ? own_d.data() : xd, *qs = own ? own_s.data() : xs;
+            std::vector<float> own_d(own ? M * K / 32 : 0), own_s(own ? M * K / 32 : 0), own_h(own ? M * K / 16 : 0);
+            const Quantized rows = own ? Quantized{own_q.data(), own_d.data(), own_s.data(), own_h.data()}
+                                       : Quantized{xq, xd, xs, xh};
             // the rows of `in` quantized as a linear reads them, then this thread's column groups
             // of the linear, then a barrier (the next step reads every column)
-            auto linear = [&](const Packed& lin, const float* in, int64_t stride, const float* norm, float eps, bool glu,
-                              float* out, const float* residual) {
+            auto linear = [&](const Weights& lin, const float* in, int64_t stride, const float* norm, float eps, bool glu,
+                              float* out, const float* residual, const float* bias = nullptr) {
                 const auto [m0, m1] = own ? std::pair<int64_t, int64_t>{0, M} : share(M);
-                quantize_rows(in, stride, lin.K, norm, eps, glu, q8, qd, qs, m0, m1, buf.data());
+                quantize_rows(in, stride, lin.K, norm, eps, glu, rows.q, rows.d, rows.s, rows.h, m0, m1, buf.data());
                 if (!own) {
 #pragma omp barrier
                 }
                 const auto [g0, g1] = share(lin.N / 16);
-                lin.groups(g0, g1, q8, qd, qs, M, out, residual);
+                lin.groups(g0, g1, rows, M, out, residual, bias);
 #pragma omp barrier
             };
             for (size_t i = 0; i < layers.size(); ++i) {
@@ -635,7 +700,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
                     if (save[j] == static_cast<int64_t>(i) && omp_get_thread_num() == 0)
                         std::memcpy(kept[j].data_ptr<float>(), hs, M * hidden * sizeof(float));
                 E *kc = kbase + (first + i) * layer_stride, *vc = vbase + (first + i) * layer_stride;
-                linear(l.linears[0], hs, hidden, l.in_norm.data_ptr<float>(), l.in_eps, false, qkv, nullptr);
+                linear(*l.linears[0], hs, hidden, l.in_norm.data_ptr<float>(), l.in_eps, false, qkv, nullptr,
+                       l.qkv_bias.defined() ? l.qkv_bias.data_ptr<float>() : nullptr);
                 {
                     const auto [r0, r1] = share(M);
                     rope_and_store(r0, r1, qkv, cp, sp, H, KV, D, at, kc, vc, capacity, q, k.data());
@@ -647,9 +713,9 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
                     attend_cache_items<E>(i0, i1, q, H, KV, heads_per_item, D, at, kc, vc, capacity, scores.data(), att);
                 }
 #pragma omp barrier
-                linear(l.linears[1], att, H * D, nullptr, 0.f, false, h, hs);
-                linear(l.linears[2], h, hidden, l.post_norm.data_ptr<float>(), l.post_eps, false, gu, nullptr);
-                linear(l.linears[3], gu, 2 * l.inter, nullptr, 0.f, true, hs, h);
+                linear(*l.linears[1], att, H * D, nullptr, 0.f, false, h, hs);
+                linear(*l.linears[2], h, hidden, l.post_norm.data_ptr<float>(), l.post_eps, false, gu, nullptr);
+                linear(*l.linears[3], gu, 2 * l.inter, nullptr, 0.f, true, hs, h);
             }
             if (head) {
                 // the final norm of every row (the features a draft head reads), then the output
@@ -663,12 +729,12 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<std::shar
                 const int64_t nb = hidden / 32;
                 for (int64_t r = r0; r < r1; ++r)
                     avx2::quantize_input(xn + logit_rows[r] * hidden, hidden, nullptr, 0.f, false, buf.data(),
-                                         q8 + r * hidden, qd + r * nb, qs + r * nb);
+                                         rows.q + r * hidden, rows.d + r * nb, rows.s + r * nb, rows.h + r * 2 * nb);
                 if (!own) {
 #pragma omp barrier
                 }
-                const auto [g0, g1] = share(head->lin.N / 16);
-                head->lin.groups(g0, g1, q8, qd, qs, R, logits.data_ptr<float>(), nullptr);
+                const auto [g0, g1] = share(head->lin->N / 16);
+                head->lin->groups(g0, g1, rows, R, logits.data_ptr<float>(), nullptr);
             }
         }
     });
@@ -690,20 +756,24 @@ double int8_peak() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("qlinear", &qlinear, "quantized linear: float32 [M, K] x packed weight -> float32 [M, N]",
-          py::arg("x"), py::arg("w"), py::arg("fmt"), py::arg("n"), py::arg("norm_weight") = py::none(),
-          py::arg("eps") = 0.0, py::arg("glu") = false, py::arg("residual") = py::none());
+    py::class_<Weights, std::shared_ptr<Weights>>(m, "Weights", "one linear layer's quantized weights, its parts side by side")
+        .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t>(), py::arg("parts"), py::arg("codes"),
+             py::arg("k"))
+        .def_readonly("n", &Weights::N)
+        .def_readonly("k", &Weights::K);
+    m.def("qlinear", &qlinear, "quantized linear: float32 [M, K] x quantized weights -> float32 [M, N]",
+          py::arg("x"), py::arg("w"), py::arg("norm_weight") = py::none(), py::arg("eps") = 0.0, py::arg("glu") = false,
+          py::arg("residual") = py::none());
     m.def("greedy", &greedy, "each row's first largest value's index (torch.max over the last dimension)");
     m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as the kernels compute it inside a layer");
-    m.def("dequantize_rows", &dequantize_rows, "rows of a packed weight, dequantized to float32");
+    m.def("dequantize_rows", &dequantize_rows, "rows of quantized weights, dequantized to float32");
     m.def("attention", &attention, "grouped-query attention, each query row's sums in cache order");
     m.def("attend_cached", &attend_cached, "rope, KV-cache write and attention of one decoder layer");
     py::class_<Layer, std::shared_ptr<Layer>>(m, "Layer", "a decoder layer's quantized weights, as decoder_layers runs them")
-        .def(py::init<torch::Tensor, double, torch::Tensor, int64_t, int64_t, torch::Tensor, int64_t, int64_t,
-                      torch::Tensor, double, torch::Tensor, int64_t, int64_t, torch::Tensor, int64_t, int64_t, int64_t,
-                      int64_t>());
+        .def(py::init<torch::Tensor, double, std::shared_ptr<Weights>, std::shared_ptr<Weights>, torch::Tensor, double,
+                      std::shared_ptr<Weights>, std::shared_ptr<Weights>, int64_t, int64_t, std::optional<torch::Tensor>>());
     py::class_<Head, std::shared_ptr<Head>>(m, "Head", "the final norm and output layer, as decoder_layers runs them")
-        .def(py::init<torch::Tensor, double, torch::Tensor, int64_t, int64_t>());
+        .def(py::init<torch::Tensor, double, std::shared_ptr<Weights>>());
     m.def("decoder_layers", &decoder_layers, "decoder layers on quantized weights in one call, one team of threads",
           py::arg("x"), py::arg("layers"), py::arg("first"), py::arg("cos"), py::arg("sin"), py::arg("kcache"),
           py::arg("vcache"), py::arg("slots"), py::arg("starts"), py::arg("bias"), py::arg("save"),
