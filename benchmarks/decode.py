@@ -126,7 +126,7 @@ def weight_bytes(model, dtype: torch.dtype) -> tuple[int, int]:
         seen.add(id(m))
         if isinstance(m, QLinear):  # its packed blocks (or its dequantized weight without the kernels)
             count += m.out_features * m.in_features
-            nbytes += m.packed.numel() if m.packed is not None else m.weight.numel() * m.weight.element_size()
+            nbytes += sum(p.data.numel() for p in m.parts) if m.parts is not None else m.weight.numel() * m.weight.element_size()
             continue
         for pname, p in m.named_parameters(recurse=False):
             if f"{name}.{pname}" == "embed.weight" or id(p) in seen:

@@ -1,31 +1,37 @@
-"""The peer comparison: llama.cpp on the same GGUF file beside our plain, EAGLE and SpecSoT decoding.
+"""The peer comparison: llama.cpp as its users run it (its own llama-server) on the same GGUF file,
+beside our plain, EAGLE and SpecSoT decoding.
 
 Every engine answers the same chat prompts (MT-bench first turns by default) greedily, up to
 --max-tokens per phase, with the CLI's loop rule (an output ends when its last --repeat-stop tokens
-already ran earlier in it; the same LoopWatch drives llama.cpp's loop), on --threads threads each.
-llama.cpp is llama-cpp-python (`pip install -e '.[peer]'`, built from source: about 6 minutes),
-fed our chat prompt's token ids, so both read the same prompt. Each answer is timed from the
-question to its last token. Prints a table per question, the medians of the time to a complete
-answer and of tok/s, and ends with one JSON line: `plain_vs_llamacpp`, `eagle_vs_llamacpp`,
-`specsot_vs_llamacpp` and `specsot_vs_llamacpp_sot_routed` (median over questions of llama.cpp's
-seconds over ours: above 1 is faster than llama.cpp), tok/s per engine, the CPU flags seen, and
-`ways`: how the EAGLE and SpecSoT steps speculated (steps per way; recent ms per token by batch size).
+already ran earlier in it), on --threads threads each. llama.cpp is llama-server, the C++ server
+(benchmarks/setup_llamacpp.sh builds it from the llama.cpp source in the llama-cpp-python 0.3.36
+sdist: about 5 minutes), started here with its defaults (one slot, prompt caching on) and fed our
+chat prompt's token ids, so both read the same prompt; its time to an answer is its own timings
+(prompt_ms, and predicted_ms up to the token where the loop rule ends the answer, as ours would
+end it), not the HTTP round trip. Ours is timed from the question to its last token. Prints a table
+per question, the medians of the time to a complete answer and of tok/s, and ends with one JSON
+line: `plain_vs_llamacpp`, `eagle_vs_llamacpp`, `specsot_vs_llamacpp` and
+`specsot_vs_llamacpp_sot_routed` (median over questions of llama.cpp's seconds over ours: above 1
+is faster than llama.cpp), tok/s per engine, the CPU flags seen, and `ways`: how the EAGLE and
+SpecSoT steps speculated (steps per way; recent ms per token by batch size).
 
-    python benchmarks/peer.py [--limit 16] [--per-category 2] [--max-tokens 256] [--threads 2]
+    benchmarks/setup_llamacpp.sh        # once
+    python benchmarks/peer.py [--limit 16] [--per-category 2] [--max-tokens 256] [--threads 2] [--llamacpp DIR]
 
 Both engines name the instruction set they ran (`kernel_isa`, our kernels' path; `llamacpp_isa`,
-llama.cpp's build flags). On an AVX-512 machine, `SPECSOT_KERNEL_ISA=avx2` holds our kernels to their
-AVX2 path and `--llamacpp-lib DIR` loads another llama.cpp build's libraries, e.g. one built for AVX2
-only (benchmarks/README.md), so both run the code an AVX2-only CPU would.
+from llama-server's system info). On an AVX-512 machine, `SPECSOT_KERNEL_ISA=avx2` holds our
+kernels to their AVX2 path and `--llamacpp DIR` runs another llama.cpp build, e.g. one built for
+AVX2 only (benchmarks/README.md), so both run the code an AVX2-only CPU would.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,11 +66,69 @@ def cpu_flags() -> dict:
             "amx": any(f.startswith("amx") for f in flags)}  # fmt: skip
 
 
-def llamacpp_isa(llama_cpp) -> str:
-    """The vector instruction sets llama.cpp was built for, from its system info ("AVX2 = 1 | ...")."""
-    info = llama_cpp.llama_print_system_info().decode()
-    names = [f.split("=")[0].strip() for f in info.replace("CPU :", "").split("|") if f.strip().endswith("= 1")]
-    return " ".join(n for n in names if n.startswith(("AVX", "AMX", "F16C", "FMA"))) or info.strip()
+class LlamaServer:
+    """llama.cpp's own llama-server on a GGUF file, started on a free local port, one request at a time."""
+
+    def __init__(self, folder: Path, gguf: Path, threads: int, ctx: int = 4096):
+        import socket
+
+        binary = folder / "bin" / "llama-server"
+        if not binary.exists():
+            sys.exit(f"llama-server is not in {folder / 'bin'}: run benchmarks/setup_llamacpp.sh first (about 5 minutes)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen([str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c",
+                                         str(ctx), "-np", "1", "--host", "127.0.0.1", "--port", str(self.port)],
+                                        stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.time() + 120
+        while self.request("GET", "/health") is None:
+            if self.process.poll() is not None or time.time() > deadline:
+                sys.exit(f"llama-server did not start: {self.log_text()[-1500:]}")
+            time.sleep(0.2)
+
+    def request(self, method: str, path: str, body: dict | None = None) -> dict | None:
+        import http.client
+
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+            conn.request(method, path, None if body is None else json.dumps(body), {"Content-Type": "application/json"})
+            reply = conn.getresponse()
+            data = reply.read()
+            return json.loads(data) if reply.status == 200 else None
+        except OSError:
+            return None
+
+    def log_text(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def isa(self) -> str:
+        """The vector instruction sets it was built for, from its system info ("AVX2 = 1 | ...")."""
+        info = next((line for line in self.log_text().splitlines() if "system_info" in line or "CPU :" in line), "")
+        names = [f.split("=")[0].strip() for f in info.split("|") if f.strip().endswith("= 1")]
+        return " ".join(n.split()[-1] for n in names if n.split()[-1].startswith(("AVX", "AMX", "F16C", "FMA"))) or "?"
+
+    def answer(self, ids: list[int], max_tokens: int, repeat_stop: int) -> tuple[float, int]:
+        """Its greedy answer to prompt ids, ended as ours are: (its own seconds, tokens)."""
+        reply = self.request("POST", "/completion", {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0,
+                                                     "top_k": 1, "return_tokens": True, "stream": False})  # fmt: skip
+        if reply is None:
+            sys.exit(f"llama-server failed a request: {self.log_text()[-1500:]}")
+        tokens, t = reply["tokens"], reply["timings"]
+        watch = LoopWatch(repeat_stop) if repeat_stop else None
+        n = len(tokens)
+        for i, token in enumerate(tokens):
+            if watch is not None and watch.add(token):
+                n = i + 1
+                break
+        predicted = t["predicted_ms"] * n / max(t["predicted_n"], 1)
+        return (t["prompt_ms"] + predicted) / 1e3, n
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
 
 
 def gguf_file(name: str) -> Path:
@@ -74,19 +138,6 @@ def gguf_file(name: str) -> Path:
     if not path.exists():
         download_gguf(name, path.parent)
     return path
-
-
-def llama_answer(llm, ids: list[int], max_tokens: int, repeat_stop: int, eos: set[int]) -> int:
-    """llama.cpp's greedy answer to prompt ids, ended as ours are; returns its token count."""
-    watch = LoopWatch(repeat_stop) if repeat_stop else None
-    n = 0
-    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-        if token in eos:
-            break
-        n += 1
-        if n >= max_tokens or (watch is not None and watch.add(token)):
-            break
-    return n
 
 
 def main(argv=None) -> dict:
@@ -101,33 +152,24 @@ def main(argv=None) -> dict:
     p.add_argument("--max-parallel", type=int, default=8)
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--json-only", action="store_true")
-    p.add_argument("--llamacpp-lib", type=Path, default=None,
-                   help="a folder of llama.cpp libraries to load instead of the installed wheel's (LLAMA_CPP_LIB_PATH)")
+    p.add_argument("--llamacpp", type=Path, default=None,
+                   help="the folder benchmarks/setup_llamacpp.sh built (default $SPECSOT_HOME/llamacpp)")
     add_dtype_option(p)
     args = p.parse_args(argv)
     args.model = None
     engines = [e for e in ENGINES if e in args.engines.split(",")]
-    if args.llamacpp_lib is not None:
-        if not (args.llamacpp_lib / "libllama.so").exists():
-            sys.exit(f"--llamacpp-lib {args.llamacpp_lib}: no libllama.so there (see benchmarks/README.md to build one)")
-        os.environ["LLAMA_CPP_LIB_PATH"] = str(args.llamacpp_lib.resolve())
-    try:
-        import llama_cpp
-        from llama_cpp import Llama
-    except ImportError:
-        sys.exit("benchmarks/peer.py needs llama-cpp-python: pip install -e '.[peer]' (builds llama.cpp, ~6 min)")
     torch.set_num_threads(args.threads)
     out = Console(quiet=args.json_only, soft_wrap=True)
     dtype = chosen_dtype(args)
     questions, source = load_prompts(args.questions, args.limit, args.per_category)
     folder, tokenizer, model, head, draft_path = load_with_draft(None, args.draft, dtype, args.quantize)
-    llm = Llama(model_path=str(gguf_file(DEFAULT_MODEL)), n_ctx=4096, n_threads=args.threads,
-                n_threads_batch=args.threads, verbose=False)  # fmt: skip
+    server = None
+    if "llamacpp" in engines:
+        server = LlamaServer(args.llamacpp or specsot_home() / "llamacpp", gguf_file(DEFAULT_MODEL), args.threads)
     plain = Generator(model, tokenizer, max_len=2048)
     eagle = Generator(model, tokenizer, max_len=2048, num_slots=args.max_parallel, draft=head)
     specsot = SoTEngine(eagle, SoTConfig(max_parallel=args.max_parallel))
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
-    eos = set(model.cfg.eos_token_ids)
     # EAGLE and SpecSoT share one generator: each keeps its own History of outputs (prompt lookup's
     # guesses from earlier answers), or SpecSoT's direct answers would copy EAGLE's to the same question
     histories = {"eagle": History(), "specsot": History()}
@@ -136,9 +178,9 @@ def main(argv=None) -> dict:
         ids = chat_prompt_ids(tokenizer, question)
         eagle.history = histories.get(engine, eagle.history)
         start = time.perf_counter()
-        if engine == "llamacpp":
-            n = llama_answer(llm, ids, args.max_tokens, args.repeat_stop, eos)
-            return time.perf_counter() - start, n, "direct"
+        if engine == "llamacpp":  # its own timings
+            seconds, n = server.answer(ids, args.max_tokens, args.repeat_stop)
+            return seconds, n, "direct"
         if engine in ("plain", "eagle"):
             done = (plain if engine == "plain" else eagle).generate(ids, params)
             return time.perf_counter() - start, len(done.token_ids), "direct"
@@ -147,12 +189,16 @@ def main(argv=None) -> dict:
 
     flags = cpu_flags()
     kernel_isa = native().isa() if native() is not None else "none (dequantized weights)"
-    llama_isa = llamacpp_isa(llama_cpp)
+    llama_isa = server.isa() if server is not None else "-"
     out.print(f"CPU {cpu_name()} | {' '.join(k for k, v in flags.items() if v)} | threads {args.threads} | "
               f"our kernels {kernel_isa} | llama.cpp {llama_isa} | "
               f"ours: {args.dtype} | {len(questions)} questions ({source}) | max tokens {args.max_tokens} | "
               f"repeat stop {args.repeat_stop} | draft {draft_path.name}")  # fmt: skip
-    rows = time_answers(engines, questions, run, args.json_only)
+    try:
+        rows = time_answers(engines, questions, run, args.json_only)
+    finally:
+        if server is not None:
+            server.close()
 
     ref = "llamacpp" if "llamacpp" in engines else engines[0]
     table = Table(title=f"seconds to a complete answer (tokens, tok/s) and speed against {ref}")

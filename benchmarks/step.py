@@ -194,7 +194,7 @@ def time_shape(model, cache, b: int, t: int, stride: int, runs: int, gen: torch.
 
 def runs_native(model) -> bool:
     """Whether the model's linears run the native quantized kernels."""
-    return any(isinstance(m, QLinear) and m.packed is not None for m in model.modules())
+    return any(isinstance(m, QLinear) and m.parts is not None for m in model.modules())
 
 
 def gemm_flops(threads: int) -> float:
