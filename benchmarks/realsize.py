@@ -185,18 +185,20 @@ def measure(path: Path, args) -> dict:
     from decode import measure_bandwidth, weight_bytes
     from specsot_mq.loader import load_generator
 
+    from specsot_mq.model import Step
+
     torch.set_num_threads(args.threads)
     resolve_model(str(path), auto_pull=False)  # the one-time conversion, outside the memory figure
     gen = load_generator(str(path), draft="none", max_len=1024)
-    model, cache = gen.model, gen.cache
+    model = gen.model
+    cache = model.new_cache(1, 1024)
     loaded = rss_bytes()
     prompt = torch.randint(0, model.cfg.vocab_size, (1, max(args.prompt_tokens, max(ROWS))))
 
-    def forward(k: int, start: int):
-        return model(prompt[:, :k], torch.arange(start, start + k)[None], cache, slots=[0], last_only=True)
+    def forward(k: int, start: int):  # k new tokens at positions start.., the last one's logits
+        return model(prompt[:, :k], cache, Step([0], [start], torch.arange(start, start + k)[None], logit_rows=[k - 1]))
 
     def timed(fn) -> float:
-        cache.truncate(0, 0)
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start

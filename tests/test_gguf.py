@@ -23,6 +23,7 @@ from ggml_reference import quantize
 from specsot_mq import pull as pull_module
 from specsot_mq.errors import SpecSotError
 from specsot_mq.loader import load_model
+from specsot_mq.model import Step
 from specsot_mq.pull import DEFAULT_MODEL, download_gguf, resolve_model
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -116,7 +117,7 @@ def write_gguf(path: Path, hf_model, arch: str, tokenizer_fields: dict, types=la
 
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return model(ids, torch.arange(ids.shape[1])[None], model.new_cache(1, ids.shape[1])).logits[0]
+        return model(ids, model.new_cache(1, ids.shape[1]), Step.fresh(torch.arange(ids.shape[1])[None])).logits[0]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
