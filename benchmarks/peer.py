@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -72,6 +73,7 @@ class LlamaServer:
     def __init__(self, folder: Path, gguf: Path, threads: int, ctx: int = 4096):
         import socket
 
+        self.folder = folder
         binary = folder / "bin" / "llama-server"
         if not binary.exists():
             sys.exit(f"llama-server is not in {folder / 'bin'}: run benchmarks/setup_llamacpp.sh first (about 5 minutes)")
@@ -105,10 +107,10 @@ class LlamaServer:
         return self.log.read().decode(errors="replace")
 
     def isa(self) -> str:
-        """The vector instruction sets it was built for, from its system info ("AVX2 = 1 | ...")."""
-        info = next((line for line in self.log_text().splitlines() if "system_info" in line or "CPU :" in line), "")
-        names = [f.split("=")[0].strip() for f in info.split("|") if f.strip().endswith("= 1")]
-        return " ".join(n.split()[-1] for n in names if n.split()[-1].startswith(("AVX", "AMX", "F16C", "FMA"))) or "?"
+        """The vector instruction sets it was built for (its build's cmake cache: GGML_AVX2=ON, ...)."""
+        cache = self.folder / "build" / "CMakeCache.txt"
+        flags = re.findall(r"^GGML_(AVX\w*|FMA|F16C|AMX\w*|NATIVE):BOOL=ON$", cache.read_text(), re.M) if cache.exists() else []
+        return " ".join(flags) or "?"
 
     def answer(self, ids: list[int], max_tokens: int, repeat_stop: int) -> tuple[float, int]:
         """Its greedy answer to prompt ids, ended as ours are: (its own seconds, tokens)."""

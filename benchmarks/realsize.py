@@ -167,7 +167,9 @@ def ours(path: Path, args) -> dict:
                           "--prompt-tokens", str(args.prompt_tokens)], capture_output=True, text=True)  # fmt: skip
     if out.returncode:
         raise RuntimeError(f"measuring {path.name} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["row_ms"] = {int(k): v for k, v in result["row_ms"].items()}  # JSON's keys are strings
+    return result
 
 
 def rss_bytes() -> int:
