@@ -272,22 +272,23 @@ def main(argv=None) -> dict | None:
                             "decode_vs_llamacpp": mine["decode_tok_s"] / theirs["decode_tok_s"],
                             "prefill_vs_llamacpp": mine["prefill_tok_s"] / theirs["prefill_tok_s"],
                             "rss_over_file": mine["rss_after"] / path.stat().st_size})  # fmt: skip
-    table = Table(title=f"Real sizes, random weights: ours / llama-bench ({args.threads} threads, {cpu_name()})")
-    for col in ("shape", "type", "MB", "decode tok/s (llama.cpp / ours)", "x", "prefill tok/s", "x",
-                "k-row cost, x one row (k = 1 2 4 8 16)", "read GB/s / bw", "RSS / file"):  # fmt: skip
+    table = Table(title=f"Real sizes, random weights: llama-bench and ours on the same file ({args.threads} threads, "
+                        f"{cpu_name()})")  # fmt: skip
+    for col in ("shape", "type", "MB", "decode tok/s llama.cpp / ours", "x", "prefill tok/s", "x",
+                "k rows = x one row, k = 2 4 8 16: llama.cpp / ours", "read GB/s / bandwidth", "RSS / file"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("shape", "type") else "right")
     for r in results:
         t, o = r["llamacpp"], r["ours"]
 
         def multiples(ms: dict) -> str:
-            return " ".join(f"{ms[k] / ms[1]:.2f}" for k in ROWS)
+            return " ".join(f"{ms[k] / ms[1]:.2f}" for k in ROWS[1:])
 
         table.add_row(r["shape"], r["type"], f"{r['file_bytes'] / 2**20:.0f}",
                       f"{t['decode_tok_s']:.1f} / {o['decode_tok_s']:.1f}", f"{r['decode_vs_llamacpp']:.2f}",
                       f"{t['prefill_tok_s']:.0f} / {o['prefill_tok_s']:.0f}", f"{r['prefill_vs_llamacpp']:.2f}",
                       f"{multiples(t['row_ms'])} / {multiples(o['row_ms'])}",
                       f"{o['read_gb_s']:.1f} / {o['bandwidth_gb_s']:.1f}", f"{r['rss_over_file']:.2f}")  # fmt: skip
-    Console().print(table)
+    Console(width=200).print(table)
     summary = {"cpu": cpu_name(), "avx512_bf16": "avx512_bf16" in Path("/proc/cpuinfo").read_text(),
                "kernel_isa": os.environ.get("SPECSOT_KERNEL_ISA", "native"), "threads": args.threads, "results": results}
     print(json.dumps(summary))

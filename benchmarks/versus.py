@@ -79,8 +79,10 @@ def serve(args) -> None:
 class Worker:
     """One tree's engine in a process of its own."""
 
-    def __init__(self, tree: Path, argv: list[str]):
+    def __init__(self, tree: Path, argv: list[str], home: Path | None = None):
         env = dict(os.environ, PYTHONPATH=str(tree), GOMP_SPINCOUNT="10000")
+        if home is not None:  # a cache of its own: another commit may store the model folder in another format
+            env["SPECSOT_HOME"] = str(home)
         script = tree / "benchmarks" / "versus.py"
         if not script.exists():  # a base older than this script: run this one against its library
             script = Path(__file__).resolve()
@@ -132,7 +134,12 @@ def main(argv=None) -> dict:
         sys.exit(f"benchmarks/versus.py: cannot check out --base {args.base}: {e.stderr.strip()}")
     try:
         print(f"loading {args.base} and this checkout (each builds its kernels once)...", file=sys.stderr)
-        base, ours = Worker(base_dir, worker_argv), Worker(ROOT, worker_argv)
+        from specsot_mq.pull import specsot_home
+
+        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base], capture_output=True,
+                             text=True).stdout.strip()  # fmt: skip
+        base = Worker(base_dir, worker_argv, specsot_home() / "versus" / sha)
+        ours = Worker(ROOT, worker_argv)
         times = {"base": {}, "ours": {}}
         tokens = {"base": {}, "ours": {}}  # each answer's length (greedy: the same every round)
         modes = {}  # how this checkout answered each question

@@ -37,13 +37,6 @@ namespace SPECSOT_ISA {
 
 static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Ask for `bytes` bytes from p on (the same place in the next group) to be brought into L1; nothing
-// when p is null.
-static inline void prefetch_range(const uint8_t* p, int bytes) {
-    if (p == nullptr) return;
-    for (int c = 0; c < bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + c, _MM_HINT_T0);
-}
-
 // Shift each byte's bits by s (left for s > 0), on 16-bit lanes: the callers mask the bits they take,
 // which never come from the neighbouring byte (s from -4 to 4; bits 4-5 taken, or the low nibble after -4).
 #if SPECSOT_VNNI
@@ -212,7 +205,9 @@ static inline void tile(const uint8_t* w, int nrec, const int8_t* const* xq, con
         w += F::head;
         for (int j = 0; j < F::blocks; ++j, w += F::block) {
             const int b = rec * F::blocks + j;
-            prefetch_range(next == nullptr ? nullptr : next + (w - start), F::block);
+            // the same block of the next group brought into L1 while this one computes (see gemm_format)
+            if (next != nullptr)
+                for (int c = 0; c < F::block; c += 64) _mm_prefetch(reinterpret_cast<const char*>(next + (w - start)) + c, _MM_HINT_T0);
             __m512i isum[R], isum_hi[F::split ? R : 1];
             for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
             if constexpr (F::split)
@@ -293,7 +288,9 @@ static inline void tile(const uint8_t* w, int nrec, const int8_t* const* xq, con
         w += F::head;
         for (int j = 0; j < F::blocks; ++j, w += F::block) {
             const int b = rec * F::blocks + j;
-            prefetch_range(next == nullptr ? nullptr : next + (w - start), F::block);
+            // the same block of the next group brought into L1 while this one computes (see gemm_format)
+            if (next != nullptr)
+                for (int c = 0; c < F::block; c += 64) _mm_prefetch(reinterpret_cast<const char*>(next + (w - start)) + c, _MM_HINT_T0);
             __m256i isum[R][G][S];
             if constexpr (C == kQ8_0) {
                 for (int r = 0; r < R; ++r)
