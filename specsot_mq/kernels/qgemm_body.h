@@ -37,24 +37,13 @@ namespace SPECSOT_ISA {
 
 static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Shift each byte's bits by s (left for s > 0), on 16-bit lanes: the callers mask the bits they take,
-// which never come from the neighbouring byte (s from -4 to 4; bits 4-5 taken, or the low nibble after -4).
+// Shift each byte's bits by s (left for s > 0; a constant once the callers' loops unroll), on 16-bit
+// lanes: the callers mask the bits they take, which never come from the neighbouring byte (s from -4
+// to 4; bits 4-5 taken, or the low nibble after -4).
 #if SPECSOT_VNNI
 using VI = __m512i;
 using VF = __m512;
-static inline VI shift_bits(VI x, int s) {
-    switch (s) {
-        case 4: return _mm512_slli_epi16(x, 4);
-        case 3: return _mm512_slli_epi16(x, 3);
-        case 2: return _mm512_slli_epi16(x, 2);
-        case 1: return _mm512_slli_epi16(x, 1);
-        case 0: return x;
-        case -1: return _mm512_srli_epi16(x, 1);
-        case -2: return _mm512_srli_epi16(x, 2);
-        case -3: return _mm512_srli_epi16(x, 3);
-        default: return _mm512_srli_epi16(x, 4);
-    }
-}
+static inline VI shift_bits(VI x, int s) { return s >= 0 ? _mm512_slli_epi16(x, s) : _mm512_srli_epi16(x, -s); }
 static inline VI vand(VI a, VI b) { return _mm512_and_si512(a, b); }
 static inline VI vor(VI a, VI b) { return _mm512_or_si512(a, b); }
 static inline VI bytes_set(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
@@ -72,19 +61,7 @@ static inline VF fset(float v) { return _mm512_set1_ps(v); }
 #else
 using VI = __m256i;
 using VF = __m256;
-static inline VI shift_bits(VI x, int s) {
-    switch (s) {
-        case 4: return _mm256_slli_epi16(x, 4);
-        case 3: return _mm256_slli_epi16(x, 3);
-        case 2: return _mm256_slli_epi16(x, 2);
-        case 1: return _mm256_slli_epi16(x, 1);
-        case 0: return x;
-        case -1: return _mm256_srli_epi16(x, 1);
-        case -2: return _mm256_srli_epi16(x, 2);
-        case -3: return _mm256_srli_epi16(x, 3);
-        default: return _mm256_srli_epi16(x, 4);
-    }
-}
+static inline VI shift_bits(VI x, int s) { return s >= 0 ? _mm256_slli_epi16(x, s) : _mm256_srli_epi16(x, -s); }
 static inline VI vand(VI a, VI b) { return _mm256_and_si256(a, b); }
 static inline VI vor(VI a, VI b) { return _mm256_or_si256(a, b); }
 static inline VI bytes_set(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
