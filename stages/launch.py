@@ -23,7 +23,7 @@ from pathlib import Path
 
 from specsot_mq.devices import Device, device_profiles, is_local, parse_devices
 from specsot_mq.errors import SpecSotError
-from specsot_mq.pull import specsot_home
+from specsot_mq.pull import resolve_model, specsot_home
 from specsot_mq.sot.scheduler import DeviceProfile, default_profiles_path, load_profiles
 from specsot_mq.stages.base import RunSpec, parse_overrides
 from specsot_mq.transports import TOPOLOGIES
@@ -78,6 +78,10 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
                     options.threads, model=options.model, dtype=options.dtype, quantize=options.quantize, draft=options.draft, tree=options.tree,
                     sot=sot, overrides=parse_overrides(options.stages), prefix_cache_mb=options.prefix_cache_mb,
                     max_len=options.max_len)  # fmt: skip
+    # pulled, or converted from a .gguf, once here before the stages start (the gateway, parse,
+    # schedule and merge run on this host and read its tokenizer) rather than by the first of them;
+    # a bad model name fails now. Remote hosts resolve it themselves.
+    resolve_model(options.model)
     launcher = Launcher(spec, run_dir, remote=options.remote, restart=options.restart)
     launcher.start()
     return launcher, spec
