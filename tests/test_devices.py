@@ -80,7 +80,8 @@ def test_stage_overrides_are_checked(flag, message):
 
 def test_a_stage_process_bounds_openmp_spinning_before_torch_loads():
     """Idle OpenMP threads of a stage must sleep after a short spin (busy stages on one host share
-    its cores, core_share.py), and OpenMP reads that setting once, when torch loads it."""
+    its cores, core_share.py), and OpenMP reads that setting once, when torch loads it: the runner
+    sets it on import, before a device stage imports torch (the other stages never do)."""
     # An import hook notes the settings at the moment torch is first imported.
     code = """
 import importlib.abc, os, sys
@@ -92,6 +93,8 @@ class Watch(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Watch())
 import specsot_mq.stages.runner
+assert "torch" not in sys.modules
+import torch
 """
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
