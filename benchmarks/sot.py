@@ -41,7 +41,6 @@ from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
 from specsot_mq.sot.engine import SoTEngine  # noqa: E402
 from specsot_mq.sot.flow import SoTConfig, answer_tokens  # noqa: E402
 from specsot_mq.speculative import TreeParams  # noqa: E402
-from specsot_mq.sot.router import route  # noqa: E402
 from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
 
 ENGINES = ("hf", "eagle", "sot", "specsot")
@@ -123,7 +122,7 @@ def main(argv=None) -> dict:
         f"| layout {args.layout} | prompt format {args.prompt_format} | repeat stop {args.repeat_stop} "
         f"| verify budget {args.verify_budget}"
     )
-    rows = time_answers(engines, questions, run, args.json_only, lambda q: {"routed_sot": route(q, args.sot).use_sot})
+    rows = time_answers(engines, questions, run, args.json_only)
 
     table = Table(title="seconds to a complete answer (tokens) and speedup over transformers generate")
     table.add_column("question", max_width=24, no_wrap=True, overflow="ellipsis")

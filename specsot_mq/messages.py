@@ -170,6 +170,7 @@ class MergePlan(Message):
     points: list[tuple[int, str]]  # (index, title) per point, in plan order ([(0, "")] for a direct answer)
     branches: dict[str, list[int]]  # branch stage -> the indices it decodes
     stats: dict
+    question: str = ""  # the question (the merge leaves out points that only say it again)
 
 
 class Reroute(Message):

@@ -13,6 +13,9 @@ class ParseStage(Stage):
     async def start(self) -> None:
         self.flow = Flow(SoTConfig(**self.spec.sot))
         self.schedule = self.spec.named("schedule")[0]
+        # A replacement parser (plan() overridden) reads the text alone; the format's parser also
+        # takes the question (its number of points, its restatements: Flow.parse).
+        self.replaced = self.plan if type(self).plan is not ParseStage.plan else None
 
     def plan(self, skeleton: str) -> Plan:
         """The plan for a skeleton; a replacement parser overrides this."""
@@ -20,4 +23,4 @@ class ParseStage(Stage):
 
     async def handle(self, env) -> None:
         if isinstance(env.msg, Skeleton):
-            await self.send(self.schedule, self.flow.parse(env.msg, self.plan))
+            await self.send(self.schedule, self.flow.parse(env.msg, self.replaced))

@@ -1,7 +1,8 @@
 """The model side of a device stage: one thread loads the stage's one Generator (one model, one
 draft head, one KV cache allocated at start) and runs the generation loop over it, admitting the
 prompts of any request into the running batch as slots free up. The event loop hands jobs in with
-submit() and gets every delta back on the loop through `emit`.
+submit() and gets every delta back on the loop through `emit`; call() runs other model work there
+(the learned router's forward), between two steps of the running batch.
 
 Every torch call of a stage process runs on that one thread, loading included, so the process
 holds one OpenMP thread pool (specsot_mq/openmp.py says why that matters).
@@ -72,6 +73,13 @@ class DeviceWorker:
         """Queue jobs; jobs with equal batch_key may share a batch (see the module docstring)."""
         self.inbox.put((batch_key, jobs))
 
+    def call(self, fn: Callable[[], object]) -> asyncio.Future:
+        """Run fn() on the worker thread (at once when idle, else between two steps of the running
+        batch); the future, on the event loop, gets its result or its exception."""
+        future = self.loop.create_future()
+        self.inbox.put(_Call(fn, future))
+        return future
+
     def cancel(self, rid: str) -> None:
         self.cancelled[rid] = True
         while len(self.cancelled) > 10_000:  # bounded: memory stays flat however long the stage runs
@@ -89,6 +97,9 @@ class DeviceWorker:
                 item = self.inbox.get()
                 if item is None:
                     return
+                if isinstance(item, _Call):
+                    item.run(self.loop)
+                    continue
                 held.append(item)
             key = held[0][0]
             pending = [job for k, jobs in held if k == key for job in jobs]
@@ -103,7 +114,9 @@ class DeviceWorker:
                     if item is None:
                         self._stop.set()
                         break
-                    if item[0] == key and not held:
+                    if isinstance(item, _Call):
+                        item.run(self.loop)
+                    elif item[0] == key and not held:
                         pending.extend(item[1])
                     else:
                         held.append(item)
@@ -173,6 +186,21 @@ class DeviceWorker:
             return jobs
 
         return wrapped
+
+
+class _Call:
+    """A function for the worker thread, and the future its result goes to."""
+
+    def __init__(self, fn: Callable[[], object], future: asyncio.Future):
+        self.fn, self.future = fn, future
+
+    def run(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            result = self.fn()
+        except Exception as exc:
+            loop.call_soon_threadsafe(_settle, self.future, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, self.future, result, None)
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

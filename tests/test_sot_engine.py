@@ -11,6 +11,7 @@ from specsot_mq.messages import Answer, AnswerText, PointText, SkeletonText
 from specsot_mq.sot.engine import SoTEngine
 from specsot_mq.sot.flow import SoTConfig, finished_lines, point_params, point_prompts, skeleton_params
 from specsot_mq.sot.parser import Plan, Point, parse_skeleton
+from specsot_mq.sot.router import Route
 from specsot_mq.prompts import load_format
 from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
 
@@ -49,8 +50,9 @@ def test_points_decoded_together_equal_each_prompt_decoded_alone(tiny):
     for index, suffix in suffixes.items():
         alone = tiny.generate(prefix + suffix, point_params(engine.config, PARAMS, PLAN)).token_ids
         assert got[index] == alone, index
-    assert [i for i, _, _ in final.points] == [1, 2, 3, 4, 5]  # merged in plan order
-    assert final.answer.startswith("1. Warm up") and "\n5. Rest well" in final.answer
+    assert [i for i, _, _ in final.points] == [1, 2, 3, 4, 5]  # in plan order
+    # Each point ran into its 12-token cap without finishing a sentence: the merged answer leaves them out.
+    assert final.stats["dropped_points"] == [1, 2, 3, 4, 5] and final.answer == ""
 
 
 def test_points_share_every_token_before_their_own_words(tiny):
@@ -67,7 +69,8 @@ def test_points_share_every_token_before_their_own_words(tiny):
         assert own.endswith(f"{p.index}. {p.title}:") and p.title not in own[: -len(f"{p.index}. {p.title}:")]
         turn_and_name = f"<|im_end|>\n<|im_start|>assistant\n{p.index}. {p.title}:"
         assert len(suffixes[p.index]) <= len(tok.encode(turn_and_name, add_special_tokens=False))
-    assert fmt.merge([(1, "Warm up", " Walk first.\n"), (2, "Pick shoes", "")]) == "1. Warm up: Walk first.\n2. Pick shoes:"
+    assert fmt.merge([(1, "Warm up", " Walk first.\n"), (2, "Pick shoes", " Light ones.")]) == (
+        "1. Warm up: Walk first.\n2. Pick shoes: Light ones.")
 
 
 def test_the_answer_leaves_out_a_points_last_line_where_it_repeats_an_earlier_one():
@@ -78,11 +81,11 @@ def test_the_answer_leaves_out_a_points_last_line_where_it_repeats_an_earlier_on
     looped = (" \n- Drink plenty of water to stay healthy.\n- Staying hydrated is a great way to stay healthy.\n"
               "- staying hydrated is a great way to stay healthy!\n")
     assert fmt.merge([(2, "Stay hydrated", looped), (3, "Sleep", " Sleep 8 hours.")]) == (
-        "2. Stay hydrated: \n- Drink plenty of water to stay healthy.\n- Staying hydrated is a great way to stay healthy."
-        "\n3. Sleep: Sleep 8 hours.")
+        "1. Stay hydrated: \n- Drink plenty of water to stay healthy.\n- Staying hydrated is a great way to stay healthy."
+        "\n2. Sleep: Sleep 8 hours.")
     # Lines that only look alike stay, and so does one line on its own.
     kept = " Walk.\nWalk more.\n"
-    assert fmt.merge([(1, "Walk", kept), (2, "Run", " Run.")]) == "1. Walk: Walk.\nWalk more.\n2. Run: Run."
+    assert fmt.merge([(1, "Exercise", kept), (2, "Pace", " Run.")]) == "1. Exercise: Walk.\nWalk more.\n2. Pace: Run."
 
 
 def test_the_skeleton_prompt_shows_its_examples_as_earlier_turns(tiny):
@@ -222,11 +225,17 @@ def test_bim_layout_equals_batching(tiny, tiny_eagle, max_parallel, eagle, monke
     assert events[-1].stats["points"]["tokens"] == sum(map(len, bim.values()))
 
 
-def test_questions_that_do_not_decompose_go_direct(tiny):
-    engine = SoTEngine(tiny, SoTConfig(max_parallel=5))
+def test_questions_the_router_sends_direct_get_the_plain_answer(tiny):
+    asked = []
+    router = lambda q: asked.append(q) or Route(False, "the router says direct")  # noqa: E731
+    engine = SoTEngine(tiny, SoTConfig(max_parallel=5), router=router)
     final = engine.generate("What is 17 * 23?", PARAMS)
     assert isinstance(final, Answer) and final.mode == "direct" and not final.points
-    assert final.answer == tiny.generate("What is 17 * 23?", PARAMS).text
+    assert final.answer == tiny.generate("What is 17 * 23?", PARAMS).text and final.reason == "the router says direct"
+    assert asked == ["What is 17 * 23?"]
+    assert engine.generate("What is 17 * 23?", PARAMS, history=[]).mode == "direct"
+    assert SoTEngine(tiny, SoTConfig(sot="never", max_parallel=5), router=router).generate("Why?", PARAMS).mode == "direct"
+    assert len(asked) == 2  # --sot never asks no router
 
 
 def scripted(tok, chain: dict[int, int]):
@@ -293,7 +302,7 @@ def test_real_model_phases_equal_plain_greedy(default_model_dir):
         assert [t for e in events if isinstance(e, SkeletonText) for t in e.token_ids.tolist()] == skeleton.token_ids
         assert "".join(e.text for e in events if isinstance(e, SkeletonText)) == final.skeleton
         assert final.mode == "sot" and len(final.points) >= 3, (question[:60], final.skeleton)
-        plan = parse_skeleton(finished_lines(final.skeleton, skeleton.finish_reason), 8)
+        plan = parse_skeleton(finished_lines(final.skeleton, skeleton.finish_reason), 8, question)
         prefix, suffixes = point_prompts(engine.gen.tokenizer, engine.format, question, plan)
         done = point_ids(events)
         for index, suffix in suffixes.items():

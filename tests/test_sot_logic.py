@@ -1,9 +1,10 @@
 """Skeleton-of-Thought logic without a model: the skeleton parser (tables, and random strings it must
-never raise on), the SoT/direct router, the LPT branch scheduler and the devices.json checks."""
+never raise on), the points worth reading (duplicates, restatements, counts, the merged answer), the
+router's modes and its fallback rules, the LPT branch scheduler and the devices.json checks. The
+learned router on the real model: tests/test_router.py."""
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -12,9 +13,12 @@ from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
-from specsot_mq.sot.flow import SoTConfig, finished_lines, point_params, skeleton_params, skeleton_text
-from specsot_mq.sot.parser import Plan, Point, parse_plan_direct, parse_skeleton
-from specsot_mq.sot.router import route
+from specsot_mq.messages import Ask, Skeleton
+from specsot_mq.sot.flow import Flow, SoTConfig, finished_lines, point_params, points_asked, skeleton_params, skeleton_text
+from specsot_mq.sot.ordered import OrderedAnswer, dropped_points
+from specsot_mq.sot.overlap import content_words, restates, same_point, says_nothing
+from specsot_mq.sot.parser import SPARE, Plan, Point, asked_count, parse_plan_direct, parse_skeleton
+from specsot_mq.sot.router import Route, route, rule_route, short_answer
 from specsot_mq.sot.scheduler import (
     DeviceProfile,
     default_profiles_path,
@@ -63,6 +67,15 @@ PARSE_CASES = [
     ("unicode titles", "1. 睡眠\n2. Ernährung\n3. Упражнения", "plan",
      [("睡眠", None), ("Ernährung", None), ("Упражнения", None)]),
     ("fifty points are capped at ten", FIFTY, "plan", [(f"Point number {n}", None) for n in range(1, 11)]),
+    ("a title saying what an earlier one says is dropped",
+     "1. Upgrade your living room\n2. Paint the walls\n3. Living room upgrades\n4. Wall paint", "plan",
+     [("Upgrade your living room", None), ("Paint the walls", None)]),
+    ("a title inside an earlier one is dropped", "1. Wear sunscreen daily\n2. Water\n3. Sunscreen daily", "plan",
+     [("Wear sunscreen daily", None), ("Water", None)]),
+    ("points may each name the topic", "1. Aria\n2. Aria's voice\n3. Aria's smile", "plan",
+     [("Aria", None), ("Aria's voice", None), ("Aria's smile", None)]),
+    ("numbered titles are different points", "1. Day 1\n2. Day 2\n3. Day three\n4. Day 3", "plan",
+     [("Day 1", None), ("Day 2", None), ("Day three", None)]),
     ("one point is not worth splitting", "1. Just answer it", "direct", []),
     ("items without titles do not count", "1. Sleep\n2. **\n3. ---", "direct", []),
     ("no list at all", "The sky is blue because of Rayleigh scattering.", "direct", []),
@@ -103,6 +116,100 @@ def test_parse_plan_direct(name, text, kind, titles):
     plan = parse_plan_direct(text)
     assert plan.kind == kind, plan.reason
     assert [p.title for p in plan.points] == titles
+
+
+RESTATE_CASES = [
+    # (question, skeleton, titles kept): a title that only says the question again is dropped
+    ("Give me three tips for staying healthy.", "1. Staying healthy\n2. Eat vegetables\n3. Sleep\n4. Walk daily",
+     ["Eat vegetables", "Sleep", "Walk daily"]),
+    ("What should I pack for a weekend hiking trip?", "1. Weekend hiking trip\n2. Hiking boots\n3. Water",
+     ["Hiking boots", "Water"]),
+    ("Compare cats and dogs as pets.", "1. Cats\n2. Dogs\n3. Cats and dogs as pets\n4. Costs",
+     ["Cats", "Dogs", "Costs"]),  # a part of the question is a point; all of it is not
+    ("Explain photosynthesis.", "1. Photosynthesis\n2. Light reactions\n3. Calvin cycle",
+     ["Light reactions", "Calvin cycle"]),
+]
+
+
+@pytest.mark.parametrize("question, text, titles", RESTATE_CASES, ids=[c[0][:30] for c in RESTATE_CASES])
+def test_a_title_that_restates_the_question_is_dropped(question, text, titles):
+    plan = parse_skeleton(text, 8, question)
+    assert [p.title for p in plan.points] == titles, plan.reason
+    assert parse_skeleton(text, 8).kind == "plan"  # without the question, nothing to restate
+
+
+COUNT_CASES = [
+    # (question, points it asks for)
+    ("Give me three tips for staying healthy.", 3),
+    ("List 5 specific artworks and associated ideas.", 5),
+    ("Describe five key principles in evaluating an argument in analytical writing.", 5),
+    ("You have been tasked with designing a solar-powered water heating system. Design a five-step workflow.", 5),
+    ("How have the Alps and Rhine River influenced settlement? List three impacts.", 3),
+    ("What are the top 10 books of the century?", 10),
+    ("Name four benefits of cycling to work.", 4),
+    ("Imagine you are writing a blog post comparing two popular smartphone models.", None),  # two things, not points
+    ("David has three sisters. Each of them has one brother. How many brothers does David have?", None),
+    ("Write a story in 200 words.", None),
+    ("Duration: 3 class periods (each lasts for 45 minutes).", None),
+    ("How do I start running?", None),
+    ("Give me 40 ideas.", None),  # more than a plan holds: the plan's own cap
+]
+
+
+@pytest.mark.parametrize("question, count", COUNT_CASES, ids=[c[0][:30] for c in COUNT_CASES])
+def test_asked_count(question, count):
+    assert asked_count(question) == count
+
+
+def test_a_question_that_names_its_count_gets_that_many_points():
+    """The skeleton prompt asks for that many and SPARE more, the skeleton stops past them, the
+    parser keeps as many (more than max_points too, up to 12 asked), and the merge shows the
+    first that many that say something."""
+    fmt, params = load_format("sot"), SamplingParams(max_tokens=500)
+    assert "exactly 3 points" in fmt.skeleton_user.format(question="q", points=fmt.points_counted.format(count=3))
+    assert "of 3 to 8 points" in fmt.skeleton_user.format(question="q", points=fmt.points)
+    assert points_asked("Give me three tips.") == 3 + SPARE and points_asked("How?") is None
+    counted = skeleton_params(SoTConfig(), params, points_asked("Give me three tips."))
+    assert counted.stop[0] == f"\n{3 + SPARE + 1}." and not counted.stop_repeated_item  # it goes on past a repeat
+    assert skeleton_params(SoTConfig(), params).stop[0] == "\n9."
+    flow = Flow(SoTConfig(max_points=4))
+    ten = "\n".join(f"{n}. Point {n}" for n in range(1, 15))
+    for question, want in [("Give me three tips.", 3 + SPARE), ("What are the top 10 books?", 10 + SPARE), ("How?", 4)]:
+        planned = flow.parse(Skeleton("r", question, SamplingParams(), "sot", "", ten, {}))
+        assert len(planned.points) == want, question
+    many = Plan("plan", [Point(n, f"Point {n}") for n in range(1, 11)])
+    assert "\n11." in point_params(SoTConfig(), params, many).stop  # a point ends where an eleventh would begin
+    texts = ["", " Carry water.", " Pack a map.", " Wear boots.", " Bring a hat."]  # the first says nothing
+    points = [(n, f"T{n}", text) for n, text in enumerate(texts, 1)]
+    assert fmt.merge(points, "Give me three tips for a hike.") == "1. T2: Carry water.\n2. T3: Pack a map.\n3. T4: Wear boots."
+    assert dropped_points(points, "Give me three tips for a hike.") == [1, 5]
+
+
+OVERLAP_CASES = [
+    # (a, b, same point)
+    ("Upgrade your living room", "Living room upgrades", True),
+    ("Sunscreen daily", "Wear sunscreen daily", True),
+    ("Train seats", "Comfortable train seats", True),
+    ("Aria", "Aria's voice", False),  # a topic the points name, not the same point
+    ("Hiking boots", "Hiking socks", False),
+    ("Day 1", "Day 2", False),
+    ("Cost", "Costs", True),
+    ("Sleep", "Diet", False),
+]
+
+
+@pytest.mark.parametrize("a, b, same", OVERLAP_CASES)
+def test_same_point(a, b, same):
+    assert same_point(a, b) is same and same_point(b, a) is same
+
+
+def test_content_words_say_what_a_text_is_about():
+    assert content_words("Give me three tips for staying healthy!") == {"3", "stay", "healthy"}
+    assert content_words("The cities' parks, and a city park.") == {"city", "park"}
+    assert restates("Staying healthy", "Give me three tips for staying healthy.")
+    assert not restates("Eat well", "Give me three tips for staying healthy.")
+    assert says_nothing("  ", "q", "Title") and says_nothing(" Staying healthy is staying healthy.", "How to stay healthy?", "Tips")
+    assert not says_nothing(" Eat more vegetables.", "How to stay healthy?", "Diet")
 
 
 def test_max_points_below_two_is_a_user_error():
@@ -254,26 +361,44 @@ ROUTE_CASES = [
 
 
 @pytest.mark.parametrize("question, use_sot", ROUTE_CASES, ids=[q[:40] for q, _ in ROUTE_CASES])
-def test_route_auto(question, use_sot):
-    decision = route(question)
+def test_the_fallback_rules(question, use_sot):
+    """The pattern rules that route where the learned router cannot (a model whose representation
+    does not separate the labels)."""
+    decision = rule_route(question)
     assert decision.use_sot == use_sot, decision.reason
     assert decision.reason
 
 
-MT_BENCH = Path("/work/shared/data/mt_bench_questions.jsonl")
+SHORT_CASES = [
+    # (question, a short answer is asked for)
+    ("In one sentence, what is photosynthesis?", True),
+    ("Explain what a mortgage is in under 50 words.", True),
+    ("Give me a one-line definition of inflation.", True),
+    ("Briefly, what does a project manager do?", True),
+    ("Summarize the plot of Romeo and Juliet in two sentences.", True),
+    ("Describe a vivid character. Please answer in fewer than 200 words.", False),  # long enough to plan
+    ("Explain how vaccines train the immune system.", False),
+    ("Write a story with one line of dialogue per character.", True),
+    ("Give me three tips for staying healthy.", False),
+]
 
 
-@pytest.mark.skipif(not MT_BENCH.is_file(), reason="the mt_bench questions are not on this machine")
-def test_mt_bench_first_turns_route_by_category():
-    """Maths, code and extraction all go direct; writing, stem and humanities mostly go SoT."""
-    by_category = {}
-    for line in MT_BENCH.read_text().splitlines():
-        q = json.loads(line)
-        by_category.setdefault(q["category"], []).append(route(q["turns"][0]).use_sot)
-    for category in ("math", "coding", "extraction"):
-        assert not any(by_category[category]), category
-    for category in ("writing", "stem", "humanities"):
-        assert sum(by_category[category]) >= 0.8 * len(by_category[category]), category
+@pytest.mark.parametrize("question, short", SHORT_CASES, ids=[q[:40] for q, _ in SHORT_CASES])
+def test_a_short_answer_goes_direct_because_planning_would_be_slower(question, short):
+    why = short_answer(question)
+    assert (why is not None) is short
+    if short:
+        assert why.startswith("direct, because planning would be slower")
+        assert rule_route(question).use_sot is False
+
+
+def test_auto_asks_the_router_it_is_given():
+    asked = []
+    router = lambda q: asked.append(q) or Route(q.endswith("?"), "stub")  # noqa: E731
+    assert route("How?", "auto", router).use_sot and not route("Do.", "auto", router).use_sot
+    assert asked == ["How?", "Do."]
+    with pytest.raises(SpecSotError, match="needs the model's router"):
+        route("How?", "auto")  # no model here to route by
 
 
 @pytest.mark.parametrize("mode, use_sot", [("always", True), ("never", False)])
@@ -285,6 +410,8 @@ def test_route_forced_modes(mode, use_sot):
 def test_unknown_route_mode_names_the_flag():
     with pytest.raises(SpecSotError, match=r"--sot auto\|always\|never"):
         route("Hi", "sometimes")
+    with pytest.raises(SpecSotError, match=r"--sot auto\|always\|never"):
+        Flow(SoTConfig()).prompt_size(Ask("r", "Hi", SamplingParams(), "sometimes"))
 
 
 def points(*lengths):
@@ -426,30 +553,73 @@ def test_the_shipped_devices_file_loads_and_covers_cpu_and_cuda():
 
 @pytest.mark.parametrize("name", ["sot", "plan"])
 def test_the_ordered_answer_streams_exactly_the_merged_answer(name):
-    """Points growing and ending in any order, with blank lines, repeated lines and trailing
-    space: what is released is never taken back (it only grows), and the pieces joined are the
-    format's merge."""
-    from specsot_mq.sot.ordered import OrderedAnswer
-
+    """Points growing and ending in any order and any way (stopped, cut by their cap or their loop
+    stop), with sentences, blank lines, repeated lines, trailing space and nothing to say: what is
+    released is never taken back (it only grows), and the pieces joined are the format's merge."""
     fmt = load_format(name)
     rng = random.Random(0)
-    pieces = ["a", "b", " ", "\n", "x y", "\n\n", "A", "  ", "1. a"]
-    for _ in range(2000):
+    pieces = ["a", "b", " ", "\n", "x y", "\n\n", "A", "  ", "1. a", ". ", "Go.", "q", "!", "T"]
+    for _ in range(3000):
         points = [(i + 1, rng.choice(["T", "Two words", ""])) for i in range(rng.randint(1, 4))]
-        ordered, texts, released = OrderedAnswer(fmt, points), {i: "" for i, _ in points}, ""
-        live = [i for i, _ in points]
+        question = rng.choice(["", "q?", "Why q b?", "Give two tips?"])  # the last: at most two points shown
+        ordered, texts, released = OrderedAnswer(fmt, points, question), {i: "" for i, _ in points}, ""
+        live, cut = [i for i, _ in points], set()
         while live:
             index = rng.choice(live)
             if rng.random() < 0.2:
                 live.remove(index)
-                released += ordered.end(index)
+                finish = rng.choice(["stop", "length", "repeat"])
+                cut |= {index} if finish != "stop" else set()
+                released += ordered.end(index, finish)
             else:
                 text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 3)))
                 texts[index] += text
                 released += ordered.add(index, text)
-        assert released == fmt.merge([(i, t, texts[i]) for i, t in points]), (points, texts)
-    # Nothing of a later point comes before the points ahead of it end.
-    ordered = OrderedAnswer(fmt, [(1, "One"), (2, "Two")])
-    assert ordered.add(2, " second") == fmt.point_prefix.format(index=1, title="One")  # point 1's head, not point 2
-    assert ordered.add(1, " first") == " first"
-    assert ordered.end(1) == "\n" + fmt.point_prefix.format(index=2, title="Two") + " second"
+        assert released == fmt.merge([(i, t, texts[i]) for i, t in points], question, cut), (points, texts)
+
+
+MERGE_CASES = [
+    # (name, [(title, text, finish)], merged answer)
+    ("every point shown", [("Warm up", " Walk first.", "stop"), ("Shoes", " Buy light ones.", "stop")],
+     "1. Warm up: Walk first.\n2. Shoes: Buy light ones."),
+    ("an empty point is left out and the next numbered on",
+     [("Boots", " Wear boots.", "stop"), ("Sunscreen", "", "stop"), ("Water", " Take two litres.", "stop")],
+     "1. Boots: Wear boots.\n2. Water: Take two litres."),
+    ("a point that only says its title and the question is left out",
+     [("Boots", " Wear boots.", "stop"), ("Packing", " Pack for the hiking trip.", "stop")], "1. Boots: Wear boots."),
+    ("a point that only says what an earlier one said is left out",
+     [("Boots", " Wear boots on the trail.", "stop"), ("Footwear", " Boots on the trail.", "stop"),
+      ("Water", " Take two litres.", "stop")], "1. Boots: Wear boots on the trail.\n2. Water: Take two litres."),
+    ("a cut-off point keeps its complete sentences",
+     [("Boots", " Wear boots. They keep feet dry and", "length"), ("Water", " Drink.", "stop")],
+     "1. Boots: Wear boots.\n2. Water: Drink."),
+    ("a cut-off point without a complete sentence is left out",
+     [("Boots", " Wear boots that keep", "length"), ("Water", " Drink.", "repeat")], "1. Water: Drink."),
+    ("a point that stopped unfinished keeps what it wrote",
+     [("Boots", " Wear boots that keep", "stop"), ("Water", " Drink", "stop")],
+     "1. Boots: Wear boots that keep\n2. Water: Drink"),
+]
+
+
+@pytest.mark.parametrize("name, points, answer", MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
+def test_the_merged_answer_shows_only_points_worth_reading(name, points, answer):
+    fmt, question = load_format("sot"), "What should I pack for a weekend hiking trip?"
+    indexed = [(i, title, text) for i, (title, text, _) in enumerate(points, 1)]
+    cut = {i for i, (_, _, finish) in enumerate(points, 1) if finish != "stop"}
+    assert fmt.merge(indexed, question, cut) == answer
+    dropped = dropped_points(indexed, question, cut)
+    assert len(points) - len(dropped) == answer.count("\n") + 1
+
+
+def test_the_ordered_answer_holds_what_may_change():
+    """Nothing of a later point comes before the points ahead of it end; a point's head waits for
+    the first of its text that says something, and its text for the end of its sentence."""
+    fmt = load_format("sot")
+    ordered = OrderedAnswer(fmt, [(1, "One"), (2, "Two"), (3, "Three")], "Count to three?")
+    assert ordered.add(2, " a banana") == ""  # point 1 comes first
+    assert ordered.add(1, " ") == ""  # point 1 has said nothing yet
+    assert ordered.add(1, "first item") == ""  # its sentence may yet be cut
+    assert ordered.add(1, ". Then") == "1. One: first item."
+    assert ordered.end(1, "length") == ""  # the cut sentence never shows; point 2's sentence is unfinished
+    assert ordered.end(2) == "\n2. Two: a banana"  # it stopped there: all of it
+    assert ordered.add(3, " Three.") == "" and ordered.end(3) == ""  # says only its title and the question

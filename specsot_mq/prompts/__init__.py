@@ -8,7 +8,7 @@ from functools import cache
 from pathlib import Path
 
 from specsot_mq.errors import SpecSotError
-from specsot_mq.stopping import without_repeated_last_line
+from specsot_mq.sot.ordered import merge_points
 from specsot_mq.sot.parser import Plan, parse_plan_direct, parse_skeleton
 from specsot_mq.tokenizer import chat_prompt_ids
 
@@ -33,28 +33,34 @@ class PromptFormat:
     skeleton_stop: tuple[str, ...] = ()  # where the skeleton ends besides the point cap (generated text)
     point_stop: tuple[str, ...] = ()  # where a point ends besides the next point's number
     examples: tuple[tuple[str, str], ...] = ()  # (question, skeleton) turns shown before the question
+    points: str = "3 to 8"  # how many points the skeleton asks for ({points} in skeleton_user)
+    points_counted: str = "exactly {count}"  # the same where the question names its number of points
 
-    def plan(self, skeleton: str, max_points: int) -> Plan:
-        """The skeleton's text (prefilled part included) read into a Plan; never raises on text."""
-        return PARSERS[self.parser](skeleton, max_points)
+    def plan(self, skeleton: str, max_points: int, question: str = "") -> Plan:
+        """The skeleton's text (prefilled part included) read into a Plan; never raises on text.
+        `question`: the question it plans (its points must not restate it)."""
+        return PARSERS[self.parser](skeleton, max_points, question)
 
-    def merge(self, points) -> str:
+    def merge(self, points, question: str = "", cut=()) -> str:
         """The answer from (index, title, expansion) triples in plan order: each point's prefilled
         beginning, then what the model wrote after it, without a last line that repeats one of
-        its earlier lines (where the point's loop stop ended it) and trailing whitespace."""
-        return "\n".join((self.point_prefix.format(index=i, title=title) + without_repeated_last_line(text)).rstrip()
-                         for i, title, text in points)  # fmt: skip
+        its earlier lines (where the point's loop stop ended it) and trailing whitespace; a point
+        in `cut` (a cap or a loop stop ended it) keeps its complete sentences, and a point that
+        says nothing beyond the question and its title is left out (sot/ordered.py)."""
+        return merge_points(self, points, question, cut)
 
-    def skeleton_ids(self, tokenizer, question: str, history: list[dict] = ()) -> list[int]:
+    def skeleton_ids(self, tokenizer, question: str, history: list[dict] = (), count: int | None = None) -> list[int]:
         """Chat prompt for the skeleton, ending inside the assistant turn after the prefix: the
         worked examples, the conversation's earlier turns, then the planning request for the
-        question (a system message of the conversation comes first)."""
+        question (a system message of the conversation comes first); `count`: the number of
+        points the question names, which the request then asks for."""
         system, earlier = split_system(history)
         turns = list(system)
         for q, skeleton in self.examples:
-            turns += [{"role": "user", "content": self.skeleton_user.format(question=q)},
+            turns += [{"role": "user", "content": self.skeleton_user.format(question=q, points=self.points)},
                       {"role": "assistant", "content": skeleton}]  # fmt: skip
-        turns += [*earlier, {"role": "user", "content": self.skeleton_user.format(question=question)}]
+        points = self.points if count is None else self.points_counted.format(count=count)
+        turns += [*earlier, {"role": "user", "content": self.skeleton_user.format(question=question, points=points)}]
         ids = chat_prompt_ids(tokenizer, turns)
         return ids + tokenizer.encode(self.skeleton_prefix, add_special_tokens=False)
 
@@ -152,4 +158,6 @@ def load_format(name: str = "sot") -> PromptFormat:
         tuple(data["skeleton"].get("stop", ())),
         tuple(data["point"].get("stop", ())),
         tuple((e["question"], e["skeleton"]) for e in data["skeleton"].get("examples", ())),
+        data["skeleton"].get("points", "3 to 8"),
+        data["skeleton"].get("points_counted", "exactly {count}"),
     )

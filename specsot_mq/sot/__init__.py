@@ -1,2 +1,3 @@
-"""Skeleton-of-Thought logic with no model in it: parse a skeleton into points, decide whether a
-question gets a skeleton at all, and spread the points over devices."""
+"""Skeleton-of-Thought logic: parse a skeleton into points worth reading, decide whether a question
+gets a skeleton at all, spread the points over devices and merge them. Only learned_router.py (the
+router's features, one forward of the model) and engine.py import torch."""

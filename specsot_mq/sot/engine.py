@@ -10,6 +10,9 @@ The points' prompts share one prefix (instructions, question, skeleton) and diff
 short suffix (the point's number and title), so the prefix is computed once per question and
 copied into every point's cache slot; all points then decode in one batched forward per step, and
 with more points than `max_parallel` a waiting point takes the slot of the first to finish.
+
+--sot auto routes by the model's learned router (sot/learned_router.py), loaded from its cache or
+trained on the first question it routes.
 """
 
 from __future__ import annotations
@@ -24,21 +27,25 @@ from specsot_mq.messages import Answer, Ask, ClientEvent, Planned, PointEnd, Poi
 from specsot_mq.sampling_params import SamplingParams
 from specsot_mq.sot.flow import Flow, Merging, Progress, Skeletoning, SoTConfig
 from specsot_mq.sot.parser import Plan
+from specsot_mq.sot.router import Route
 from specsot_mq.sot.scheduler import DeviceProfile
 
 
 class SoTEngine:
     """Skeleton-of-Thought over one Generator (its cache needs max_parallel slots)."""
 
-    def __init__(self, gen: Generator, config: SoTConfig | None = None, device: DeviceProfile | None = None):
+    def __init__(self, gen: Generator, config: SoTConfig | None = None, device: DeviceProfile | None = None,
+                 router: Callable[[str], Route] | None = None):  # fmt: skip
+        """router: question -> Route for --sot auto (default: the model's learned router, on first use)."""
         self.gen = gen
+        self.router = router
         self.config = config or SoTConfig()
         if self.config.max_parallel > gen.cache.num_slots:
             raise SpecSotError(
                 f"max_parallel {self.config.max_parallel} needs as many cache slots; the generator has "
                 f"{gen.cache.num_slots}: load it with num_slots={self.config.max_parallel}"
             )
-        self.flow = Flow(self.config, gen.tokenizer)
+        self.flow = Flow(self.config, gen.tokenizer, self._route)
         self.format = self.flow.format
         self.device = device or DeviceProfile("local", 1.0, 1.0, 1.0, self.config.max_parallel)
         for head in (self.format.skeleton_head(gen.tokenizer), *self.format.answer_heads(gen.tokenizer)):
@@ -49,7 +56,7 @@ class SoTEngine:
         the conversation's earlier turns ({"role", "content"}), which every phase's prompt shows."""
         start = time.monotonic()
         ask = Ask(uuid.uuid4().hex[:12], question, params or SamplingParams(), self.config.sot, list(history))
-        skeleton = self.flow.route(ask)
+        skeleton = self.flow.route(ask, capacity=self.gen.cache.capacity)
         if isinstance(skeleton, Skeletoning):
             yield skeleton.first()
             finish = "stop"
@@ -85,6 +92,13 @@ class SoTEngine:
                 if isinstance(event, Answer):
                     event.stats["seconds"] = time.monotonic() - start
                 yield event
+
+    def _route(self, question: str) -> Route:
+        if self.router is None:
+            from specsot_mq.sot.learned_router import LearnedRouter
+
+            self.router = LearnedRouter.for_model(self.gen.model, self.gen.tokenizer)
+        return self.router(question)
 
     def _run(self, jobs: list[Job], layout: str) -> Iterator[tuple[object, Delta]]:
         """Jobs of one phase (one sampling setting) through the generation loop."""

@@ -6,6 +6,7 @@ as pure steps over the wire messages (specsot_mq/messages.py), with no model and
 
     flow = Flow(SoTConfig(), tokenizer)
     first = flow.route(ask)                 # a Skeleton (the direct way), or a Skeletoning to decode
+                                            # (Flow(..., router=LearnedRouter) routes --sot auto)
     skeleton = first.done(finish)           # after first.add(delta) for each delta of its job
     planned = flow.parse(skeleton)          # the points, or the direct way
     plan, prompts = flow.assign(planned, devices)  # a MergePlan, and the points' prompts
@@ -33,9 +34,9 @@ from specsot_mq.messages import (
 )  # fmt: skip
 from specsot_mq.prompts import common_prefix, direct_ids, history_end, load_format
 from specsot_mq.sampling_params import SamplingParams
-from specsot_mq.sot.ordered import OrderedAnswer
-from specsot_mq.sot.parser import Plan, Point, item_starts
-from specsot_mq.sot.router import MODES, route
+from specsot_mq.sot.ordered import CUT_OFF, OrderedAnswer, dropped_points
+from specsot_mq.sot.parser import SPARE, Plan, Point, asked_count, item_starts
+from specsot_mq.sot.router import MODES, Route, route
 from specsot_mq.sot.scheduler import DeviceProfile, schedule
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class SoTConfig:
 
     sot: str = "auto"  # auto | always | never (see sot/router.py)
     prompt_format: str = "sot"
-    max_points: int = 8
+    max_points: int = 8  # a question that names its number of points gets that many (up to parser.MOST_ASKED)
     max_parallel: int = 8  # points decoding at once (cache slots)
     skeleton_tokens: int = 128
     point_tokens: int = 160
@@ -116,43 +117,60 @@ class Skeletoning:
 
 
 class Flow:
-    """The steps of a request, over one prompt format and tokenizer (parse needs no tokenizer)."""
+    """The steps of a request, over one prompt format and tokenizer (parse needs no tokenizer);
+    `router`: question -> Route for --sot auto (learned_router.LearnedRouter, where the model is)."""
 
-    def __init__(self, config: SoTConfig, tokenizer=None):
-        self.config, self.tokenizer = config, tokenizer
+    def __init__(self, config: SoTConfig, tokenizer=None, router: Callable[[str], Route] | None = None):
+        self.config, self.tokenizer, self.router = config, tokenizer, router
         self.format = load_format(config.prompt_format)
 
-    def route(self, ask: Ask) -> Skeleton | Skeletoning:
-        """Direct (a Skeleton with no text), or the skeleton to decode. Raises SpecSotError on a
-        bad `ask.sot`."""
+    def decide(self, ask: Ask) -> Route:
+        """Which way the question goes (the router's forward, for --sot auto). Raises
+        SpecSotError on a bad `ask.sot`."""
+        return route(ask.question, ask.sot, self.router)
+
+    def route(self, ask: Ask, decision: Route | None = None, capacity: int | None = None) -> Skeleton | Skeletoning:
+        """Direct (a Skeleton with no text), or the skeleton to decode; `decision`: decide(ask)
+        if already made; `capacity`: the cache's tokens per sequence, past which a skeleton the
+        router chose goes direct. Raises SpecSotError on a bad `ask.sot`."""
         from specsot_mq.generate import Job
 
-        decision = route(ask.question, ask.sot)
+        decision = decision or self.decide(ask)
         # The request's prompt size as a plain chat server counts it (the API's usage.prompt_tokens).
         stats = {"prompt_tokens": len(direct_ids(self.tokenizer, ask.question, ask.history))}
+        fmt, tok, count = self.format, self.tokenizer, points_asked(ask.question)
+        prompt = fmt.skeleton_ids(tok, ask.question, ask.history, count) if decision.use_sot else []
+        if decision.use_sot and ask.sot == "auto" and capacity is not None and len(prompt) > capacity:
+            decision = Route(False, f"the skeleton's prompt ({len(prompt)} tokens) would not fit the cache ({capacity})")
         if not decision.use_sot:
             return Skeleton(ask.rid, ask.question, ask.params, "direct", decision.reason, "", stats, history=ask.history)
-        fmt, tok = self.format, self.tokenizer
-        prompt = fmt.skeleton_ids(tok, ask.question, ask.history)
-        keep = history_end(lambda h: fmt.skeleton_ids(tok, ask.question, h), ask.history)
-        job = Job((ask.rid, 0), prompt, skeleton_params(self.config, ask.params), keep=keep)
+        keep = history_end(lambda h: fmt.skeleton_ids(tok, ask.question, h, count), ask.history)
+        job = Job((ask.rid, 0), prompt, skeleton_params(self.config, ask.params, count), keep=keep)
         return Skeletoning(ask, decision.reason, job, fmt.skeleton_prefix, stats, fmt)
 
     def prompt_size(self, ask: Ask) -> int:
-        """Tokens of the longest prompt a request starts with: its direct answer's, and its
-        skeleton's where the router sends it the SoT way. Raises SpecSotError on a bad `ask.sot`."""
+        """Tokens of the longest prompt a request must fit: its direct answer's, and with --sot
+        always its skeleton's (with auto a skeleton too long goes direct). Raises SpecSotError on
+        a bad `ask.sot`."""
+        if ask.sot not in MODES:
+            route(ask.question, ask.sot)  # raises, naming the modes
         sizes = [len(direct_ids(self.tokenizer, ask.question, ask.history))]
-        if route(ask.question, ask.sot).use_sot:
-            sizes.append(len(self.format.skeleton_ids(self.tokenizer, ask.question, ask.history)))
+        if ask.sot == "always":
+            count = points_asked(ask.question)
+            sizes.append(len(self.format.skeleton_ids(self.tokenizer, ask.question, ask.history, count)))
         return max(sizes)
 
     def parse(self, msg: Skeleton, plan: Callable[[str], Plan] | None = None) -> Planned:
         """The skeleton's plan of points, or the direct way when it is not a usable list; `plan`:
-        a replacement parser (text -> Plan)."""
+        a replacement parser (text -> Plan). As many points as the question names, where it
+        names a number (and SPARE more, where the skeleton lists them: merge shows the first of
+        them that say something); else at most max_points."""
         mode, reason, points = msg.mode, msg.reason, []
         if mode == "sot":
             text = finished_lines(msg.text, msg.finish)
-            parsed = plan(text) if plan is not None else self.format.plan(text, self.config.max_points)
+            count = asked_count(msg.question)
+            most = count + SPARE if count else self.config.max_points
+            parsed = plan(text) if plan is not None else self.format.plan(text, most, msg.question)
             if parsed.kind == "plan":
                 points = [(p.index, p.title, p.predicted_tokens or 0) for p in parsed.points]
                 reason = parsed.reason or "planned"
@@ -167,14 +185,15 @@ class Flow:
         fmt, tok = self.format, self.tokenizer
         if msg.mode != "sot":
             prompt = direct_ids(tok, msg.question, msg.history)
-            plan = MergePlan(msg.rid, "direct", msg.reason, "", [(0, "")], {devices[0].name: [0]}, msg.stats)
+            plan = MergePlan(msg.rid, "direct", msg.reason, "", [(0, "")], {devices[0].name: [0]}, msg.stats,
+                             msg.question)  # fmt: skip
             # The whole prompt is kept: the next turn's begins with it (this question, then its answer).
             return plan, AnswerPrompts(msg.rid, msg.params, [], {0: prompt}, len(prompt))
         plan = Plan("plan", [Point(i, title, predicted or None) for i, title, predicted in msg.points])
         prefix, suffixes = point_prompts(tok, fmt, msg.question, plan, msg.history)
         assignments = [a for a in schedule(plan.points, devices) if a.point_indices]
         merge_plan = MergePlan(msg.rid, "sot", msg.reason, msg.skeleton, [(p.index, p.title) for p in plan.points],
-                               {a.device: a.point_indices for a in assignments}, msg.stats)  # fmt: skip
+                               {a.device: a.point_indices for a in assignments}, msg.stats, msg.question)  # fmt: skip
         first = plan.points[0]
         keep = history_end(lambda h: fmt.point_ids(tok, msg.question, "", first.index, first.title, h), msg.history)
         return merge_plan, AnswerPrompts(msg.rid, point_params(self.config, msg.params, plan), prefix, suffixes, keep)
@@ -248,9 +267,9 @@ class Merging:
             self.owner = {i: stage for stage, indices in msg.branches.items() for i in indices} | self.owner
             out.append(msg)
             if streams and msg.mode == "sot":  # what arrived before the plan is released now
-                self.ordered = OrderedAnswer(self.fmt, [(i, t) for i, t in msg.points])
+                self.ordered = OrderedAnswer(self.fmt, [(i, t) for i, t in msg.points], msg.question)
                 out += [self.ordered.add(index, "".join(parts)) for index, parts in self.texts.items()]
-                out += [self.ordered.end(index) for index in self.ends]
+                out += [self.ordered.end(index, end.finish) for index, end in self.ends.items()]
             elif streams:
                 out.append(self._direct_text())
             out += list(self.ends.values())
@@ -266,7 +285,7 @@ class Merging:
             if self.plan is not None:
                 out.append(msg)
             if self.ordered is not None:
-                out.append(self.ordered.end(msg.index))
+                out.append(self.ordered.end(msg.index, msg.finish))
         # Released answer text (strings) goes out as AnswerText, where there is any.
         out = [AnswerText(msg.rid, m) if isinstance(m, str) else m for m in out if m != ""]
         return out + self._answer()
@@ -292,16 +311,20 @@ class Merging:
             "seconds": max((e.seconds for e in ends), default=0.0)}  # fmt: skip
         points = [(i, title, texts.get(i, "")) for i, title in plan.points] if plan.mode == "sot" else []
         finish = "length" if any(e.finish == "length" for e in ends) else "stop"
-        answer = self.merge(plan, texts) if self.merge is not None else merged(self.fmt, plan, texts)
+        cut = {i for i, e in self.ends.items() if e.finish in CUT_OFF}
+        if plan.mode == "sot":  # the points the merged answer leaves out (they say nothing)
+            stats["dropped_points"] = dropped_points(points, plan.question, cut)
+        answer = self.merge(plan, texts) if self.merge is not None else merged(self.fmt, plan, texts, cut)
         whole = [AnswerText(plan.rid, answer)] if self.merge is not None and answer else []
         return [*whole, Answer(plan.rid, answer, plan.mode, plan.reason, plan.skeleton, points, stats, finish)]
 
 
-def merged(fmt, plan: MergePlan, texts: dict[int, str]) -> str:
-    """The answer from the plan and every point's text (index -> text)."""
+def merged(fmt, plan: MergePlan, texts: dict[int, str], cut=()) -> str:
+    """The answer from the plan and every point's text (index -> text); `cut`: the points that
+    a length cap or a loop stop ended."""
     if plan.mode != "sot":
         return texts.get(0, "")
-    return fmt.merge([(index, title, texts.get(index, "")) for index, title in plan.points])
+    return fmt.merge([(index, title, texts.get(index, "")) for index, title in plan.points], plan.question, cut)
 
 
 def summary(answer: Answer) -> str:
@@ -320,13 +343,26 @@ def answer_tokens(answer: Answer) -> int:
     return sum(p["tokens"] for p in answer.stats.values() if isinstance(p, dict))
 
 
-def skeleton_params(config: SoTConfig, params: SamplingParams) -> SamplingParams:
-    """The skeleton phase's settings: its own length cap, a stop past the point cap, the prompt
-    format's own stops ("DIRECT]" in the plan format), and an end at a point listed again, on a
-    line of its own or run on inside a line (the parser would drop it, and a small model that
-    repeats one point tends to repeat them all)."""
-    stops = (f"\n{config.max_points + 1}.", *load_format(config.prompt_format).skeleton_stop)
-    return replace(_bounded(params, config.skeleton_tokens, stops), stop_repeated_line=True, stop_repeated_item=True)
+def points_asked(question: str) -> int | None:
+    """The number of points a skeleton is asked for where the question names one: that and
+    SPARE more, which stand in for those the parser or the merge drops (a repeat, a point that
+    says nothing); None where it names none."""
+    count = asked_count(question)
+    return count + SPARE if count else None
+
+
+def skeleton_params(config: SoTConfig, params: SamplingParams, count: int | None = None) -> SamplingParams:
+    """The skeleton phase's settings: its own length cap, a stop past the point cap (`count`, the
+    number of points asked of the model where the question names one: that and SPARE; else
+    max_points), the prompt format's own stops
+    ("DIRECT]" in the plan format), and an end at a point listed again, on a line of its own or
+    run on inside a line (the parser would drop it, and a small model that repeats one point
+    tends to repeat them all), but for a counted list, which needs its count of distinct items."""
+    stops = (f"\n{(count or config.max_points) + 1}.", *load_format(config.prompt_format).skeleton_stop)
+    bounded = _bounded(params, config.skeleton_tokens, stops)
+    # A counted list goes on past a repeat (the parser drops it; the items after it may be new),
+    # bounded by the count's stop; an open one ends there.
+    return bounded if count else replace(bounded, stop_repeated_line=True, stop_repeated_item=True)
 
 
 def skeleton_text(fmt, delta: Delta) -> str:
@@ -353,7 +389,8 @@ def point_params(config: SoTConfig, params: SamplingParams, plan: Plan) -> Sampl
     write the plan out again inline ("1. Title" of any point), or a line that repeats one of its
     earlier lines (a loop of short lines, which repeat_stop's 16 tokens miss). Stops count only
     past the point's leading whitespace, so a point that opens with a blank line is not empty."""
-    stops = (*(f"\n{i}." for i in range(1, config.max_points + 2)), *load_format(config.prompt_format).point_stop,
+    most = max(config.max_points, len(plan.points))
+    stops = (*(f"\n{i}." for i in range(1, most + 2)), *load_format(config.prompt_format).point_stop,
              *(f"{p.index}. {p.title}" for p in plan.points))  # fmt: skip
     bounded = _bounded(params, config.point_tokens, (*params.stop, *stops))
     return replace(bounded, stop_after_text=True, stop_repeated_line=True)

@@ -1,31 +1,117 @@
-"""A planned answer streamed in order while its points decode together.
+"""A planned answer: its points merged, and streamed in order while they decode together.
 
-The merged answer is PromptFormat.merge of every point: each point's prefilled beginning and its
-text, without a last line that repeats an earlier one, trailing whitespace stripped, joined by
-newlines. OrderedAnswer releases that answer's text as early as it is certain: the first point
-unfinished streams live, the points after it are held until it ends, and within a point only
-what no later token can take back is released (its trailing whitespace, and a last line that may
-yet turn out to be a repeat, wait). The pieces joined are exactly the merged answer.
+The merged answer (`merge_points`, which PromptFormat.merge is) takes the points in plan order,
+each its prefilled beginning ("N. Title:") and its text, without a last line that repeats an
+earlier one (where the point's loop stop ended it), trailing whitespace stripped, joined by
+newlines, with what is not worth reading left out:
+- a point cut off (its length cap or its loop stop ended it) keeps its complete sentences only;
+- a point that says nothing (no content word beyond the question's and its title's:
+  overlap.content_words; an empty point says nothing), or nothing beyond what one point shown
+  before it says, is dropped, and
+  the points after it are numbered on (1, 2, 3, ... as shown), so an answer never shows
+  "3. Sunscreen:" with nothing after it, nor a point that only says an earlier one again;
+- where the question names its number of points, the first that many that say something are
+  shown: a counted skeleton may list parser.SPARE more, which stand in for points dropped.
 
-    ordered = OrderedAnswer(fmt, [(1, "Warm up"), (2, "Pick shoes")])
+OrderedAnswer releases that answer's text as early as it is certain: the first point unfinished
+streams live, the points after it are held until it ends, and within a point only what no later
+token can take back is released: its complete sentences (a cap may yet cut the sentence it is
+in), and of several lines all but the last (which may yet turn out to be a repeat); a point's
+"N. Title:" comes out with the first of its text that says something. The pieces joined are
+exactly the merged answer.
+
+    ordered = OrderedAnswer(fmt, [(1, "Warm up"), (2, "Pick shoes")], "How do I start running?")
     out = ordered.add(2, " Buy light ones.")   # "": point 1 comes first
-    out = ordered.add(1, " Walk first.")       # "1. Warm up: Walk first."
+    out = ordered.add(1, " Walk first. ")      # "1. Warm up: Walk first."
     out = ordered.end(1) + ordered.end(2)      # "\\n2. Pick shoes: Buy light ones."
 """
 
 from __future__ import annotations
 
+import re
+
+from specsot_mq.sot.overlap import content_words
+from specsot_mq.sot.parser import asked_count
 from specsot_mq.stopping import without_repeated_last_line
+
+CUT_OFF = ("length", "repeat")  # finish reasons that may end a point mid-sentence
+SENTENCE_END = re.compile(r"[.!?…][\"')\]”’]*(?=\s)|\n")
+FINAL_SENTENCE_END = re.compile(r"[.!?…][\"')\]”’]*(?=\s|$)|\n")
+
+
+def point_body(text: str, ended: bool, cut: bool) -> str:
+    """The part of a point's text that the answer shows and no later token can change: all of it
+    once ended (less a repeated last line, or for a cut-off point whatever follows its last
+    complete sentence or line); while it decodes, its complete sentences, of one line or of all
+    lines but the last."""
+    if ended:
+        body = without_repeated_last_line(text)
+        # A repeated last line gone, every line left ended with a line break: none is unfinished.
+        return _to_last(FINAL_SENTENCE_END, text) if cut and body == text else body
+    lines = text.rstrip().split("\n")
+    if len(lines) > 1:
+        return "\n".join(lines[:-1])
+    return _to_last(SENTENCE_END, text)
+
+
+def merge_points(fmt, points, question: str = "", cut=()) -> str:
+    """The merged answer from (index, title, text) in plan order; `cut`: the indices of points
+    that a length cap or a loop stop ended."""
+    pieces = []
+    for _, title, body in _kept(points, question, cut):
+        pieces.append((fmt.point_prefix.format(index=len(pieces) + 1, title=title) + body).rstrip())
+    return "\n".join(pieces)
+
+
+def dropped_points(points, question: str = "", cut=()) -> list[int]:
+    """The indices of the points merge_points leaves out."""
+    kept = {index for index, _, _ in _kept(points, question, cut)}
+    return [index for index, _, _ in points if index not in kept]
+
+
+def says_something(body: str, title: str, question: set[str], shown: list[set[str]]) -> bool:
+    """Whether a point's text has a content word beyond its title's and the question's
+    (`question`: its content words) and beyond each point shown before it (`shown`: their texts'
+    content words). More text only adds words, so once true it stays true: what the answer
+    streams of a point is never taken back."""
+    words = content_words(body) - content_words(title) - question
+    return bool(words) and all(words - earlier for earlier in shown)
+
+
+def _kept(points, question: str, cut):
+    """(index, title, body) of the points merge_points shows, in order: those that say
+    something, as many as the question names where it names a number (the plan's spares stand
+    in for points that said nothing)."""
+    asked, shown, most = content_words(question), [], asked_count(question) or len(points)
+    kept = 0
+    for index, title, text in points:
+        body = point_body(text, True, index in cut)
+        if kept < most and says_something(body, title, asked, shown):
+            kept += 1
+            shown.append(content_words(body))
+            yield index, title, body
+
+
+def _to_last(pattern: re.Pattern, text: str) -> str:
+    """The text up to the end of the last match of pattern ("" without one)."""
+    end = 0
+    for m in pattern.finditer(text):
+        end = m.end()
+    return text[:end]
 
 
 class OrderedAnswer:
-    def __init__(self, fmt, points: list[tuple[int, str]]):
-        self.fmt = fmt
+    def __init__(self, fmt, points: list[tuple[int, str]], question: str = ""):
+        self.fmt, self.question = fmt, question
         self.order = [index for index, _ in points]
         self.titles = dict(points)
         self.texts = {index: "" for index in self.order}
-        self.ended: set[int] = set()
+        self.ended: dict[int, bool] = {}  # index -> whether it was cut off
         self.cursor = 0  # position in self.order of the point streaming now
+        self.shown = 0  # points released so far (kept), so the number the next one shows is shown + 1
+        self.most = asked_count(question) or len(points)  # points shown at most (_kept)
+        self.asked = content_words(question)
+        self.seen: list[set[str]] = []  # the content words of each shown point's text
         self.sent = 0  # characters of that point's piece already released
 
     def add(self, index: int, text: str) -> str:
@@ -33,38 +119,41 @@ class OrderedAnswer:
         self.texts[index] += text
         return self._release()
 
-    def end(self, index: int) -> str:
-        """A point ended; returns the answer text that releases."""
-        self.ended.add(index)
+    def end(self, index: int, finish: str = "stop") -> str:
+        """A point ended (finish: its PointEnd's); returns the answer text that releases."""
+        self.ended[index] = finish in CUT_OFF
         return self._release()
 
     def restart(self, index: int) -> None:
         """A point starts again from nothing (its stage died). What was released of it stays
         released: decoded again, greedily, it writes the same, and only what goes beyond is new."""
         self.texts[index] = ""
-        self.ended.discard(index)
+        self.ended.pop(index, None)
 
-    def _piece(self, index: int) -> str:
-        """The point's part of the answer, as far as it is certain now ("\\n" first but for the first point)."""
-        head = self.fmt.point_prefix.format(index=index, title=self.titles[index])
-        text = self.texts[index]
-        if index in self.ended:
-            body = (head + without_repeated_last_line(text)).rstrip()
-        else:
-            lines = text.rstrip().split("\n")
-            # A single line can never repeat an earlier one; a later last line might yet.
-            body = (head + (lines[0] if len(lines) == 1 else "\n".join(lines[:-1]))).rstrip()
-        return ("\n" if index != self.order[0] else "") + body
+    def _piece(self, index: int) -> str | None:
+        """The point's part of the answer, as far as it is certain now ("\\n" first but for the
+        first point shown); "" while it has said nothing yet, None once it ended saying nothing."""
+        ended = index in self.ended
+        body = point_body(self.texts[index], ended, self.ended.get(index, False))
+        if not says_something(body, self.titles[index], self.asked, self.seen):
+            return None if ended else ""
+        head = self.fmt.point_prefix.format(index=self.shown + 1, title=self.titles[index])
+        return ("\n" if self.shown else "") + (head + body).rstrip()
 
     def _release(self) -> str:
         out = []
-        while self.cursor < len(self.order):
+        while self.cursor < len(self.order) and self.shown < self.most:
             index = self.order[self.cursor]
             piece = self._piece(index)
-            out.append(piece[self.sent :])
-            self.sent = max(self.sent, len(piece))
+            if piece:
+                out.append(piece[self.sent :])
+                self.sent = max(self.sent, len(piece))
             if index not in self.ended:
                 break
+            if piece is not None:
+                self.shown += 1
+                body = point_body(self.texts[index], True, self.ended[index])
+                self.seen.append(content_words(body))
             self.cursor += 1
             self.sent = 0
         return "".join(out)

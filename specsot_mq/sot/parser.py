@@ -8,8 +8,15 @@ The skeleton comes from a small model, so the parser forgives what such a model 
 - titles lose markdown (** __ `), control characters, junk around them and trailing colons or
   periods; a title longer than 12 words is cut to its first sentence or clause, then to 12 words;
 - a predicted length at the end of a title, "(~40 tokens)", "(40 tokens)" or "[40]", is read off;
-- a repeated number or a repeated title keeps its first item; the kept items are renumbered
-  1, 2, 3, ... in order and capped at max_points.
+- a repeated number keeps its first item, and so does a title that says what an earlier one
+  says (overlap.same_point: "Living room upgrades" after "Upgrade your living room");
+- a title that only restates the question is dropped (overlap.restates: "Staying healthy" for
+  "Give me three tips for staying healthy.");
+- the kept items are renumbered 1, 2, 3, ... in order and capped at max_points.
+
+`asked_count` reads the number of points a question names ("three tips", "List 5 artworks", "a
+five-step workflow"): the skeleton prompt asks for exactly that many, its stop and the parser's
+cap are set to it (sot/flow.py).
 
 It never raises on a string. A list of fewer than two usable points, or text with no list, is
 "direct" (answer without a plan); empty text or text without a single letter is "error".
@@ -21,8 +28,11 @@ import re
 from dataclasses import dataclass, field
 
 from specsot_mq.errors import SpecSotError
+from specsot_mq.sot.overlap import NUMBER_WORDS, restates, same_point
 
 MAX_TITLE_WORDS = 12
+MOST_ASKED = 12  # the most points a question may name and get
+SPARE = 2  # items a counted skeleton may list past its count: a repeat or an empty point's stand-ins
 
 # A line start (after quote, heading or bullet marks) or a space inside a line, then "N." or "N)".
 # A digit right after the marker means a decimal ("3.14"), not an item.
@@ -61,8 +71,9 @@ class Plan:
     reason: str = ""  # why direct or error, or what was dropped from a plan; for the logs
 
 
-def parse_skeleton(text: str, max_points: int = 10) -> Plan:
-    """Parse a skeleton (the whole assistant text, including the prefilled "1.") into a Plan.
+def parse_skeleton(text: str, max_points: int = 10, question: str = "") -> Plan:
+    """Parse a skeleton (the whole assistant text, including the prefilled "1.") into a Plan;
+    `question`: the question it plans, whose restatements are dropped.
 
     Never raises on a string; max_points below 2 raises SpecSotError (a plan needs two points).
     """
@@ -76,18 +87,19 @@ def parse_skeleton(text: str, max_points: int = 10) -> Plan:
     if not items:
         return Plan("direct", reason="the skeleton has no numbered list")
     points, notes = [], []
-    numbers, titles = set(), set()
+    numbers = set()
     for number, body in items:
         title, predicted = _clean_title(body)
         if not any(c.isalpha() for c in title):
             notes.append(f"dropped item {number} (no title)")
         elif number in numbers:
             notes.append(f"dropped repeated number {number}")
-        elif title.casefold() in titles:
-            notes.append(f"dropped repeated title {title!r}")
+        elif same := next((p.title for p in points if same_point(p.title, title)), None):
+            notes.append(f"dropped {title!r}, which says what {same!r} says")
+        elif question and restates(title, question):
+            notes.append(f"dropped {title!r}, which restates the question")
         else:
             numbers.add(number)
-            titles.add(title.casefold())
             points.append(Point(len(points) + 1, title, predicted))
     if len(points) > max_points:
         notes.append(f"kept the first {max_points} of {len(points)} points")
@@ -98,7 +110,7 @@ def parse_skeleton(text: str, max_points: int = 10) -> Plan:
     return Plan("plan", points, "; ".join(notes))
 
 
-def parse_plan_direct(text: str, max_points: int = 10) -> Plan:
+def parse_plan_direct(text: str, max_points: int = 10, question: str = "") -> Plan:
     """Parse the SpecSoT format: "[DIRECT]" (answer without a plan) or "[PLAN]" and numbered points.
 
     The points after "[PLAN]" follow parse_skeleton's rules. Text with neither tag goes direct, the
@@ -115,10 +127,36 @@ def parse_plan_direct(text: str, max_points: int = 10) -> Plan:
         return Plan("direct", reason="the reply starts with neither [PLAN] nor [DIRECT]")
     if tag.group("tag").upper() == "DIRECT":
         return Plan("direct", reason="the model chose [DIRECT]")
-    plan = parse_skeleton(text[tag.end():], max_points)
+    plan = parse_skeleton(text[tag.end():], max_points, question)
     if plan.reason:
         plan.reason = "after [PLAN]: " + plan.reason
     return plan
+
+
+# Words before a number that ask for that many points ("give me three", "list 5", "what are the
+# four"), and nouns after it that name points ("three tips"); a unit after it is not a count.
+_ASKING = frozenset("give list name suggest describe share provide propose offer recommend identify outline design "
+                    "create explain what top develop discuss include choose pick mention state".split())  # fmt: skip
+_POINT_NOUNS = frozenset("tips ways reasons ideas examples steps things benefits strategies points options principles "
+                         "habits mistakes differences factors impacts advantages disadvantages methods questions "
+                         "rules lessons facts causes effects signs skills tools types kinds stages features".split())  # fmt: skip
+_UNITS = frozenset("minutes minute hours hour days day weeks week months month years year words word sentences "
+                   "sentence paragraphs paragraph lines line pages page times percent people persons dollars "
+                   "degrees meters metres miles kilometres kilometers km seconds second".split())  # fmt: skip
+
+
+def asked_count(question: str) -> int | None:
+    """The number of points the question asks for, where it names one (2 to MOST_ASKED): "Give
+    me three tips", "List 5 specific artworks", "a five-step workflow"; None otherwise ("two
+    popular smartphone models", "in 200 words")."""
+    words = re.findall(r"[a-z0-9]+", question.lower())
+    for i, word in enumerate(words):
+        n = int(word) if word.isdigit() else NUMBER_WORDS.get(word)
+        if n is None or not 2 <= n <= MOST_ASKED or i + 1 == len(words) or words[i + 1] in _UNITS:
+            continue
+        if any(w in _ASKING for w in words[max(0, i - 3) : i]) or any(w in _POINT_NOUNS for w in words[i + 1 : i + 4]):
+            return n
+    return None
 
 
 def item_starts(text: str) -> list[tuple[int, int, int]]:
