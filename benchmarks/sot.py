@@ -13,7 +13,7 @@ writes a PNG plot (with matplotlib, if installed) and ends with one JSON line ho
 of the speedups over all questions and over those routed to SoT.
 
     python benchmarks/sot.py [--limit 8] [--per-category N] [--max-tokens 256] [--dtype auto|bf16|fp32] [--plot out.png]
-        [--layout batching|bim] [--prompt-format sot|plan] [--engines hf,specsot] [--repeat-stop 16] [--verify-budget 8]
+        [--prompt-format sot|plan] [--engines hf,specsot] [--repeat-stop 16] [--verify-budget 8]
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ def main(argv=None) -> dict:
     add_dtype_option(p)
     p.add_argument("--max-parallel", type=int, default=8)
     p.add_argument("--sot", default="auto", help="routing for the SoT engines: auto, always, never")
-    p.add_argument("--layout", default="batching", help="the points' cache layout: batching or bim")
     p.add_argument("--prompt-format", default="sot", help="sot (numbered plan) or plan ([PLAN]/[DIRECT])")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"which of {','.join(ENGINES)} to run (hf always)")
     p.add_argument("--repeat-stop", type=int, default=REPEAT_STOP,
@@ -82,8 +81,7 @@ def main(argv=None) -> dict:
     plain_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel)
     eagle_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel, draft=head,
                           tree=TreeParams(max_batch_tokens=args.verify_budget, lookup=args.lookup))  # fmt: skip
-    config = SoTConfig(sot=args.sot, prompt_format=args.prompt_format, max_parallel=args.max_parallel,
-                       layout=args.layout)  # fmt: skip
+    config = SoTConfig(sot=args.sot, prompt_format=args.prompt_format, max_parallel=args.max_parallel)
     sot, specsot = SoTEngine(plain_gen, config), SoTEngine(eagle_gen, config)
     hf = load_transformers(folder, dtype)
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
@@ -119,7 +117,7 @@ def main(argv=None) -> dict:
     out.print(
         f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | {len(questions)} questions ({source}) "
         f"| max tokens {args.max_tokens} per phase | draft {draft_path.name} | max parallel {args.max_parallel} "
-        f"| layout {args.layout} | prompt format {args.prompt_format} | repeat stop {args.repeat_stop} "
+        f"| prompt format {args.prompt_format} | repeat stop {args.repeat_stop} "
         f"| verify budget {args.verify_budget}"
     )
     rows = time_answers(engines, questions, run, args.json_only)
@@ -145,7 +143,7 @@ def main(argv=None) -> dict:
         result[f"{engine}_vs_hf"] = median_speedup(engine, rows)
         result[f"{engine}_vs_hf_sot_routed"] = median_speedup(engine, planned)
     result.update(questions=len(rows), sot_routed=len(planned), dtype=args.dtype, max_tokens=args.max_tokens,
-                  threads=torch.get_num_threads(), draft=draft_path.name, layout=args.layout,
+                  threads=torch.get_num_threads(), draft=draft_path.name,
                   prompt_format=args.prompt_format, repeat_stop=args.repeat_stop, verify_budget=args.verify_budget,
                   lookup=args.lookup,
                   per_question=[{"question": r["question"], "mode": mode(r),

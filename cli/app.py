@@ -52,7 +52,6 @@ def ask(
     sot: Annotated[str, typer.Option(help="Plan and expand in parallel: auto, always or never.")] = "auto",
     max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8,
     max_parallel: Annotated[int, typer.Option(help="Points decoded at once (cache slots).")] = 8,
-    layout: Annotated[str, typer.Option(help="Points' KV: batching (a cache slot each) or bim (one slot, branch-index map).")] = "batching",
     prompt_format: FormatOpt = "sot",
 ):
     """Answer one question: a streamed skeleton, then every point expanded in parallel."""
@@ -69,7 +68,7 @@ def ask(
     if not question:
         raise SpecSotError("the question is empty: pass it as an argument or on stdin with '-'")
     params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop or ()), repeat_stop=repeat_stop)
-    config = SoTConfig(sot=sot, prompt_format=prompt_format, max_points=max_points, max_parallel=max_parallel, layout=layout)
+    config = SoTConfig(sot=sot, prompt_format=prompt_format, max_points=max_points, max_parallel=max_parallel)
     tree = TreeParams(**model.tree())
     gen = load_generator(model.model, dtype=model.dtype, device=device, max_len=max_len, num_slots=max_parallel,
                          draft=model.draft, tree=tree, quantize=model.quantize)  # fmt: skip

@@ -1,8 +1,8 @@
 """The decoders the generation loop drives, and the one way a sequence starts.
 
-A decoder advances the sequences of one slot manager (slots.py) through one layout (layout.py):
+A decoder advances the sequences of one slot manager (slots.py) through its layout (layout.py):
 `start()` prefills new sequences (also while others run), `step()` advances the running ones in
-one batched forward, `drop()` ends one. Plain decoding is here; EAGLE speculative decoding
+one batched forward (a sequence that ends leaves its slot to be overwritten). Plain decoding is here; EAGLE speculative decoding
 (speculative.py) is a decoder too.
 
 Every prompt starts from the longest beginning of it that is already computed, and this is the one
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from specsot_mq.layout import new_layout
+from specsot_mq.layout import SlotLayout
 from specsot_mq.lookup import History, ListTokens, NgramIndex
 from specsot_mq.model import LlamaModel
 from specsot_mq.prefix_store import Entry, Kept
@@ -31,17 +31,17 @@ from specsot_mq.verify import SpecStats, accept_greedy
 
 
 class Decoder:
-    """What every decoder shares: sequences named by their slots 0..max_sequences-1 (a cache slot
-    each in the batching layout), the layout, and `start`."""
+    """What every decoder shares: sequences named by their cache slots 0..max_sequences-1, the
+    layout, and `start`."""
 
     drafts = False  # whether a stored prefix it starts from needs the draft head's state
     stats: SpecStats | None = None
 
-    def __init__(self, model: LlamaModel, slots: SlotManager, sampler: Sampler, layout: str, lists: ListTokens | None,
+    def __init__(self, model: LlamaModel, slots: SlotManager, sampler: Sampler, lists: ListTokens | None,
                  history: History | None):  # fmt: skip
         self.model, self.slots, self.sampler, self.lists, self.history = model, slots, sampler, lists, history
-        self.layout = new_layout(layout, model, slots)
-        self.max_sequences = self.layout.max_sequences
+        self.layout = SlotLayout(model, slots)
+        self.max_sequences = slots.num_slots
 
     def start(self, seqs: list[Sequence], shared: int = 0) -> None:
         """Prefill new sequences (each gets its first token as `last`, and its state) from what is
@@ -69,18 +69,14 @@ class Decoder:
         """One step of every running sequence (their records updated); each one's new tokens."""
         raise NotImplementedError
 
-    def drop(self, seq: Sequence) -> None:
-        self.layout.drop(seq.slot)
-
     def room(self, slots: list[int]) -> int:
         """Cache entries each of these sequences can still append (a step needs at least one)."""
         return self.layout.room(slots)
 
     def kept(self, slot: int, n: int, feature: torch.Tensor | None = None) -> Kept | None:
         """What a later prompt needs to start from the first n tokens of `slot`, read right after
-        its prefill; None where the layout cannot give it."""
-        kv = self.layout.snapshot(slot, n)
-        return None if kv is None else Kept(kv)
+        its prefill (None where it cannot be had)."""
+        return Kept(self.slots.cache.snapshot(slot, n))
 
     def _store(self, seq: Sequence, feature: torch.Tensor | None = None) -> None:
         """Put the first job.keep tokens of a just-prefilled prompt in the prefix store (`feature`:
@@ -100,9 +96,9 @@ class PlainDecoder(Decoder):
     forward split between the sequences, and keeps those the base model's argmax agrees with,
     plus the next one: the same tokens, in fewer forwards."""
 
-    def __init__(self, model: LlamaModel, slots: SlotManager, sampler: Sampler, layout: str = "batching",
-                 lookup: int = 0, lists: ListTokens | None = None, history: History | None = None):  # fmt: skip
-        super().__init__(model, slots, sampler, layout, lists, history)
+    def __init__(self, model: LlamaModel, slots: SlotManager, sampler: Sampler, lookup: int = 0,
+                 lists: ListTokens | None = None, history: History | None = None):  # fmt: skip
+        super().__init__(model, slots, sampler, lists, history)
         self.lookup = lookup if sampler.params.greedy else 0
         self.stats = SpecStats() if self.lookup else None  # what lookup drafted and got accepted (tau)
 

@@ -84,8 +84,6 @@ class _Batch:
                 yield seq.job.key, Delta("", [], "abort")
                 self.end(seq)
         full = [seq for s, seq in self.running.items() if self.decoder.room([s]) < 1]
-        if self.running and not full and self.decoder.room(list(self.running)) < 1:
-            full = list(self.running.values())  # one cache slot shared by all of them (bim) is full
         for seq in full:
             yield seq.job.key, seq.out.end("length")
             self.end(seq)
@@ -116,7 +114,6 @@ class _Batch:
     def end(self, seq: Sequence) -> None:
         self.history.add(seq.out.tokens)  # prompt lookup's guesses for later outputs
         del self.running[seq.slot]
-        self.decoder.drop(seq)
         self.free.append(seq.slot)
 
 
@@ -174,16 +171,14 @@ class Generator:
                 "shorten the prompt or raise the cache length (--max-len)"
             )
 
-    def new_decoder(self, params: SamplingParams, layout: str = "batching") -> Decoder:
-        """The decoder for one call: EAGLE when the generator has a draft head, else plain; layout
-        "batching" (a cache slot per sequence) or "bim" (all in one slot, see layout.py)."""
+    def new_decoder(self, params: SamplingParams) -> Decoder:
+        """The decoder for one call: EAGLE when the generator has a draft head, else plain."""
         sampler = Sampler(params, self.model.device)
         if self.draft is None:
             lookup = self.tree.lookup if self.tree else 0
-            return PlainDecoder(self.model, self.slots, sampler, layout, lookup, self.lists, self.history)
+            return PlainDecoder(self.model, self.slots, sampler, lookup, self.lists, self.history)
         chooser = self.chooser if params.greedy else None  # sampling: the decoder's own (the tree every step)
-        return EagleDecoder(self.model, self.draft, self.slots, sampler, self.tree, layout, chooser, self.lists,
-                            self.history)  # fmt: skip
+        return EagleDecoder(self.model, self.draft, self.slots, sampler, self.tree, chooser, self.lists, self.history)
 
     def keep_prefix(self, ids: list[int]) -> None:
         """Compute a prompt beginning once and keep it (base KV, and the draft head's KV and
@@ -198,7 +193,6 @@ class Generator:
         with torch.inference_mode():
             decoder.start([seq], len(ids))
             self.prefixes.add(ids, decoder.kept(0, len(ids), self.slots[0].feature), pinned=True)
-        decoder.drop(seq)
 
     def stream_many(
         self,

@@ -1,23 +1,18 @@
-"""Where the running sequences' keys and values live in the base model's cache: the two layouts.
+"""Where the running sequences' keys and values live in the base model's cache: sequence k in
+cache slot k (the batching layout).
 
-The decoders (plain and EAGLE) talk to the cache only through a layout, with four calls:
+The decoders (plain and EAGLE) talk to the cache only through the layout, with three calls:
 `prefill` (prompts in; last logits and features out), `forward` (the new tokens of every running
 sequence, with their positions and, for a draft tree, a mask over the sequence's own new tokens),
 `commit` (which of those new entries each sequence keeps: all for a plain step, the root and the
-accepted path after a verify) and `drop`. So every decoder runs unchanged in either layout. A
-layout keeps nothing of its own: what each slot holds is the slot manager's (slots.py).
+accepted path after a verify). The layout keeps nothing of its own: what each slot holds
+is the slot manager's (slots.py). A shared prompt prefix is computed once and read by every row
+that shares it from one slot (the kernels' prefix sources); a step is one [B, T] forward, rows
+right-padded, or, where causal rows differ in length and the native kernels run the model, one
+token per batch row (no padding).
 
-- SlotLayout ("batching"): sequence k owns cache slot k. A shared prompt prefix is computed once and
-  copied into each slot; a step is one [B, T] forward, rows right-padded, or, where causal rows
-  differ in length and the native kernels run the model, one token per batch row (no padding).
-- BimLayout ("bim", the branch-index map): all sequences (the branches of one question) share ONE
-  slot. The shared prefix is stored once; after it, every step appends the branches' new tokens
-  side by side, and the manager's `owners[k]` records which branch wrote entry k (-1 for the
-  prefix). Each query sees the prefix, its own branch's kept entries and, within the step, what its
-  mask allows, never another branch's entries; positions restart after the prefix for every
-  branch. A branch is thus computed as if it were alone, and both layouts give the same tokens
-  (tests check it, plain and with EAGLE). A finished branch's entries stay in the slot, masked out,
-  until the question ends. The draft head's one-layer cache keeps a slot per sequence in both layouts.
+A branch-index-map layout (every branch of a question in one slot, under a mask) ran beside this
+one until 2026-11-26; it gave no robust gain in any measurement (benchmarks/HISTORY.md) and went.
 """
 
 from __future__ import annotations
@@ -28,12 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specsot_mq.errors import SpecSotError
 from specsot_mq.model import LlamaModel, Step
 from specsot_mq.prefix_store import Entry
 from specsot_mq.slots import SlotManager
-
-LAYOUTS = ("batching", "bim")
 
 
 @dataclass(slots=True)
@@ -46,22 +38,11 @@ class Prefilled:
     prefix_features: torch.Tensor | None  # [shared - have, F*H] features of the rest of it, if computed now
 
 
-def check_layout(name: str) -> None:
-    if name not in LAYOUTS:
-        raise SpecSotError(f"--layout must be one of {', '.join(LAYOUTS)}, got '{name}'")
-
-
-def new_layout(name: str, model: LlamaModel, slots: SlotManager) -> SlotLayout | BimLayout:
-    check_layout(name)
-    return SlotLayout(model, slots) if name == "batching" else BimLayout(model, slots)
-
-
 class SlotLayout:
-    """The batching layout: sequence k in cache slot k (see the module docstring)."""
+    """Sequence k in cache slot k (see the module docstring)."""
 
     def __init__(self, model: LlamaModel, slots: SlotManager):
         self.model, self.slots = model, slots
-        self.max_sequences = slots.num_slots
 
     def prefill(self, prompts: dict[int, list[int]], shared: int = 0, source: int | Entry | None = None,
                 hidden_layers=()) -> Prefilled:  # fmt: skip
@@ -169,105 +150,6 @@ class SlotLayout:
             if k != list(range(len(k))):
                 self.slots.cache.move(seq, [start + i for i in k], start)
             self.slots[seq].length = start + len(k)
-
-    def drop(self, seq: int) -> None:
-        pass
-
-    def snapshot(self, seq: int, n: int):
-        """A copy of the sequence's first n cache entries (the prefix store)."""
-        return self.slots.cache.snapshot(seq, n)
-
-
-class BimLayout:
-    """The branch-index-map layout: every sequence in cache slot `slot` (see the module docstring).
-    It holds one question's branches at a time: a prefill whose prefix is not in the slot starts a
-    new one."""
-
-    def __init__(self, model: LlamaModel, slots: SlotManager, slot: int = 0):
-        self.model, self.slots, self.slot = model, slots, slot
-        self.max_sequences = slots.num_slots  # the draft head's cache has a slot per sequence
-
-    def prefill(self, prompts: dict[int, list[int]], shared: int = 0, source: int | Entry | None = None,
-                hidden_layers=()) -> Prefilled:  # fmt: skip
-        """As SlotLayout.prefill; a source slot's prefix is this slot's (claimed by an earlier
-        prefill of the question), a store entry's is restored into it."""
-        mgr, seqs = self.slots, list(prompts)
-        _check_shared(prompts, shared)
-        have = shared
-        if not isinstance(source, int):  # a new question: the prefix goes in once
-            if any(s.branch is not None for s in mgr.slots):
-                raise SpecSotError("the bim layout holds one question's branches at a time; finish them first")
-            mgr.forget_claims()  # the slot they name is overwritten
-            have = 0 if source is None else mgr.cache.restore(self.slot, source.state.kv)
-            mgr.owners = [-1] * have
-        prefix_features = None
-        if have < shared:
-            prefix_features = _prefix(self.model, mgr, self.slot, prompts[seqs[0]][have:shared], have, hidden_layers)
-            mgr.owners += [-1] * (shared - have)
-        mgr.claim(seqs, tuple(prompts[seqs[0]][:shared]), -1)
-        for s in seqs:  # a fresh branch id, so a reused name never sees its predecessor's entries
-            mgr[s].branch, mgr[s].length = mgr.new_id(), shared
-        suffixes = [prompts[s][shared:] for s in seqs]
-        lens = [len(x) for x in suffixes]
-        positions = [list(range(shared, shared + n)) for n in lens]
-        ends = list(itertools.accumulate(lens, initial=-1))[1:]  # each row's last token, side by side
-        logits, features = self._append(seqs, suffixes, positions, None, hidden_layers, logit_rows=ends)
-        self.commit(seqs, lens, [list(range(n)) for n in lens])
-        return Prefilled(logits, None if features is None else _rows(features[0], lens), have, prefix_features)
-
-    def length(self, seq: int) -> int:
-        return self.slots[seq].length
-
-    def room(self, seqs: Sequence[int]) -> int:
-        """Entries each of `seqs` can append this step (the slot's free room, shared evenly)."""
-        return (self.slots.capacity - len(self.slots.owners)) // max(1, len(seqs))
-
-    def forward(self, seqs: list[int], ids: list, positions: list, masks: list | None = None,
-                hidden_layers=()) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """As SlotLayout.forward: all rows go into the one slot side by side, in one forward."""
-        logits, features = self._append(seqs, ids, positions, masks, hidden_layers)
-        lens = [len(x) for x in ids]
-        return _rows(logits[0], lens), None if features is None else _rows(features[0], lens)
-
-    def commit(self, seqs: list[int], sizes: list[int], keep: list[list[int]]) -> None:
-        """Keep, of the last forward's entries (sizes[i] of row i, side by side after the slot's
-        kept ones), keep[i] of row i; the kept ones close up in place."""
-        mgr = self.slots
-        start = first = len(mgr.owners)
-        src = []
-        for seq, n, k in zip(seqs, sizes, keep):
-            src += [first + i for i in k]
-            mgr.owners += [mgr[seq].branch] * len(k)
-            mgr[seq].length += len(k)
-            first += n
-        if src != list(range(start, start + len(src))):
-            mgr.cache.move(self.slot, src, start)
-
-    def drop(self, seq: int) -> None:
-        self.slots[seq].branch = None
-
-    def snapshot(self, seq: int, n: int) -> None:
-        """None: a sequence's entries here interleave with its siblings' (no prefix to copy)."""
-        return None
-
-    def _append(self, seqs, ids, positions, masks, hidden_layers, logit_rows=None):
-        """One forward of every row's new tokens, after the slot's kept entries; output rows are
-        [1, Q, ...] (logit_rows: [R, V])."""
-        dev, mgr = self.model.device, self.slots
-        lens = [len(x) for x in ids]
-        start = len(mgr.owners)
-        mgr.check(self.slot, start, sum(lens))
-        owner = torch.tensor(mgr.owners + [mgr[s].branch for s, n in zip(seqs, lens) for _ in range(n)], device=dev)
-        mine = owner[start:, None]
-        # Kept entries: the prefix and the query's own branch; new ones: its row's mask.
-        seen = (owner[None, :start] == -1) | (owner[None, :start] == mine)
-        blocks = [torch.ones(n, n, dtype=torch.bool, device=dev).tril() if masks is None else masks[i].to(dev)
-                  for i, n in enumerate(lens)]  # fmt: skip
-        mask = torch.cat([seen, torch.block_diag(*blocks)], 1)[None]
-        tokens = torch.cat([torch.as_tensor(x, device=dev).view(-1) for x in ids])[None]
-        pos = torch.cat([torch.as_tensor(p, device=dev).view(-1) for p in positions])[None]
-        out = self.model(tokens, mgr.cache, Step([self.slot], [start], pos, mask, logit_rows, hidden_layers))
-        return out.logits, torch.cat(out.hidden, -1) if hidden_layers else None
 
 
 def _check_shared(prompts: dict[int, list[int]], shared: int) -> None:

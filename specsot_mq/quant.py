@@ -201,10 +201,6 @@ class QLinear(nn.Module):
             self.parts = None
             self.weight = nn.Parameter(torch.cat([p.dequantize() for p in parts]).to(dtype), requires_grad=False)
 
-    @property
-    def formats(self) -> list[str]:
-        return [p.format.name for p in self.parts or []]
-
     def native_weights(self):
         """The kernels' `Weights` over the parts (worked out once; onto_huge_pages and
         NativeForm.forget_all forget it), or None without the kernels."""

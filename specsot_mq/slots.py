@@ -4,9 +4,9 @@ A generator has one base KV cache (and, with a draft head, one draft cache) with
 sequence. The caches are data (kv_cache.py); everything known about a slot is its `Slot` record,
 kept by the `SlotManager` of those caches (as nano-vllm's BlockManager keeps its blocks): how far
 it is filled, which prefix its first entries hold (its claim, and the copy they belong to), the
-draft head's state at that prefix's end, and its branch in the bim layout. The manager also keeps
-the prefix store (prefix_store.py), so a prompt's beginning is found in one place: in a slot that
-holds it, or in the store. The layouts and decoders are functions of it and keep nothing per slot;
+draft head's state at that prefix's end. The manager also keeps the prefix store
+(prefix_store.py), so a prompt's beginning is found in one place: in a slot that holds it, or in
+the store. The layout and the decoders are functions of it and keep nothing per slot;
 what a running sequence is between its steps is its own record (sequence.py).
 """
 
@@ -36,20 +36,17 @@ class Slot:
     prefix: tuple[int, ...] = ()  # its claim: the prompt beginning its first entries hold (base and draft)
     copy: int = -1  # slots of one copy hold that prefix bit for bit (a forward reads it from one of them)
     feature: torch.Tensor | None = None  # EAGLE: the base feature at the prefix's last position
-    branch: int | None = None  # bim layout: its branch in the shared slot while it runs
 
 
 class SlotManager:
-    """The slots of one base cache (and its draft cache), the prefix store, and, for the bim
-    layout, which branch wrote each entry of the slot they share."""
+    """The slots of one base cache (and its draft cache), and the prefix store."""
 
     def __init__(self, cache: KVCache, draft: KVCache | None = None, store: PrefixStore | None = None):
         self.cache, self.draft = cache, draft
         self.draft_head = None  # the head `draft` was made for (draft_cache_for)
         self.store = store if store is not None else PrefixStore()
         self.slots = [Slot() for _ in range(cache.num_slots)]
-        self.owners: list[int] = []  # bim: the branch of each entry in the shared slot; -1 = the prefix
-        self._ids = itertools.count()  # copy and branch names, never reused
+        self._ids = itertools.count()  # copy names, never reused
 
     def __getitem__(self, slot: int) -> Slot:
         return self.slots[slot]
@@ -89,8 +86,7 @@ class SlotManager:
             self.slots[s].prefix, self.slots[s].copy = prefix, copy
 
     def forget_claims(self) -> None:
-        """No slot holds a prefix worth finding (a new generation loop starts: what is in them was
-        put there by another layout, or by nobody)."""
+        """No slot holds a prefix worth finding (their draft entries are gone)."""
         for slot in self.slots:
             slot.prefix, slot.copy, slot.feature = (), -1, None
 

@@ -3,8 +3,7 @@
 One step for all running sequences: draft() grows an EAGLE-2 tree per sequence with the draft
 head (tree.py), verify() runs ONE base forward over every tree ([B, N+1], each row its own slot and
 length), accept (verify.py) walks each tree, and the caches are compacted in place: the base cache
-keeps the root and the accepted entries (the layout's commit: a slot per sequence, or all
-branches in one slot, see layout.py), the tree's draft entries are left to be overwritten, and
+keeps the root and the accepted entries (the layout's commit, see layout.py), the tree's draft entries are left to be overwritten, and
 the draft reads the accepted tokens (draft_extend), whose last output seeds the next tree.
 
 Conventions (shared with train_draft.py): base features F_i are the concatenated hidden states
@@ -31,7 +30,6 @@ from torch.nn.utils.rnn import pad_sequence
 from specsot_mq.decode_params import TreeParams
 from specsot_mq.decoder import Decoder
 from specsot_mq.draft import DraftHead
-from specsot_mq.kv_cache import KVCache
 from specsot_mq.layout import Prefilled
 from specsot_mq.lookup import History, ListTokens, NgramIndex
 from specsot_mq.model import LlamaModel, Step
@@ -122,8 +120,8 @@ class SpeedChooser:
 
 
 class EagleDecoder(Decoder):
-    """Speculative decoding with an EAGLE head; sequence i uses slot i of the draft cache, and of
-    the base cache in the batching layout. `lists`: how the tokenizer opens a numbered list's
+    """Speculative decoding with an EAGLE head; sequence i uses slot i of the draft cache and of
+    the base cache. `lists`: how the tokenizer opens a numbered list's
     items, for prompt lookup's guess where a list's line ends; `history`: the generator's recent
     outputs, for its guess where a sequence's own tokens hold no match (lookup.py)."""
 
@@ -137,12 +135,11 @@ class EagleDecoder(Decoder):
         slots: SlotManager,
         sampler: Sampler,
         tree: TreeParams | None = None,
-        layout: str = "batching",
         chooser: SpeedChooser | None = None,
         lists: ListTokens | None = None,
         history: History | None = None,
     ):
-        super().__init__(model, slots, sampler, layout, lists, history)
+        super().__init__(model, slots, sampler, lists, history)
         self.head = head
         self.tree = tree or TreeParams()
         # Tree entries and padded extends go past the base length: the draft cache has room for one full tree more.
@@ -154,10 +151,6 @@ class EagleDecoder(Decoder):
     @property
     def layers(self) -> tuple[int, ...]:
         return tuple(self.head.cfg.feature_layers)
-
-    @property
-    def draft_cache(self) -> KVCache:
-        return self.slots.draft
 
     # -- the decoder's calls -------------------------------------------------------------------
 
@@ -245,9 +238,10 @@ class EagleDecoder(Decoder):
 
     def kept(self, slot: int, n: int, feature: torch.Tensor | None = None) -> Kept | None:
         """The base KV of n tokens, the draft's of n - 1 (see prefill) and the feature at n - 1
-        (None when it is not known, or the layout cannot give the base's)."""
-        kv = self.layout.snapshot(slot, n) if feature is not None else None
-        return None if kv is None else Kept(kv, self.slots.draft.snapshot(slot, n - 1), feature.clone())
+        (None when the feature is not known)."""
+        if feature is None:
+            return None
+        return Kept(self.slots.cache.snapshot(slot, n), self.slots.draft.snapshot(slot, n - 1), feature.clone())
 
     # -- the three phases of a step ------------------------------------------------------------
 

@@ -246,4 +246,4 @@ def test_a_type_the_kernels_do_not_run_is_converted_with_one_line(home, tmp_path
     model = load_model(resolve_model(str(tmp_path / "q3k.gguf")))
     err = capfd.readouterr().err
     assert "1 Q3_K tensors run as Q8_0" in err and err.count("run as Q8_0") == 1
-    assert model.layers[0].gate_up.formats == ["Q8_0"]
+    assert [p.format.name for p in model.layers[0].gate_up.parts] == ["Q8_0"]

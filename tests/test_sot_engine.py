@@ -39,7 +39,7 @@ def point_ids(events) -> dict[int, list[int]]:
 
 
 def expand(gen, max_parallel):
-    engine = SoTEngine(gen, SoTConfig(max_parallel=max_parallel, point_tokens=12, layout="batching"))
+    engine = SoTEngine(gen, SoTConfig(max_parallel=max_parallel, point_tokens=12))
     events = list(engine.expand("How do I start running?", PLAN, PARAMS))
     return engine, point_ids(events), events[-1]
 
@@ -204,25 +204,6 @@ def tiny_eagle(tiny):
     torch.manual_seed(0)
     head = DraftHead(DraftConfig.for_base(tiny.model.cfg, 512)).attach(tiny.model).eval().requires_grad_(False)
     return Generator(tiny.model, tiny.tokenizer, max_len=512, num_slots=5, draft=head, tree=TreeParams(6, 3, 2))
-
-
-@pytest.mark.parametrize("max_parallel", [5, 2])
-@pytest.mark.parametrize("eagle", [False, True])
-def test_bim_layout_equals_batching(tiny, tiny_eagle, max_parallel, eagle, monkeypatch):
-    """All points in one cache slot with a branch-index-map mask give the batching layout's tokens,
-    decoded plainly or with EAGLE (each point its own draft tree); their shared prefix starts from
-    the prefix store's copy of the point instructions, as in the batching layout."""
-    gen = tiny_eagle if eagle else tiny
-    engine = SoTEngine(gen, SoTConfig(max_parallel=max_parallel, point_tokens=12, layout="bim"))
-    prefix, _ = point_prompts(gen.tokenizer, engine.format, "How do I start running?", PLAN)
-    widths, forward = [], type(gen.model).forward
-    monkeypatch.setattr(type(gen.model), "forward", lambda self, ids, *a, **k: widths.append(ids.shape[1]) or forward(self, ids, *a, **k))
-    events = list(engine.expand("How do I start running?", PLAN, PARAMS))
-    monkeypatch.undo()
-    assert max(widths) < len(prefix)  # the stored instructions were not computed again
-    bim = point_ids(events)
-    assert bim == expand(tiny, max_parallel=5)[1]
-    assert events[-1].stats["points"]["tokens"] == sum(map(len, bim.values()))
 
 
 def test_questions_the_router_sends_direct_get_the_plain_answer(tiny):

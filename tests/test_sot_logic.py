@@ -228,8 +228,6 @@ def test_prompt_formats_are_data_files_with_their_parser_and_stops():
     assert skeleton_params(SoTConfig(), params).stop == ("\n9.", "\n\n")  # the list ends at a blank line
     with pytest.raises(SpecSotError, match="unknown prompt format 'nope': use one of plan, sot"):
         SoTConfig(prompt_format="nope")
-    with pytest.raises(SpecSotError, match="--layout must be one of batching, bim, got 'nope'"):
-        SoTConfig(layout="nope")
 
 
 def test_the_format_s_own_stop_stays_in_the_skeleton_text():

@@ -303,8 +303,8 @@ def test_draft_cache_after_steps_equals_one_fresh_draft_pass(base, layers):
         out = base(torch.tensor([ids[:n]]), base.new_cache(1, 64), Step.fresh(torch.arange(n)[None], hidden_layers=layers))
         fresh = head.new_cache(1, 64)
         head(torch.tensor([ids[1 : n + 1]]), torch.cat(out.hidden, -1), fresh, Step.fresh(torch.arange(n)[None]))
-    torch.testing.assert_close(decoder.draft_cache.k[:, 0, :, :n], fresh.k[:, 0, :, :n], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(decoder.draft_cache.v[:, 0, :, :n], fresh.v[:, 0, :, :n], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(decoder.slots.draft.k[:, 0, :, :n], fresh.k[:, 0, :, :n], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(decoder.slots.draft.v[:, 0, :, :n], fresh.v[:, 0, :, :n], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["random", "oracle"])
@@ -325,18 +325,17 @@ def test_seeded_sampling_reproduces(base, kind):
         assert stats.tau > 2
 
 
-@pytest.mark.parametrize("layout", ["batching", "bim"])
-def test_prompt_lookup_without_a_head_equals_plain_decoding_in_fewer_steps(base, layout):
+def test_prompt_lookup_without_a_head_equals_plain_decoding_in_fewer_steps(base):
     """A model without a draft head: the plain decoder feeds the copied tokens along and keeps
     what the model agrees with; alone and batched, the tokens are plain decoding's."""
     prompts = [[BOS, 5, 6, 7, 8, 9], [BOS, 12], [BOS, 40, 41, 42]]
-    plain = Generator(base, CharTokenizer(), max_len=160, num_slots=3)  # bim: all three in one slot
+    plain = Generator(base, CharTokenizer(), max_len=160, num_slots=3)
     gen = Generator(base, CharTokenizer(), max_len=160, num_slots=3, tree=TreeParams(lookup=6))
     want = [c.token_ids for c in plain.generate_many(prompts, GREEDY)]
-    alone = [gen.generate(p, GREEDY, decoder=gen.new_decoder(GREEDY, layout)) for p in prompts]
+    alone = [gen.generate(p, GREEDY, decoder=gen.new_decoder(GREEDY)) for p in prompts]
     assert [c.token_ids for c in alone] == want
     assert sum(c.steps for c in alone) < sum(len(c.token_ids) - 1 for c in alone)  # copies got accepted
-    decoder = gen.new_decoder(GREEDY, layout)
+    decoder = gen.new_decoder(GREEDY)
     together = gen.generate_many(prompts, GREEDY, decoder=decoder)
     assert [c.token_ids for c in together] == want
     # Its stats count what lookup drafted and got accepted: each step gave 1 + accepted tokens.
@@ -361,7 +360,6 @@ def test_prompt_lookup_is_off_when_sampling(base):
         with torch.inference_mode():
             seq = started(decoder, {0: [BOS, 5, 6, 7]})[0]
             assert seq.index is None  # no lookup index kept
-        decoder.drop(seq)
     assert runs[0] == runs[1]
 
 
@@ -471,7 +469,7 @@ def test_shared_prefix_prefill_fills_both_caches_as_separate_prefills_do(base, l
     for (s, p), got, one in zip(prompts.items(), roots, want):
         n = len(p)
         assert shared.slots[s].length == n and shared.slots[s].draft_length == n
-        for a, b in ((shared.slots.cache, alone.slots.cache), (shared.draft_cache, alone.draft_cache)):
+        for a, b in ((shared.slots.cache, alone.slots.cache), (shared.slots.draft, alone.slots.draft)):
             torch.testing.assert_close(a.k[:, s, :, :n], b.k[:, s, :, :n], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(a.v[:, s, :, :n], b.v[:, s, :, :n], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(got.logits, one.logits, atol=1e-4, rtol=1e-4)
@@ -485,22 +483,6 @@ def test_shared_prefix_and_admission_with_eagle_equal_plain_decoding(base):
     decoder = EagleDecoder(base, random_head(base), gen.slots, Sampler(GREEDY), TREE)
     spec = gen.generate_many(prompts, GREEDY, decoder=decoder, shared=len(prefix), max_parallel=2)
     assert [c.token_ids for c in spec] == plain
-
-
-@pytest.mark.parametrize("kind", ["random", "fused", "oracle"])
-def test_bim_layout_equals_plain_decoding(base, kind):
-    """Every sequence in ONE cache slot (the branch-index map), sharing a prefix, two at a time so
-    the later ones join as others finish: each gets plain decoding's tokens, trees and all."""
-    prefix = [BOS, 7, 7, 8]
-    prompts = [prefix + [1], prefix + [2, 3], prefix + [4, 5, 6], prefix + [9]]
-    gen = Generator(base, CharTokenizer(), max_len=256, num_slots=2)
-    plain = [gen.generate(p, GREEDY).token_ids for p in prompts]
-    decoder = EagleDecoder(base, heads(base)[kind], gen.slots, Sampler(GREEDY), TREE, layout="bim")
-    spec = gen.generate_many(prompts, GREEDY, decoder=decoder, shared=len(prefix), max_parallel=2)
-    assert [c.token_ids for c in spec] == plain
-    assert decoder.stats.drafted > 0 and not gen.cache.k[:, 1].any()  # all in slot 0
-    if kind == "oracle":
-        assert decoder.stats.accepted_at_depth[2] > 0  # whole paths kept, the slot compacted
 
 
 def test_stop_string_ends_speculative_output_where_plain_decoding_ends(base):
@@ -583,18 +565,3 @@ def test_a_full_cache_slot_ends_its_output_with_length_after_the_tokens_that_fit
     done = gen.generate_many(prompts, GREEDY, decoder=decoder)
     for c, p, w in zip(done, prompts, want):
         assert c.finish_reason == "length" and c.token_ids == w[: 24 - len(p) + 1]
-
-
-@pytest.mark.parametrize("kind", ["plain", "oracle"])
-def test_a_full_bim_slot_ends_every_branch_in_it_with_length(base, kind):
-    prefix = [BOS, 7, 7, 8]
-    prompts = [prefix + [1], prefix + [2, 3]]
-    want = [Generator(base, CharTokenizer(), max_len=128).generate(p, GREEDY).token_ids for p in prompts]
-    gen = Generator(base, CharTokenizer(), max_len=40, num_slots=2)
-    decoder = (PlainDecoder(base, gen.slots, Sampler(GREEDY), layout="bim") if kind == "plain"
-               else EagleDecoder(base, heads(base)[kind], gen.slots, Sampler(GREEDY), TREE, layout="bim"))  # fmt: skip
-    done = gen.generate_many(prompts, GREEDY, decoder=decoder, shared=len(prefix))
-    for c, w in zip(done, want):
-        assert c.finish_reason == "length" and 1 < len(c.token_ids) < len(w) and c.token_ids == w[: len(c.token_ids)]
-    # the slot holds the prefix, both suffixes and every fed token, and nothing more fits two branches
-    assert len(gen.slots.owners) == len(prefix) + 1 + 2 + sum(len(c.token_ids) - 1 for c in done) >= 40 - 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator, Job
@@ -60,7 +60,7 @@ class SoTEngine:
         if isinstance(skeleton, Skeletoning):
             yield skeleton.first()
             finish = "stop"
-            for _, delta in self._run([skeleton.job], "batching"):
+            for _, delta in self._run([skeleton.job]):
                 if text := skeleton.add(delta):
                     yield text
                 finish = delta.finish_reason or finish
@@ -81,7 +81,7 @@ class SoTEngine:
         yield from merging.feed(plan, self.device.name)
         jobs = prompts.jobs(plan.branches[self.device.name])
         progress = {job.key: Progress() for job in jobs}
-        for key, delta in self._run(jobs, self.config.layout if plan.mode == "sot" else "batching"):
+        for key, delta in self._run(jobs):
             _, index = key
             progress[key].add(delta)
             events = [PointText(rid, index, delta.text, ids(delta.token_ids))] if delta.text or delta.token_ids else []
@@ -100,9 +100,9 @@ class SoTEngine:
             self.router = LearnedRouter.for_model(self.gen.model, self.gen.tokenizer)
         return self.router(question)
 
-    def _run(self, jobs: list[Job], layout: str) -> Iterator[tuple[object, Delta]]:
+    def _run(self, jobs: list[Job]) -> Iterator[tuple[object, Delta]]:
         """Jobs of one phase (one sampling setting) through the generation loop."""
-        yield from self.gen.run_jobs(jobs, self.gen.new_decoder(jobs[0].params, layout), self.config.max_parallel)
+        yield from self.gen.run_jobs(jobs, self.gen.new_decoder(jobs[0].params), self.config.max_parallel)
 
     def generate(self, question: str, params: SamplingParams | None = None,
                  on_event: Callable[[ClientEvent], None] | None = None, history: list[dict] = ()) -> Answer:  # fmt: skip
@@ -114,9 +114,3 @@ class SoTEngine:
             if isinstance(event, Answer):
                 answer = event
         return answer
-
-    async def astream(self, question: str, params: SamplingParams | None = None,
-                      history: list[dict] = ()) -> AsyncIterator[ClientEvent]:  # fmt: skip
-        """The same stream as an async generator; model steps run on the generator's model thread."""
-        async for event in self.gen.on_model_thread(self.stream(question, params, history)):
-            yield event

@@ -53,14 +53,9 @@ class SoTConfig:
     max_parallel: int = 8  # points decoding at once (cache slots)
     skeleton_tokens: int = 128
     point_tokens: int = 160
-    layout: str = "batching"  # branches: "batching" (a cache slot each) or "bim" (one slot, see layout.py)
 
     def __post_init__(self):
         load_format(self.prompt_format)  # an unknown name fails here, naming the known ones
-        if self.layout != "batching":  # only the in-process engine sets another (layout.py imports torch)
-            from specsot_mq.layout import check_layout
-
-            check_layout(self.layout)
         if self.sot not in MODES:
             raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got '{self.sot}'")
         for flag, value, low in (("--max-points", self.max_points, 2), ("--max-parallel", self.max_parallel, 1)):
