@@ -76,9 +76,12 @@ class Step:
     positions: torch.Tensor  # [B, T] rope positions of the new tokens
     # True = may attend: [B, T, T] relates the new tokens to each other (a draft tree) while each row
     # sees its slot's entries before its start; [B, T, K], K = max(starts) + T, gives every query's
-    # full view (the branch-index map). None: causal
+    # full view. None: causal
     mask: torch.Tensor | None = None
-    logit_rows: list[int] | None = None  # the flattened rows (b * T + t) whose logits to compute, in order; None: all
+    # the flattened rows (b * T + t) whose logits to compute, in order; None: all. [] (none): the
+    # forward ends after the last layer whose hidden state is asked for (the later layers' cache
+    # entries are not written), as a router or a draft head's training reads an earlier layer
+    logit_rows: list[int] | None = None
     # hidden states to return, counted as transformers counts `output_hidden_states` (0 = embeddings,
     # i = output of layer i, num_layers = after the final norm), for every position
     hidden_layers: tuple[int, ...] = ()
@@ -334,6 +337,9 @@ class LlamaModel(NativeForm):
         rows = step.logit_rows
 
         want = set(step.hidden_layers)
+        depth = len(self.layers)  # the layers to run
+        if rows == [] and want and 0 < max(want) < depth:
+            depth = max(want)
         saved = {}
         x = self.embed(input_ids).to(self.dtype)
         stack = self.native_stack(x, cache)
@@ -344,11 +350,11 @@ class LlamaModel(NativeForm):
         if stack is not None:
             # every layer in one native call, with one team of threads (decoder_layers), and the
             # final norm and output layer in it too where the kernels run them
-            inner = sorted(i for i in want if i < len(self.layers))
-            head = self.native_head()
+            inner = sorted(i for i in want if i < depth)
+            head = self.native_head() if depth == len(self.layers) else None
             picked = (list(range(b * t)) if rows is None else rows) if head is not None else []
-            x, *kept = native().decoder_layers(x, stack, 0, cos, sin, cache.k, cache.v, slots, starts, bias, inner, head,
-                                               picked, *(step.sources or ([], [])))  # fmt: skip
+            x, *kept = native().decoder_layers(x, stack[:depth], 0, cos, sin, cache.k, cache.v, slots, starts, bias,
+                                               inner, head, picked, *(step.sources or ([], [])))  # fmt: skip
             logits = kept.pop(0) if head is not None else None  # with a head, its logits follow the state
             saved.update(zip(inner, kept))
             if head is not None:
@@ -356,10 +362,13 @@ class LlamaModel(NativeForm):
                 logits = logits.view(b, t, -1) if rows is None else logits  # [R, V] already
                 return ForwardOutput(logits, [saved[i] for i in step.hidden_layers])
         else:
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.layers[:depth]):
                 if i in want:
                     saved[i] = x
                 x = layer(x, cos, sin, cache, i, slots, starts, kv_len, bias)
+        if depth < len(self.layers):  # stopped early: no logits
+            saved[depth] = x
+            return ForwardOutput(x.new_zeros(0, self.cfg.vocab_size), [saved[i] for i in step.hidden_layers])
         # The final norm runs on every position, so hidden state num_layers (EAGLE features) covers
         # every position like the other layers do; only the logits are for the rows asked.
         x = self.norm(x)

@@ -147,6 +147,20 @@ def test_hidden_states_are_counted_as_transformers_counts_them():
         assert (got - want).abs().max() <= TOL
 
 
+def test_a_forward_without_logits_stops_after_the_last_hidden_state_asked():
+    """logit_rows=[]: the layers past the last hidden state asked for do not run (their cache
+    entries stay empty), and the hidden states are the full forward's."""
+    ours = ours_from_hf(tiny_hf("llama", num_hidden_layers=4))
+    ids = torch.tensor([[4, 8, 15, 16, 23]])
+    with torch.no_grad():
+        full = ours(ids, new_cache(ours, 1, 8), Step.fresh(torch.arange(5)[None], hidden_layers=(1, 2)))
+        cache = new_cache(ours, 1, 8)
+        early = ours(ids, cache, Step.fresh(torch.arange(5)[None], logit_rows=[], hidden_layers=(1, 2)))
+    assert len(ours.layers) == 4 and early.logits.shape[0] == 0
+    assert all(torch.equal(a, b) for a, b in zip(early.hidden, full.hidden))
+    assert cache.k[1, 0, :, :5].abs().sum() > 0 and not cache.k[2:].any()  # layers 0 and 1 ran, no later one
+
+
 def test_logits_of_chosen_rows_and_bad_mask_shape():
     ours = ours_from_hf(tiny_hf("llama"))
     ids = torch.tensor([[4, 8, 15], [16, 23, 42]])

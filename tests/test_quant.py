@@ -148,6 +148,9 @@ def test_one_native_call_for_all_layers_computes_what_the_modules_compute(isa, m
             first = model(prompt, cache, Step.fresh(torch.arange(9).expand(2, 9), logit_rows=[8, 3, 14, 15],
                                                     hidden_layers=(1, 0, len(model.layers))))  # fmt: skip
             out = [first.logits, *first.hidden]
+            early = model(prompt, model.new_cache(2, 32), Step.fresh(torch.arange(9).expand(2, 9), logit_rows=[],
+                                                                     hidden_layers=(1,)))  # stops after layer 0
+            assert torch.equal(early.hidden[0], first.hidden[0])
             out.append(model(step, cache, Step([0, 1], [9, 7], torch.tensor([[9], [7]]))).logits)
             out.append(model(tree, cache, Step([0, 1], [10, 8], torch.tensor([[10, 11, 11], [8, 9, 9]]), mask)).logits)
         return out
