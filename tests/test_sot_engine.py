@@ -91,9 +91,11 @@ def test_the_answer_leaves_out_a_points_last_line_where_it_repeats_an_earlier_on
 def test_the_skeleton_prompt_shows_its_examples_as_earlier_turns(tiny):
     tok, fmt = tiny.tokenizer, load_format("sot")
     text = tok.decode(fmt.skeleton_ids(tok, "How do I start running?"))
-    assert len(fmt.examples) == 2 and text.count("<|im_start|>assistant") == 3
+    assert len(fmt.examples) == 3 and text.count("<|im_start|>assistant") == 4
     for question, skeleton in fmt.examples:
         assert question in text and skeleton in text
+    # the example that names its count is asked for what its plan shows, as a counted question is
+    assert "exactly 5 points" in text and text.count("of 3 to 8 points") == 3
     assert text.endswith("Question: How do I start running?<|im_end|>\n<|im_start|>assistant\n1.")
 
 
@@ -258,10 +260,10 @@ MT_BENCH_PLANNED = [
     "Imagine you are writing a blog post comparing two popular smartphone models. Develop an outline for the blog "
     "post, including key points and subheadings to effectively compare and contrast the features, performance, and "
     "user experience of the two models. Please answer in fewer than 200 words.",
-    "Write a persuasive email to convince your introverted friend, who dislikes public speaking, to volunteer as a "
-    "guest speaker at a local event. Use compelling arguments and address potential objections. Please be concise.",
-    "Describe a vivid and unique character, using strong imagery and creative language. Please answer in fewer than "
-    "two paragraphs.",
+    "Write a descriptive paragraph about a bustling marketplace, incorporating sensory details such as smells, sounds, "
+    "and visual elements to create an immersive experience for the reader.",
+    "Could you write a captivating short story beginning with the sentence: The old abandoned house at the end of the "
+    "street held a secret that no one had ever discovered.",
 ]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.sot.ordered import merge_points
-from specsot_mq.sot.parser import Plan, parse_plan_direct, parse_skeleton
+from specsot_mq.sot.parser import Plan, asked_count, parse_plan_direct, parse_skeleton
 from specsot_mq.tokenizer import chat_prompt_ids
 
 # How each format's skeleton is read (see sot/parser.py).
@@ -56,8 +56,10 @@ class PromptFormat:
         points the question names, which the request then asks for."""
         system, earlier = split_system(history)
         turns = list(system)
-        for q, skeleton in self.examples:
-            turns += [{"role": "user", "content": self.skeleton_user.format(question=q, points=self.points)},
+        for q, skeleton in self.examples:  # an example that names its count is asked as the question would be
+            shown = skeleton.count("\n") + 1
+            asked = self.points_counted.format(count=shown) if asked_count(q) else self.points
+            turns += [{"role": "user", "content": self.skeleton_user.format(question=q, points=asked)},
                       {"role": "assistant", "content": skeleton}]  # fmt: skip
         points = self.points if count is None else self.points_counted.format(count=count)
         turns += [*earlier, {"role": "user", "content": self.skeleton_user.format(question=question, points=points)}]
