@@ -621,3 +621,13 @@ def test_the_ordered_answer_holds_what_may_change():
     assert ordered.end(1, "length") == ""  # the cut sentence never shows; point 2's sentence is unfinished
     assert ordered.end(2) == "\n2. Two: a banana"  # it stopped there: all of it
     assert ordered.add(3, " Three.") == "" and ordered.end(3) == ""  # says only its title and the question
+
+
+def test_the_summary_counts_the_points_shown():
+    from specsot_mq.messages import Answer
+    from specsot_mq.sot.flow import summary
+
+    points = [(i, f"T{i}", "text") for i in range(1, 6)]
+    stats = {"skeleton": {"tokens": 20, "steps": 10, "seconds": 0.1}, "dropped_points": [4, 5], "seconds": 1.0}
+    line = summary(Answer("r", "...", "sot", "planned", "1. T1", points, stats, "stop"))
+    assert line.startswith("mode sot · 3 points (2 left out) · 20 tokens · 1.00 s · 20.0 tok/s · tau skeleton 2.00")

@@ -323,13 +323,15 @@ def merged(fmt, plan: MergePlan, texts: dict[int, str], cut=()) -> str:
 
 
 def summary(answer: Answer) -> str:
-    """One line about a finished answer: mode, points, tokens, time, rate and each phase's tau
-    (tokens per decoder step of a sequence)."""
+    """One line about a finished answer: mode, points shown (and those the merge left out), tokens,
+    time, rate and each phase's tau (tokens per decoder step of a sequence)."""
     phases = {name: p for name, p in answer.stats.items() if isinstance(p, dict)}
     tokens = sum(p["tokens"] for p in phases.values())
     seconds = answer.stats.get("seconds", 0.0)
     taus = [f"{name} {p['tokens'] / p['steps']:.2f}" for name, p in phases.items() if p.get("steps")]
-    return (f"mode {answer.mode} · {len(answer.points)} points · {tokens} tokens · {seconds:.2f} s · "
+    left_out = len(answer.stats.get("dropped_points", []))
+    shown = f"{len(answer.points) - left_out} points" + (f" ({left_out} left out)" if left_out else "")
+    return (f"mode {answer.mode} · {shown} · {tokens} tokens · {seconds:.2f} s · "
             f"{tokens / seconds if seconds else 0.0:.1f} tok/s" + (f" · tau {', '.join(taus)}" if taus else ""))  # fmt: skip
 
 
