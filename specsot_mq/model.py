@@ -237,6 +237,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class LlamaModel(NativeForm):
+    """The decoder, or a contiguous range of its layers (split.py's split_layers): a range that
+    does not begin at layer 0 takes the hidden state before its first layer [B, T, H] instead of
+    token ids, one that does not end at the last layer returns the hidden state after its own last
+    layer (as hidden state `last_layer`) and no logits, and its cache holds its own layers."""
+
+    first_layer = 0  # the model's index of self.layers[0] (split_layers sets it on a range)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -257,6 +264,11 @@ class LlamaModel(NativeForm):
         with torch.device("cpu"):  # also when the model is being built on the meta device
             freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float), cfg.inv_freq())
             return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+
+    @property
+    def last_layer(self) -> int:
+        """One past the model's index of this range's last layer (cfg.num_layers: the whole model's end)."""
+        return self.first_layer + len(self.layers)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -322,12 +334,16 @@ class LlamaModel(NativeForm):
         """A cache of `num_slots` sequences of up to `capacity` tokens, in `dtype` (default:
         cache_dtype's choice for this model)."""
         dtype = dtype or cache_dtype(self.dtype, self.device)
-        return KVCache.for_model(self.cfg, num_slots, capacity, dtype, self.device)
+        cfg = self.cfg
+        return KVCache(len(self.layers), num_slots, cfg.num_kv_heads, capacity, cfg.head_dim, dtype, self.device)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, step: Step) -> ForwardOutput:
-        """Run the decoder over new tokens input_ids [B, T], writing their keys and values into the
-        cache where `step` says, and return the logits and hidden states it asks for."""
-        b, t = input_ids.shape
+        """Run the decoder over new tokens input_ids [B, T] (a range after the first: the hidden
+        state before its first layer, [B, T, H]), writing their keys and values into the cache
+        where `step` says, and return the logits and hidden states it asks for (a range before the
+        last: no logits; hidden states are counted in the whole model's layers)."""
+        b, t = input_ids.shape[:2]
+        first = self.first_layer
         slots, starts = step.slots, step.starts
         kv_len = max(starts) + t
         cfg = self.cfg
@@ -338,10 +354,10 @@ class LlamaModel(NativeForm):
 
         want = set(step.hidden_layers)
         depth = len(self.layers)  # the layers to run
-        if rows == [] and want and 0 < max(want) < depth:
-            depth = max(want)
+        if rows == [] and want and 0 < max(want) - first < depth:
+            depth = max(want) - first
         saved = {}
-        x = self.embed(input_ids).to(self.dtype)
+        x = (self.embed(input_ids) if first == 0 else input_ids).to(self.dtype)
         stack = self.native_stack(x, cache)
         if stack is not None and step.mask is None and (cfg.sliding_window is None or kv_len <= cfg.sliding_window):
             bias = None  # causal: the native attention sees each row's keys by its start (Placement)
@@ -350,24 +366,24 @@ class LlamaModel(NativeForm):
         if stack is not None:
             # every layer in one native call, with one team of threads (decoder_layers), and the
             # final norm and output layer in it too where the kernels run them
-            inner = sorted(i for i in want if i < depth)
-            head = self.native_head() if depth == len(self.layers) else None
+            inner = sorted(i - first for i in want if first <= i < first + depth)
+            head = self.native_head() if depth == len(self.layers) and self.last_layer == cfg.num_layers else None
             picked = (list(range(b * t)) if rows is None else rows) if head is not None else []
             x, *kept = native().decoder_layers(x, stack[:depth], 0, cos, sin, cache.k, cache.v, slots, starts, bias,
                                                inner, head, picked, *(step.sources or ([], [])))  # fmt: skip
             logits = kept.pop(0) if head is not None else None  # with a head, its logits follow the state
-            saved.update(zip(inner, kept))
+            saved.update(zip((first + i for i in inner), kept))
             if head is not None:
                 saved[self.cfg.num_layers] = x  # through the final norm
                 logits = logits.view(b, t, -1) if rows is None else logits  # [R, V] already
                 return ForwardOutput(logits, [saved[i] for i in step.hidden_layers])
         else:
             for i, layer in enumerate(self.layers[:depth]):
-                if i in want:
-                    saved[i] = x
+                if first + i in want:
+                    saved[first + i] = x
                 x = layer(x, cos, sin, cache, i, slots, starts, kv_len, bias)
-        if depth < len(self.layers):  # stopped early: no logits
-            saved[depth] = x
+        if first + depth < cfg.num_layers:  # stopped early, or a range before the last: no logits
+            saved[first + depth] = x
             return ForwardOutput(x.new_zeros(0, self.cfg.vocab_size), [saved[i] for i in step.hidden_layers])
         # The final norm runs on every position, so hidden state num_layers (EAGLE features) covers
         # every position like the other layers do; only the logits are for the rows asked.
