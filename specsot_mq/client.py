@@ -139,8 +139,11 @@ class Client:
         while True:
             wait = ALIVE_S if deadline is None else min(ALIVE_S, deadline - loop.time())
             try:
-                return await asyncio.wait_for(queue.get(), max(0.0, wait))
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel (Ctrl+C)
+                # that lands as the message does, and the chat would then wait on for the next one.
+                async with asyncio.timeout(max(0.0, wait)):
+                    return await queue.get()
+            except TimeoutError:
                 pass
             if deadline is not None and loop.time() >= deadline:
                 return Failed(rid, f"no answer from the gateway at {self.address} in time: is `specsot launch` still running?")

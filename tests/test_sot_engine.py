@@ -51,8 +51,10 @@ def test_points_decoded_together_equal_each_prompt_decoded_alone(tiny):
         alone = tiny.generate(prefix + suffix, point_params(engine.config, PARAMS, PLAN)).token_ids
         assert got[index] == alone, index
     assert [i for i, _, _ in final.points] == [1, 2, 3, 4, 5]  # in plan order
-    # Each point ran into its 12-token cap without finishing a sentence: the merged answer leaves them out.
-    assert final.stats["dropped_points"] == [1, 2, 3, 4, 5] and final.answer == ""
+    # Each point ran into its 12-token cap without finishing a sentence: none is worth reading by the
+    # merge's rules, so the answer shows every point as it wrote it rather than nothing.
+    assert final.stats["dropped_points"] == [] and final.answer.startswith("1. Warm up:")
+    assert all(f"{p.index}. {p.title}:" in final.answer for p in PLAN.points)
 
 
 def test_points_share_every_token_before_their_own_words(tiny):

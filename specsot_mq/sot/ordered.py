@@ -11,7 +11,9 @@ newlines, with what is not worth reading left out:
   the points after it are numbered on (1, 2, 3, ... as shown), so an answer never shows
   "3. Sunscreen:" with nothing after it, nor a point that only says an earlier one again;
 - where the question names its number of points, the first that many that say something are
-  shown: a counted skeleton may list parser.SPARE more, which stand in for points dropped.
+  shown: a counted skeleton may list parser.SPARE more, which stand in for points dropped;
+- where no point is worth reading by these rules, the answer shows every point as it wrote it
+  rather than nothing.
 
 OrderedAnswer releases that answer's text as early as it is certain: the first point unfinished
 streams live, the points after it are held until it ends, and within a point only what no later
@@ -78,10 +80,21 @@ def says_something(body: str, title: str, question: set[str], shown: list[set[st
     return bool(words) and all(words - earlier for earlier in shown)
 
 
-def _kept(points, question: str, cut):
-    """(index, title, body) of the points merge_points shows, in order: those that say
-    something, as many as the question names where it names a number (the plan's spares stand
-    in for points that said nothing)."""
+def _kept(points, question: str, cut) -> list:
+    """(index, title, body) of the points merge_points shows, in order: those worth reading
+    (_worth); where none is, rather than no answer at all, every point that wrote anything, as it
+    wrote it (less a repeated last line; as many as the question names)."""
+    kept = list(_worth(points, question, cut))
+    if kept or not points:
+        return kept
+    most = asked_count(question) or len(points)
+    return [(i, title, body) for i, title, text in points if (body := without_repeated_last_line(text)).strip()][:most]
+
+
+def _worth(points, question: str, cut):
+    """(index, title, body) of the points worth reading, in order: those that say something, as
+    many as the question names where it names a number (the plan's spares stand in for points
+    that said nothing)."""
     asked, shown, most = content_words(question), [], asked_count(question) or len(points)
     kept = 0
     for index, title, text in points:
@@ -110,6 +123,7 @@ class OrderedAnswer:
         self.cursor = 0  # position in self.order of the point streaming now
         self.shown = 0  # points released so far (kept), so the number the next one shows is shown + 1
         self.most = asked_count(question) or len(points)  # points shown at most (_kept)
+        self.fell_back = False  # whether the merge's fallback (no point worth reading) was released
         self.asked = content_words(question)
         self.seen: list[set[str]] = []  # the content words of each shown point's text
         self.sent = 0  # characters of that point's piece already released
@@ -156,4 +170,10 @@ class OrderedAnswer:
                 self.seen.append(content_words(body))
             self.cursor += 1
             self.sent = 0
+        if self.cursor == len(self.order) and not self.shown and not self.fell_back:
+            # Every point ended and none was worth reading (nothing released yet): the merge's
+            # fallback, every point as it wrote it, comes out whole.
+            self.fell_back = True
+            cut = {index for index, was_cut in self.ended.items() if was_cut}
+            out.append(merge_points(self.fmt, [(i, self.titles[i], self.texts[i]) for i in self.order], self.question, cut))
         return "".join(out)
