@@ -5,7 +5,10 @@ makes exactly --new-tokens tokens: transformers `generate`, our plain decode, ou
 prompt lookup alone (no head), and our EAGLE decode with the default tree. Reports decode tokens/s
 of each, the mean acceptance length tau (= 1 + accepted / verify steps, vLLM's definition),
 acceptance per tree depth, the time split between drafting and verifying, and a sweep over tree
-shapes as a table.
+shapes as a table. The head itself is measured by the sweep's first two rows, drafted every step
+with no prompt lookup and no chooser: a chain of 4 (4x4x1: its depth-1 rate is the first guess's
+acceptance) and the default tree's shape (2x1x2); beside them, the share of the main run's steps
+(one sequence) that the speed chooser gave the tree.
 
     python benchmarks/eagle.py [--limit 5] [--new-tokens 256] [--dtype auto|bf16|fp32] [--sweep 8x4x3,12x5x4+8]
                                [--compare-draft PATH]   # the sweep runs a second head too, side by side
@@ -76,7 +79,7 @@ def main(argv=None) -> dict:
     add_dtype_option(p)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tree", default=None, help="main tree NODESxDEPTHxTOPK[+LOOKUP] (default: TreeParams())")
-    p.add_argument("--sweep", default="2x2x1,4x2x2,4x2x2+4,4x2x2+8,6x2x3+8,12x5x4+8",
+    p.add_argument("--sweep", default="4x4x1,2x1x2,4x2x2,4x2x2+4,6x2x3+8,12x5x4+8",
                    help="trees for the sweep table ('' = none)")
     p.add_argument("--compare-draft", default=None, help="a second head (.safetensors): the sweep runs it too")
     p.add_argument("--json-only", action="store_true")
@@ -186,19 +189,23 @@ def main(argv=None) -> dict:
     if sweep:
         st_table = Table(title="tree sweep (nodes x depth x topk [+ prompt-lookup tokens])")
         st_table.add_column("head", no_wrap=True)
-        for c in ("tree", "tau", "tok/s", "vs plain", "ms draft/step", "ms verify/step"):
+        for c in ("tree", "tau", "depth 1 accepted", "tok/s", "vs plain", "ms draft/step", "ms verify/step"):
             st_table.add_column(c, justify="right")
         for (h, name), res in sweep_rows.items():
             s_steps = sum(st.steps for _, st in res)
             s_tau = 1 + sum(st.accepted for _, st in res) / s_steps
+            first = sum(st.accepted_at_depth[0] for _, st in res if st.accepted_at_depth) / s_steps
             s_rate = rate([sec for sec, _ in res])
             d_ms = 1000 * sum(st.draft_seconds for _, st in res) / s_steps
             v_ms = 1000 * sum(st.verify_seconds for _, st in res) / s_steps
-            st_table.add_row(h, name, f"{s_tau:.2f}", f"{s_rate:.1f}",
+            st_table.add_row(h, name, f"{s_tau:.2f}", f"{first:.2f}", f"{s_rate:.1f}",
                              f"{s_rate / plain_tok_s:.2f}x", f"{d_ms:.1f}", f"{v_ms:.1f}")  # fmt: skip
-            sweep_out.append({"draft": h, "tree": name, "tau": round(s_tau, 3),
+            sweep_out.append({"draft": h, "tree": name, "tau": round(s_tau, 3), "depth1_accepted": round(first, 3),
                               "tok_s": round(s_rate, 2), "vs_plain": round(s_rate / plain_tok_s, 3)})  # fmt: skip
         out.print(st_table)
+    ways = eagle[main_run].chooser.counts if eagle[main_run].chooser else {"eagle": steps}
+    tree_share = ways.get("eagle", 0) / max(1, sum(ways.values()))
+    out.print(f"the speed chooser gave the tree {tree_share:.0%} of the main run's one-sequence steps ({ways})")
     result = {
         "tau": round(tau, 3),
         "eagle_vs_hf": round(eagle_tok_s / hf_tok_s, 3),
@@ -215,6 +222,8 @@ def main(argv=None) -> dict:
         "identical_prefix": same,
         "tree": main_run[1],
         "sweep": sweep_out,
+        "chooser_tree_share": round(tree_share, 3),
+        "chooser_steps": ways,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "new_tokens": n,
