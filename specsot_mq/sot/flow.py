@@ -330,7 +330,8 @@ def summary(answer: Answer) -> str:
     seconds = answer.stats.get("seconds", 0.0)
     taus = [f"{name} {p['tokens'] / p['steps']:.2f}" for name, p in phases.items() if p.get("steps")]
     left_out = len(answer.stats.get("dropped_points", []))
-    shown = f"{len(answer.points) - left_out} points" + (f" ({left_out} left out)" if left_out else "")
+    n = len(answer.points) - left_out
+    shown = f"{n} point{'' if n == 1 else 's'}" + (f" ({left_out} left out)" if left_out else "")
     return (f"mode {answer.mode} · {shown} · {tokens} tokens · {seconds:.2f} s · "
             f"{tokens / seconds if seconds else 0.0:.1f} tok/s" + (f" · tau {', '.join(taus)}" if taus else ""))  # fmt: skip
 

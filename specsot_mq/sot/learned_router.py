@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -72,6 +73,7 @@ class LearnedRouter:
                 weights = {k: f.get_tensor(k) for k in f.keys()}
                 info = json.loads(f.metadata()["info"])
             return cls(model, tokenizer, weights, info)
+        print("specsot: training the --sot auto router for this model (once, a few seconds)...", file=sys.stderr, flush=True)
         router = cls.train(model, tokenizer)
         router.save(path)
         return router
