@@ -210,9 +210,11 @@ class Generator:
         jobs = [Job(n, self.prompt_ids(p), params, shared, 0) for n, p in enumerate(prompts)]
         yield from self.run_jobs(jobs, decoder or self.new_decoder(params), max_parallel)
 
-    def run_jobs(self, jobs: list[Job], decoder: Decoder, max_parallel: int | None = None) -> Iterator[tuple[object, Delta]]:
+    def run_jobs(self, jobs: list[Job], decoder: Decoder, max_parallel: int | None = None,
+                 cancelled: Callable[[object], bool] | None = None) -> Iterator[tuple[object, Delta]]:  # fmt: skip
         """Jobs decoded together, at most `max_parallel` (default: every cache slot) at once, in
-        order; a waiting job takes the slot of the first to finish. Yields (job key, Delta)."""
+        order; a waiting job takes the slot of the first to finish. Yields (job key, Delta);
+        `cancelled` as run() takes it."""
         if max_parallel is not None and max_parallel < 1:
             raise SpecSotError(f"max_parallel must be at least 1, got {max_parallel}")
         waiting = list(jobs)
@@ -222,7 +224,7 @@ class Generator:
             del waiting[:room]
             return taken
 
-        yield from self.run(admit, decoder, max_parallel)
+        yield from self.run(admit, decoder, max_parallel, cancelled)
 
     def run(
         self,

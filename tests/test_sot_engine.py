@@ -269,6 +269,35 @@ MT_BENCH_PLANNED = [
 ]
 
 
+def test_a_counted_plans_spares_stop_once_its_count_is_shown(default_model_dir):
+    """The default model plans "three tips" with two spares; once the answer shows three points,
+    the points after them stop ("abort") and the answer is what merging every point in full would
+    give; every point's tokens are a prefix of plain greedy decoding of its prompt (the shown
+    ones all of it)."""
+    from specsot_mq.loader import load_generator
+    from specsot_mq.messages import PointEnd
+    from specsot_mq.sot.flow import points_asked
+
+    gen = load_generator(dtype="fp32", num_slots=8, max_len=1024)
+    plain = Generator(gen.model, gen.tokenizer, max_len=1024)
+    engine = SoTEngine(gen, SoTConfig(sot="always", point_tokens=48))
+    params, question = SamplingParams(max_tokens=128), "Give me three tips for staying healthy."
+    events = list(engine.stream(question, params))
+    final, ends = events[-1], {e.index: e.finish for e in events if isinstance(e, PointEnd)}
+    assert final.mode == "sot" and len(final.points) == points_asked(question) == 5
+    assert final.answer.count("\n") == 2 and final.answer.startswith("1. ")  # three points shown
+    stopped = [i for i, finish in ends.items() if finish == "abort"]
+    shown = set(ends) - set(final.stats["dropped_points"])
+    assert stopped and set(stopped) <= set(final.stats["dropped_points"]) and min(stopped) > max(shown)
+    plan = Plan("plan", [Point(i, title) for i, title, _ in final.points])
+    prefix, suffixes = point_prompts(gen.tokenizer, engine.format, question, plan)
+    done = point_ids(events)
+    for index, suffix in suffixes.items():
+        want = plain.generate(prefix + suffix, point_params(engine.config, params, plan)).token_ids
+        got = done.get(index, [])
+        assert got == (want[: len(got)] if index in stopped else want), index
+
+
 def test_real_model_phases_equal_plain_greedy(default_model_dir):
     """The default model with the shipped head, fp32, on three MT-bench first turns that plan at
     least 3 points each: the skeleton equals plain greedy decoding of the skeleton prompt, and

@@ -634,3 +634,15 @@ def test_the_summary_counts_the_points_shown():
     stats = {"skeleton": {"tokens": 20, "steps": 10, "seconds": 0.1}, "dropped_points": [4, 5], "seconds": 1.0}
     line = summary(Answer("r", "...", "sot", "planned", "1. T1", points, stats, "stop"))
     assert line.startswith("mode sot · 3 points (2 left out) · 20 tokens · 1.00 s · 20.0 tok/s · tau skeleton 2.00")
+
+
+def test_the_ordered_answer_names_the_points_it_will_never_show():
+    fmt = load_format("sot")
+    ordered = OrderedAnswer(fmt, [(i, f"T{i}") for i in range(1, 6)], "Give me two tips for a hike.")
+    assert ordered.add(3, " Carry water.") == "" and ordered.unneeded() == []
+    ordered.add(1, " Wear boots.")
+    ordered.end(1)
+    assert ordered.unneeded() == []  # one shown of two
+    ordered.end(2)  # said nothing: left out
+    assert ordered.end(3) == "\n2. T3: Carry water." and ordered.unneeded() == [4, 5]
+

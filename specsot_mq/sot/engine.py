@@ -81,7 +81,10 @@ class SoTEngine:
         yield from merging.feed(plan, self.device.name)
         jobs = prompts.jobs(plan.branches[self.device.name])
         progress = {job.key: Progress() for job in jobs}
-        for key, delta in self._run(jobs):
+        # A counted plan's spares stop once the answer shows the question's count (the merged
+        # answer is the same: they come after every point it shows).
+        unneeded: set[int] = set()
+        for key, delta in self._run(jobs, lambda key: key[1] in unneeded):
             _, index = key
             progress[key].add(delta)
             events = [PointText(rid, index, delta.text, ids(delta.token_ids))] if delta.text or delta.token_ids else []
@@ -92,6 +95,8 @@ class SoTEngine:
                 if isinstance(event, Answer):
                     event.stats["seconds"] = time.monotonic() - start
                 yield event
+            if merging.ordered is not None:
+                unneeded.update(merging.ordered.unneeded())
 
     def _route(self, question: str) -> Route:
         if self.router is None:
@@ -100,9 +105,10 @@ class SoTEngine:
             self.router = LearnedRouter.for_model(self.gen.model, self.gen.tokenizer)
         return self.router(question)
 
-    def _run(self, jobs: list[Job]) -> Iterator[tuple[object, Delta]]:
-        """Jobs of one phase (one sampling setting) through the generation loop."""
-        yield from self.gen.run_jobs(jobs, self.gen.new_decoder(jobs[0].params), self.config.max_parallel)
+    def _run(self, jobs: list[Job], cancelled: Callable[[object], bool] | None = None) -> Iterator[tuple[object, Delta]]:
+        """Jobs of one phase (one sampling setting) through the generation loop (`cancelled`: a
+        job key -> whether to stop it, see Generator.run)."""
+        yield from self.gen.run_jobs(jobs, self.gen.new_decoder(jobs[0].params), self.config.max_parallel, cancelled)
 
     def generate(self, question: str, params: SamplingParams | None = None,
                  on_event: Callable[[ClientEvent], None] | None = None, history: list[dict] = ()) -> Answer:  # fmt: skip

@@ -138,6 +138,11 @@ class OrderedAnswer:
         self.ended[index] = finish in CUT_OFF
         return self._release()
 
+    def unneeded(self) -> list[int]:
+        """The points the answer will never show, however they end (as many points as the question
+        names are shown already): their decoding may stop."""
+        return self.order[self.cursor :] if self.shown >= self.most else []
+
     def restart(self, index: int) -> None:
         """A point starts again from nothing (its stage died). What was released of it stays
         released: decoded again, greedily, it writes the same, and only what goes beyond is new."""
