@@ -255,10 +255,9 @@ def chat(topo: TopologyOptions, model: ModelOptions):
             params = SamplingParams(max_tokens=settings["max_tokens"], temperature=settings["temperature"],
                                     repeat_stop=settings["repeat_stop"])  # fmt: skip
             rid = uuid.uuid4().hex[:12]
-            try:
-                answer = asyncio.run(_chat_turn((address, keys), line, _turns(history), params, settings["mode"], rid,
-                                                console))  # fmt: skip
-            except KeyboardInterrupt:
+            stopped, answer = asyncio.run(_stoppable(_chat_turn((address, keys), line, _turns(history), params,
+                                                                settings["mode"], rid, console)))  # fmt: skip
+            if stopped:
                 asyncio.run(_cancel((address, keys), rid))
                 console.print("[yellow]stopped[/]")
                 continue
@@ -296,6 +295,21 @@ def _turns(history: list[tuple[str, str]], keep: int = 3) -> list[dict]:
     """The last `keep` turns as chat messages: every phase's prompt shows them as earlier turns
     of the conversation, before its own request (prompts/__init__.py)."""
     return [{"role": role, "content": text} for q, a in history[-keep:] for role, text in (("user", q), ("assistant", a))]
+
+
+async def _stoppable(turn) -> tuple[bool, object]:
+    """(stopped, result) of a chat turn that Ctrl+C stops: SIGINT cancels it from inside the event
+    loop (loop.add_signal_handler), and the cancel is caught here, so no KeyboardInterrupt lands at
+    an arbitrary line and a cancel that meets another (a timeout expiring at that moment) still
+    reads as stopped."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    loop.add_signal_handler(signal.SIGINT, task.cancel)
+    try:
+        return False, await turn
+    except asyncio.CancelledError:
+        return True, None
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 async def _cancel(gateway: tuple, rid: str) -> None:

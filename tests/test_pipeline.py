@@ -485,7 +485,10 @@ def test_ctrl_c_in_chat_stops_the_answer_without_a_traceback(tiny_model, tmp_pat
             deadline = time.monotonic() + 120
             while text not in "".join(out) and time.monotonic() < deadline and chat.poll() is None:
                 time.sleep(0.01)
-            assert text in "".join(out), "".join(out)
+            if text not in "".join(out):  # say whether the chat died (and how) or hung
+                died = chat.poll() is not None
+                raise AssertionError(f"{text!r} not in the chat's output; the chat {'exited ' + str(chat.returncode) if died else 'still runs'}"
+                                     f"\n--- stdout:\n{''.join(out)}\n--- stderr:\n{chat.stderr.read() if died else ''}")  # fmt: skip
 
         os.kill(branch, signal.SIGSTOP)
         try:
