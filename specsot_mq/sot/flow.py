@@ -163,8 +163,7 @@ class Flow:
         mode, reason, points = msg.mode, msg.reason, []
         if mode == "sot":
             text = finished_lines(msg.text, msg.finish)
-            count = asked_count(msg.question)
-            most = count + SPARE if count else self.config.max_points
+            most = points_asked(msg.question) or self.config.max_points
             parsed = plan(text) if plan is not None else self.format.plan(text, most, msg.question)
             if parsed.kind == "plan":
                 points = [(p.index, p.title, p.predicted_tokens or 0) for p in parsed.points]
