@@ -26,10 +26,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from specsot_mq.cuda_graphs import capture_report
 from specsot_mq.decode_params import QUANTIZE
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Generator
-from specsot_mq.loader import load_model, resolve_dtype, runs_quantized
+from specsot_mq.loader import load_model, resolve_device, resolve_dtype, runs_quantized
 from specsot_mq.pull import resolve_model
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
@@ -101,16 +102,40 @@ def cpu_name() -> str:
     return "unknown"
 
 
-def measure_bandwidth(repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s with the current thread count: best of several sums over 1 GiB,
-    far larger than any cache, so every pass streams from memory like a decode step does."""
-    data = torch.ones(1 << 28)
+def measure_bandwidth(repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """Read bandwidth in bytes/s (on a CPU with the current thread count): best of several sums
+    over 1 GiB, far larger than any cache, so every pass streams from memory like a decode step
+    does."""
+    data = torch.ones(1 << 28, device=device)
+    cuda = data.device.type == "cuda"
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats + cuda):  # a GPU's first pass loads the kernel
         start = time.perf_counter()
         data.sum()
+        if cuda:
+            torch.cuda.synchronize(data.device)
         best = min(best, time.perf_counter() - start)
     return data.nbytes / best
+
+
+def machine(args: argparse.Namespace) -> str:
+    """The machine's line for a table: the CPU and threads, or the GPU with torch's and CUDA's
+    versions."""
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        return f"GPU {torch.cuda.get_device_name(device)} | torch {torch.__version__} | CUDA {torch.version.cuda}"
+    return f"CPU {cpu_name()} | threads {torch.get_num_threads()} | torch {torch.__version__}"
+
+
+def floor_line(model, dtype: torch.dtype, device) -> tuple[str, dict]:
+    """The bandwidth floor of one decoded token on `device` (weight bytes over the read bandwidth
+    measured now), as a line and as JSON fields."""
+    _, nbytes = weight_bytes(model, dtype)
+    bw = measure_bandwidth(device=device)
+    floor = {"bandwidth_gb_s": round(bw / 1e9, 1), "weight_mb": round(nbytes / 1e6, 1),
+             "floor_ms_per_token": round(1000 * nbytes / bw, 3), "floor_tok_s": round(bw / nbytes, 1)}  # fmt: skip
+    return (f"bandwidth floor: {floor['weight_mb']} MB per token / {floor['bandwidth_gb_s']} GB/s = "
+            f"{floor['floor_ms_per_token']} ms ({floor['floor_tok_s']} tok/s)"), floor  # fmt: skip
 
 
 def weight_bytes(model, dtype: torch.dtype) -> tuple[int, int]:
@@ -137,7 +162,7 @@ def weight_bytes(model, dtype: torch.dtype) -> tuple[int, int]:
     return count, nbytes
 
 
-def load_transformers(folder: Path, dtype: torch.dtype):
+def load_transformers(folder: Path, dtype: torch.dtype, device: str | torch.device = "cpu"):
     """transformers' own model of a folder, its logging silenced (ours is the one progress bar).
     Loaded in fp32 and cast: the same on every transformers version we support, and the same
     rounding of the fp32 file as our loader applies; quantized weights dequantized."""
@@ -147,10 +172,11 @@ def load_transformers(folder: Path, dtype: torch.dtype):
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    return transformers_model(folder, dtype)
+    return transformers_model(folder, dtype).to(device)
 
 
-def load_with_draft(model: str | None, draft: str, dtype: torch.dtype, quantize: str = "auto"):
+def load_with_draft(model: str | None, draft: str, dtype: torch.dtype, quantize: str = "auto",
+                    device: str | torch.device = "cpu"):  # fmt: skip
     """(folder, tokenizer, our model, its prepacked draft head, the head's file) for the EAGLE
     benchmarks."""
     from specsot_mq.draft import DraftHead
@@ -160,7 +186,7 @@ def load_with_draft(model: str | None, draft: str, dtype: torch.dtype, quantize:
     draft_path = resolve_draft(draft, folder)
     if draft_path is None:
         raise SpecSotError(f"no draft head for {folder.name}: train one with `specsot train-draft` or pass --draft")
-    ours = load_model(folder, dtype=dtype, quantize=quantize)
+    ours = load_model(folder, dtype=dtype, quantize=quantize, device=device)
     return folder, load_tokenizer(folder), ours, DraftHead.load(draft_path, ours).prepack(), draft_path
 
 
@@ -186,7 +212,7 @@ class FirstTokenClock:
 
 
 def run_hf(model, ids: list[int], new_tokens: int, pad_id: int) -> Sample:
-    input_ids = torch.tensor([ids])
+    input_ids = torch.tensor([ids], device=model.device)
     clock = FirstTokenClock()
     start = time.perf_counter()
     out = model.generate(
@@ -209,14 +235,16 @@ def add_dtype_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=QUANTIZE, default="auto",
                    help="auto: the weights as the model ships them (the default model: its GGUF's Q4_1/Q8_0); "
                         "none: dequantized")  # fmt: skip
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (on CUDA: bf16, weights dequantized, "
+                                                   "steps replaying CUDA graphs unless SPECSOT_CUDA_GRAPHS=0)")  # fmt: skip
 
 
 def chosen_dtype(args: argparse.Namespace) -> torch.dtype:
-    """The dtype --dtype names on this CPU for the model and --quantize asked for; args.dtype
+    """The dtype --dtype names on --device for the model and --quantize asked for; args.dtype
     becomes what auto chose, for the tables."""
-    cpu = torch.device("cpu")
-    quantized = runs_quantized(resolve_model(getattr(args, "model", None)), args.quantize, cpu)
-    dtype = resolve_dtype(args.dtype, cpu, quantized)
+    device = resolve_device(args.device)
+    quantized = runs_quantized(resolve_model(getattr(args, "model", None)), args.quantize, device)
+    dtype = resolve_dtype(args.dtype, device, quantized)
     args.dtype = ("bf16" if dtype == torch.bfloat16 else "fp32") + (" (weights quantized)" if quantized else "")
     return dtype
 
@@ -258,15 +286,14 @@ def main(argv=None) -> dict:
     folder = resolve_model(args.model)
     tokenizer = load_tokenizer(folder)
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in prompts]
-    ours = load_model(folder, dtype=dtype, quantize=args.quantize)
+    ours = load_model(folder, dtype=dtype, quantize=args.quantize, device=args.device)
     gen = Generator(ours, tokenizer, max_len=max(map(len, prompt_ids)) + n)
-    hf = load_transformers(folder, dtype)
+    hf = load_transformers(folder, dtype, args.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     params, wbytes = weight_bytes(ours, dtype)
 
     out.print(
-        f"CPU {cpu_name()} ({os.cpu_count()} cores) | threads {torch.get_num_threads()} | {args.dtype} | "
-        f"torch {torch.__version__} | transformers {hf_version}\n"
+        f"{machine(args)} ({os.cpu_count()} cores) | {args.dtype} | transformers {hf_version}\n"
         f"model {folder.name}, {params / 1e6:.1f}M params read per token | {len(prompts)} prompts ({source}), "
         f"{n} new tokens, {args.runs} runs"
     )
@@ -278,7 +305,7 @@ def main(argv=None) -> dict:
         console=Console(stderr=True), transient=True, disable=args.json_only,
     ) as bar:  # fmt: skip
         task = bar.add_task("bandwidth", total=total)
-        bandwidth = [measure_bandwidth()]
+        bandwidth = [measure_bandwidth(device=args.device)]
         bar.advance(task)
         bar.update(task, description="warm-up")
         run_ours(gen, prompt_ids[0], min(WARMUP_TOKENS, n))
@@ -299,7 +326,7 @@ def main(argv=None) -> dict:
                     bar.advance(task)
         bar.update(task, description="bandwidth")
         # Measured again after decoding: the machine is shared, and the limit should use the best seen.
-        bandwidth.append(measure_bandwidth())
+        bandwidth.append(measure_bandwidth(device=args.device))
         bar.advance(task)
 
     def rate(runs: list[list[Sample]]) -> float:
@@ -340,6 +367,9 @@ def main(argv=None) -> dict:
             f"{p['hf_tok_s']:.1f} tok/s; first {p['same_tokens']} of {n} tokens identical"
         )
     out.print(f"ours / transformers: {ours_tok_s / hf_tok_s:.2f}x")
+    graphs = capture_report(gen.cache) if gen.cache.graphs is not None else None
+    if graphs:
+        out.print(graphs)
     out.print(
         f"limit: {bw / 1e9:.1f} GB/s (best of {', '.join(f'{b / 1e9:.1f}' for b in bandwidth)}) / "
         f"{wbytes / 1e6:.1f} MB per token = {limit:.1f} tok/s; ours at {ours_tok_s / limit:.1%} of it, "
@@ -361,6 +391,8 @@ def main(argv=None) -> dict:
         "prompts": len(prompts),
         "runs": args.runs,
         "cpu": cpu_name(),
+        "device": machine(args),
+        "cuda_graphs": graphs,
         "torch": torch.__version__,
         "transformers": hf_version,
         "per_prompt": per_prompt,

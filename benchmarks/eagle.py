@@ -34,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import (add_dtype_option, chosen_dtype, cpu_name, load_prompts, load_transformers,  # noqa: E402  (a sibling script)
+from decode import (add_dtype_option, chosen_dtype, floor_line, load_prompts, load_transformers, machine,  # noqa: E402  (a sibling script)
                     load_with_draft, run_hf, run_script, same_prefix)
 
 from specsot_mq.draft import DraftHead  # noqa: E402
@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
     sweep = [parse_tree(t) for t in args.sweep.split(",") if t.strip()]
     n = args.new_tokens
 
-    folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype, args.quantize)
+    folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype, args.quantize, args.device)
     prompt_ids = [chat_prompt_ids(tokenizer, q) for q in prompts]
     max_len = max(map(len, prompt_ids)) + n + 64
     plain = Generator(model, tokenizer, max_len=max_len)
@@ -109,11 +109,12 @@ def main(argv=None) -> dict:
     trees = {tree_name(t): t for t in [main_tree, *sweep]}
     eagle = {run: Generator(model, tokenizer, max_len=max_len, draft=heads[run[0]], tree=trees[run[1]])
              for run in [main_run, *runs]}  # fmt: skip
-    hf = load_transformers(folder, dtype)
+    hf = load_transformers(folder, dtype, args.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
+    floor_text, floor = floor_line(model, dtype, args.device)
     out.print(
-        f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | torch {torch.__version__} | "
+        f"{machine(args)} | {args.dtype} | {floor_text} | "
         f"{len(prompts)} prompts ({source}), {n} new tokens | draft {draft_path.name} "
         f"(vocab {head.cfg.draft_vocab_size}) | tree {main_tree}"
     )
@@ -229,6 +230,8 @@ def main(argv=None) -> dict:
         "new_tokens": n,
         "prompts": len(prompts),
         "draft": draft_path.name,
+        "device": machine(args),
+        **floor,
     }
     print(json.dumps(result), flush=True)
     return result

@@ -31,7 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import (add_dtype_option, chosen_dtype, cpu_name, load_prompts, load_transformers,  # noqa: E402  (a sibling script)
+from decode import (add_dtype_option, chosen_dtype, floor_line, load_prompts, load_transformers, machine,  # noqa: E402  (a sibling script)
                     load_with_draft, run_script)
 
 from specsot_mq.generate import Generator  # noqa: E402
@@ -76,14 +76,14 @@ def main(argv=None) -> dict:
     dtype = chosen_dtype(args)
     questions, source = load_prompts(args.questions, args.limit, args.per_category)
 
-    folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype, args.quantize)
+    folder, tokenizer, model, head, draft_path = load_with_draft(args.model, args.draft, dtype, args.quantize, args.device)
     max_len = 2048
     plain_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel)
     eagle_gen = Generator(model, tokenizer, max_len=max_len, num_slots=args.max_parallel, draft=head,
                           tree=TreeParams(max_batch_tokens=args.verify_budget, lookup=args.lookup))  # fmt: skip
     config = SoTConfig(sot=args.sot, prompt_format=args.prompt_format, max_parallel=args.max_parallel)
     sot, specsot = SoTEngine(plain_gen, config), SoTEngine(eagle_gen, config)
-    hf = load_transformers(folder, dtype)
+    hf = load_transformers(folder, dtype, args.device)
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
         eagle_gen.history = histories.get(engine, eagle_gen.history)
         start = time.perf_counter()
         if engine == "hf":
-            ids = torch.tensor([chat_prompt_ids(tokenizer, question)])
+            ids = torch.tensor([chat_prompt_ids(tokenizer, question)], device=hf.device)
             with torch.inference_mode():
                 res = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens,
                                   do_sample=False, pad_token_id=pad_id,
@@ -114,8 +114,9 @@ def main(argv=None) -> dict:
                     phases.setdefault(name, []).append(stats)
         return time.perf_counter() - start, answer_tokens(answer), answer.mode
 
+    floor_text, floor = floor_line(model, dtype, args.device)
     out.print(
-        f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | {len(questions)} questions ({source}) "
+        f"{machine(args)} | {args.dtype} | {floor_text} | {len(questions)} questions ({source}) "
         f"| max tokens {args.max_tokens} per phase | draft {draft_path.name} | max parallel {args.max_parallel} "
         f"| prompt format {args.prompt_format} | repeat stop {args.repeat_stop} "
         f"| verify budget {args.verify_budget}"
@@ -145,7 +146,7 @@ def main(argv=None) -> dict:
     result.update(questions=len(rows), sot_routed=len(planned), dtype=args.dtype, max_tokens=args.max_tokens,
                   threads=torch.get_num_threads(), draft=draft_path.name,
                   prompt_format=args.prompt_format, repeat_stop=args.repeat_stop, verify_budget=args.verify_budget,
-                  lookup=args.lookup,
+                  lookup=args.lookup, device=machine(args), **floor,
                   per_question=[{"question": r["question"], "mode": mode(r),
                                  **{e: {"s": round(r[e][0], 3), "tokens": r[e][1]} for e in engines}} for r in rows])  # fmt: skip
     # Tokens over seconds of all answers: the answers' lengths differ between engines (SoT's are

@@ -7,6 +7,7 @@ group as one parameter (`opts: ModelOptions`) and `@with_options` spreads its fi
 import dataclasses
 import functools
 import inspect
+import os
 from typing import Annotated, Optional, get_type_hints
 
 import typer
@@ -45,10 +46,16 @@ class ModelOptions:
         help="Greedy decoding: each step drafts with the head, uses prompt lookup alone or neither, whichever "
              "has been fastest lately (default); --no-adaptive drafts every step.")] = None
 
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", envvar="SPECSOT_CUDA_GRAPHS",
+        help="On a GPU, replay captured CUDA graphs for decode and verify steps (default); "
+             "--no-cuda-graphs runs every step eagerly, for debugging.")] = True
+
     def __post_init__(self):
         from specsot_mq.decode_params import check_quantize
 
         check_quantize(self.quantize)  # before any model is pulled or stage started
+        if not self.cuda_graphs:  # read where caches are made (cuda_graphs.wanted), stage processes too
+            os.environ["SPECSOT_CUDA_GRAPHS"] = "0"
 
     def tree(self) -> dict:
         """The TreeParams fields given by flags (a stage process gets them as they are), checked

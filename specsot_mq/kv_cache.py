@@ -29,11 +29,17 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        spare: tuple[int, int] = (0, 0),
     ):
-        shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
-        self.k = _zeros(shape, dtype, device)
-        self.v = _zeros(shape, dtype, device)
+        """spare: (slots, positions) allocated beyond `num_slots` and `capacity`, which no sequence
+        owns: a captured step's padding rows write there (cuda_graphs.py)."""
+        shape = (num_layers, num_slots + spare[0], num_kv_heads, capacity + spare[1], head_dim)
+        self.kv = _zeros((2, *shape), dtype, device)  # keys and values in one buffer: one gather reads both
+        self.k, self.v = self.kv[0], self.kv[1]
         self.capacity = capacity
+        self.spare = spare
+        self.graphs: dict | None = None  # the CUDA graphs captured over it, by shape (cuda_graphs.py); None: none
+        self.graph_pool = None  # the memory pool they share
         self._where: tuple = ((), None, None)  # (slots, starts, T) of the last scattered write, its indices
         self._gather: tuple = ((), None)  # the slots of the last scattered read, their index tensor
 
@@ -43,32 +49,38 @@ class KVCache:
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[1] - self.spare[0]
 
     def write(self, layer: int, slots: Sequence[int], starts: Sequence[int], k: torch.Tensor, v: torch.Tensor):
         """Store new entries k, v [B, kv_heads, T, head_dim] of batch row b at slots[b], from starts[b]
-        (converted to the cache's dtype)."""
+        (converted to the cache's dtype). A captured step (cuda_graphs.py) gives tensors: slots
+        [B], and starts as each new entry's position [B, T]."""
         t = k.shape[2]
         k, v = k.to(self.k.dtype), v.to(self.v.dtype)
-        if len(set(starts)) == 1 and _is_range(slots):
+        if torch.is_tensor(slots):  # a captured step's: slots [B] and each entry's position [B, T] on the device
+            slot_idx, pos_idx = slots[:, None], starts
+        elif len(set(starts)) == 1 and _is_range(slots):
             s0, st = slots[0], starts[0]
             self.k[layer, s0 : s0 + len(slots), :, st : st + t] = k
             self.v[layer, s0 : s0 + len(slots), :, st : st + t] = v
             return
-        # Built once per forward: every layer writes to the same places.
-        key = (tuple(slots), tuple(starts), t)
-        if self._where[0] != key:
-            slot_idx = torch.tensor(slots, device=k.device)[:, None]
-            pos_idx = torch.tensor(starts, device=k.device)[:, None] + torch.arange(t, device=k.device)
-            self._where = (key, slot_idx, pos_idx)
-        _, slot_idx, pos_idx = self._where
+        else:  # built once per forward: every layer writes to the same places
+            key = (tuple(slots), tuple(starts), t)
+            if self._where[0] != key:
+                slot_idx = torch.tensor(slots, device=k.device)[:, None]
+                pos_idx = torch.tensor(starts, device=k.device)[:, None] + torch.arange(t, device=k.device)
+                self._where = (key, slot_idx, pos_idx)
+            _, slot_idx, pos_idx = self._where
         # Index a [slots, capacity, heads, dim] view so each (slot, position) pair picks one row.
         self.k[layer].transpose(1, 2)[slot_idx, pos_idx] = k.transpose(1, 2)
         self.v[layer].transpose(1, 2)[slot_idx, pos_idx] = v.transpose(1, 2)
 
     def view(self, layer: int, slots: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, kv_heads, length, head_dim] for the given slots (a view when they are
-        consecutive, a gathered copy otherwise)."""
+        consecutive, a gathered copy otherwise: always where `slots` is a tensor)."""
+        if torch.is_tensor(slots):
+            both = self.kv[:, layer, :, :, :length].index_select(1, slots)
+            return both[0], both[1]
         if _is_range(slots):
             s0 = slots[0]
             return self.k[layer, s0 : s0 + len(slots), :, :length], self.v[layer, s0 : s0 + len(slots), :, :length]

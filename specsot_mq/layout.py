@@ -105,12 +105,13 @@ class SlotLayout:
         if masks is None and self._ragged_pays(lens):
             return self._ragged(seqs, ids, positions, hidden_layers)
         t = max(lens)
-        # padding goes last: causal rows never see it; under a mask, padding sees only itself
-        tokens = torch.tensor([list(x) + [0] * (t - n) for x, n in zip(ids, lens)], device=dev)
-        pos = torch.tensor([list(p) + [p[0]] * (t - n) for p, n in zip(positions, lens)], device=dev)
+        # padding goes last: causal rows never see it; under a mask, padding sees only itself. Made
+        # on the host: the model moves them (a captured step copies them over at once, cuda_graphs.py)
+        tokens = torch.tensor([list(x) + [0] * (t - n) for x, n in zip(ids, lens)])
+        pos = torch.tensor([list(p) + [p[0]] * (t - n) for p, n in zip(positions, lens)])
         mask = None
         if masks is not None and t > 1:
-            mask = torch.eye(t, dtype=torch.bool, device=dev).repeat(len(seqs), 1, 1)
+            mask = torch.eye(t, dtype=torch.bool).repeat(len(seqs), 1, 1)
             for i, n in enumerate(lens):
                 mask[i, :n, :n] = masks[i]
         step = Step(seqs, [mgr[s].length for s in seqs], pos, mask, hidden_layers=hidden_layers,

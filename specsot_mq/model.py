@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from specsot_mq import cuda_graphs
 from specsot_mq.config import ModelConfig
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.quant import GROUP, QEmbedding, QLinear, QWeight, linear_forward, native, onto_huge_pages
@@ -48,6 +50,8 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    folded = False  # its weight multiplies the linear layer after it instead (LlamaModel.prepack on a GPU)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -63,7 +67,8 @@ class RMSNorm(nn.Module):
             # float32 on a CPU with the kernels: the norm they run inside a layer and after the
             # last one (decoder_layers), the same bits whichever runs it
             return kernel.rms_norm(x, self.weight, self.eps)
-        return self.weight * F.rms_norm(x, x.shape[-1:], None, self.eps)
+        normed = F.rms_norm(x, x.shape[-1:], None, self.eps)
+        return normed if self.folded else self.weight * normed
 
 
 @dataclass(slots=True)
@@ -167,7 +172,8 @@ class DecoderLayer(NativeForm):
         cfg = self.cfg
         b, t, _ = x.shape
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        kernel = _native_for(x) if self.q_norm is None and isinstance(cache, KVCache) else None
+        # (slots as a tensor: a captured step's, cuda_graphs.py, which runs torch ops alone)
+        kernel = _native_for(x) if self.q_norm is None and isinstance(cache, KVCache) and not torch.is_tensor(slots) else None
         if kernel is not None and (weights := self.native_weights()) is not None:
             # the whole layer in one native call: the same steps as below, with no Python between
             return kernel.decoder_layers(x, [weights], layer, cos, sin, cache.k, cache.v, slots, starts, bias, [])[0]
@@ -193,17 +199,35 @@ class DecoderLayer(NativeForm):
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention of q [B, T, H, D] (the scale folded in) over keys and values
-    [B, KV, K, D] (strided views of the cache are read in place), under attention_bias()'s bias;
+    [B, KV, K, D] (strided views of the cache are read in place), under attention_bias()'s bias
+    (None with T > 1: causal, every row from its slot's start, so K = T);
     returns [B, T, H * D]. torch's fused kernel runs with the q heads that share a kv head laid out
     as rows of one head: no repeated keys, and faster on CPU than torch's own grouped-query path
     (benchmarks/attention.py). In float32 on a CPU the native kernel runs it instead: each query
     row's sums run over its visible keys in cache order, so a row computes the same bits in a
     one-token step as in a tree verify (what keeps speculative decoding on quantized weights,
     where a last-bit difference can flip an int8 rounding, lossless)."""
-    b, t, h, d = q.shape
     kernel = _native_for(q)
-    if kernel is not None and d % 8 == 0:
+    if kernel is not None and q.shape[-1] % 8 == 0:
         return kernel.attention(q, keys, values, bias)
+    if q.is_cuda and not cuda_graphs.capturing():
+        # An eager step on a GPU: its shapes change from step to step, and cuDNN's attention makes
+        # a plan for each new shape (tens of ms, the H100 run in benchmarks/HISTORY.md); the flash
+        # and memory-efficient kernels need none. A captured step keeps the default, planned once.
+        with sdpa_kernel(_UNPLANNED):
+            return _sdpa(q, keys, values, bias)
+    return _sdpa(q, keys, values, bias)
+
+
+_UNPLANNED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    b, t, h, d = q.shape
+    if bias is None and t > 1:  # causal from the slots' start (a GPU's prefill): the fused kernels' own mask
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, scale=1.0, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, t, h * d)
     kv = keys.shape[1]
     g = h // kv
     q = q.reshape(b, t, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
@@ -233,7 +257,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     (rope_tables): x * cos + [-x2, x1] * sin, written as [x2, x1] * [-sin1, sin2], the same bits
     with one kernel fewer."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+    turned = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    if x.is_cuda:  # one kernel fewer; on a CPU its fused multiply-add would round as the row count falls
+        return torch.addcmul(x * cos, turned, sin)
+    return x * cos + turned * sin
 
 
 class LlamaModel(NativeForm):
@@ -293,8 +320,11 @@ class LlamaModel(NativeForm):
             setattr(owner, attr, QEmbedding(layer) if attr == "embed" else layer)
 
     def prepack(self) -> "LlamaModel":
-        """Ready for CPU inference (a no-op elsewhere): every float linear weight reordered once for
-        oneDNN, the quantized ones gathered onto huge pages (quant.onto_huge_pages)."""
+        """Ready for inference on its device. On a CPU: every float linear weight reordered once
+        for oneDNN, the quantized ones gathered onto huge pages (quant.onto_huge_pages). On a GPU,
+        where a step is its kernel launches: each layer's two norms folded into the linear layer
+        after them (the norm's weight scales that layer's input columns), two kernels a layer
+        fewer."""
         if self.device.type == "cpu":
             if torch.backends.mkldnn.is_available():
                 for m in self.modules():
@@ -302,6 +332,13 @@ class LlamaModel(NativeForm):
                         m.prepack()
             NativeForm.forget_all(self)
             onto_huge_pages(self)
+        elif self.device.type == "cuda":
+            for layer in self.layers:
+                for norm, linear in ((layer.input_norm, layer.qkv), (layer.post_norm, layer.gate_up)):
+                    if isinstance(linear, Linear) and not norm.folded:
+                        w = linear.weight
+                        w.data.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))
+                        norm.folded = True
         return self
 
     def native_stack(self, x: torch.Tensor, cache: KVCache) -> list | None:
@@ -330,26 +367,35 @@ class LlamaModel(NativeForm):
             return None
         return kernel.Head(self.norm.weight, self.norm.eps, lm.native_weights())
 
-    def new_cache(self, num_slots: int, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(self, num_slots: int, capacity: int, dtype: torch.dtype | None = None,
+                  graphs: bool | None = None) -> KVCache:  # fmt: skip
         """A cache of `num_slots` sequences of up to `capacity` tokens, in `dtype` (default:
-        cache_dtype's choice for this model)."""
+        cache_dtype's choice for this model); `graphs`: whether steps over it replay captured CUDA
+        graphs (default: on CUDA, cuda_graphs.wanted; on a CPU the same steps run uncaptured)."""
         dtype = dtype or cache_dtype(self.dtype, self.device)
+        graphs = cuda_graphs.wanted(self.device) if graphs is None else graphs
         cfg = self.cfg
-        return KVCache(len(self.layers), num_slots, cfg.num_kv_heads, capacity, cfg.head_dim, dtype, self.device)
+        cache = KVCache(len(self.layers), num_slots, cfg.num_kv_heads, capacity, cfg.head_dim, dtype, self.device,
+                        cuda_graphs.SPARE if graphs else (0, 0))  # fmt: skip
+        cache.graphs = {} if graphs else None
+        return cache
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, step: Step) -> ForwardOutput:
         """Run the decoder over new tokens input_ids [B, T] (a range after the first: the hidden
         state before its first layer, [B, T, H]), writing their keys and values into the cache
         where `step` says, and return the logits and hidden states it asks for (a range before the
-        last: no logits; hidden states are counted in the whole model's layers)."""
+        last: no logits; hidden states are counted in the whole model's layers). Over a cache with
+        CUDA graphs, a step whose shape fits one replays it (cuda_graphs.py)."""
+        if getattr(cache, "graphs", None) is not None and (out := cuda_graphs.replay(self, cache, input_ids, step)):
+            return out
         b, t = input_ids.shape[:2]
         first = self.first_layer
         slots, starts = step.slots, step.starts
         kv_len = max(starts) + t
         cfg = self.cfg
-        at = step.positions.reshape(-1)
-        cos = self.rope_cos.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
-        sin = self.rope_sin.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
+        dev = self.device  # (a caller may make the step's tensors on the host)
+        input_ids, mask = input_ids.to(dev), None if step.mask is None else step.mask.to(dev)
+        cos, sin = self._rope(step.positions.to(dev))
         rows = step.logit_rows
 
         want = set(step.hidden_layers)
@@ -359,10 +405,13 @@ class LlamaModel(NativeForm):
         saved = {}
         x = (self.embed(input_ids) if first == 0 else input_ids).to(self.dtype)
         stack = self.native_stack(x, cache)
-        if stack is not None and step.mask is None and (cfg.sliding_window is None or kv_len <= cfg.sliding_window):
+        window_ok = cfg.sliding_window is None or kv_len <= cfg.sliding_window
+        if stack is not None and mask is None and window_ok:
             bias = None  # causal: the native attention sees each row's keys by its start (Placement)
+        elif x.device.type == "cuda" and mask is None and window_ok and not any(starts):
+            bias = None  # causal from position 0 (a prefill): SDPA's own causal mask (attention())
         else:
-            bias = attention_bias(step.mask, starts, t, kv_len, cfg.sliding_window, cfg.q_per_kv, self.dtype, self.device)
+            bias = attention_bias(mask, starts, t, kv_len, cfg.sliding_window, cfg.q_per_kv, self.dtype, self.device)
         if stack is not None:
             # every layer in one native call, with one team of threads (decoder_layers), and the
             # final norm and output layer in it too where the kernels run them
@@ -378,21 +427,62 @@ class LlamaModel(NativeForm):
                 logits = logits.view(b, t, -1) if rows is None else logits  # [R, V] already
                 return ForwardOutput(logits, [saved[i] for i in step.hidden_layers])
         else:
-            for i, layer in enumerate(self.layers[:depth]):
-                if first + i in want:
-                    saved[first + i] = x
-                x = layer(x, cos, sin, cache, i, slots, starts, kv_len, bias)
+            x = self._layers(x, cos, sin, cache, slots, starts, kv_len, bias, want, depth, saved)
         if first + depth < cfg.num_layers:  # stopped early, or a range before the last: no logits
             saved[first + depth] = x
             return ForwardOutput(x.new_zeros(0, self.cfg.vocab_size), [saved[i] for i in step.hidden_layers])
-        # The final norm runs on every position, so hidden state num_layers (EAGLE features) covers
-        # every position like the other layers do; only the logits are for the rows asked.
+        return self._head(x, rows, step.hidden_layers, saved)
+
+    def forward_static(self, ids, positions, slots, starts, mask, keys: int, cache: KVCache,
+                       hidden_layers: tuple[int, ...]) -> ForwardOutput:  # fmt: skip
+        """The whole model's forward as a captured step runs it (cuda_graphs.py), every per-step
+        value a tensor on the device: ids and positions [B, T], each row's slot and start [B], a
+        mask [B, T, T] over the new tokens (each row also sees its slot's entries before its
+        start); `keys` cache entries attended per row; logits for every row."""
+        cos, sin = self._rope(positions)
+        bias = static_bias(mask, starts, keys, self.cfg.q_per_kv, self.dtype)
+        at = starts[:, None] + torch.arange(ids.shape[1], device=ids.device)  # where each new entry goes, [B, T]
+        saved = {}
+        x = self._layers(self.embed(ids).to(self.dtype), cos, sin, cache, slots, at, keys, bias, set(hidden_layers),
+                         len(self.layers), saved)  # fmt: skip
+        return self._head(x, None, hidden_layers, saved)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, T, 1, D] at positions [B, T], in the activations' dtype."""
+        b, t = positions.shape
+        at = positions.reshape(-1)
+        cos = self.rope_cos.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
+        return cos, self.rope_sin.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
+
+    def _layers(self, x, cos, sin, cache, slots, starts, kv_len, bias, want: set[int], depth: int, saved: dict):
+        """The first `depth` layers in torch ops (the hidden states in `want` kept in `saved`)."""
+        for i, layer in enumerate(self.layers[:depth]):
+            if self.first_layer + i in want:
+                saved[self.first_layer + i] = x
+            x = layer(x, cos, sin, cache, i, slots, starts, kv_len, bias)
+        return x
+
+    def _head(self, x, rows: list[int] | None, hidden_layers, saved: dict) -> ForwardOutput:
+        """The final norm and the output layer after the last layer. The norm runs on every
+        position, so hidden state num_layers (EAGLE features) covers every position like the other
+        layers do; only the logits are for the rows asked."""
         x = self.norm(x)
-        if self.cfg.num_layers in want:
-            saved[self.cfg.num_layers] = x
+        saved[self.cfg.num_layers] = x
         if rows is not None:
-            x = x.reshape(b * t, -1)[rows]
-        return ForwardOutput(self.lm_head(x), [saved[i] for i in step.hidden_layers])
+            x = x.reshape(-1, x.shape[-1])[rows]
+        return ForwardOutput(self.lm_head(x), [saved[i] for i in hidden_layers])
+
+
+def static_bias(mask: torch.Tensor, starts: torch.Tensor, keys: int, groups: int, dtype) -> torch.Tensor:
+    """attention_bias() of a [B, T, T] mask from tensors alone (a captured step's): [B, 1,
+    groups * T, keys], each row seeing its slot's entries before its start and, among the T after,
+    what the mask says."""
+    b, t, _ = mask.shape
+    rel = torch.arange(keys, device=mask.device)[None, None, :] - starts[:, None, None]  # key's place among the new
+    inside = mask.gather(2, rel.clamp(0, t - 1).expand(b, t, keys)) & (rel < t)
+    allowed = (rel < 0) | inside
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill_(~allowed, float("-inf"))
+    return bias.repeat(1, groups, 1)[:, None]
 
 
 def attention_bias(mask, starts, t, kv_len, window, groups, dtype, device) -> torch.Tensor | None:

@@ -157,7 +157,7 @@ def forward(model, ids: list[int], layers: tuple[int, ...], logits: bool, held=N
     logits it runs only the layers up to the last hidden state asked for (model.Step):
     ([the hidden states asked for, [1, T, H] each, of the tokens computed], the logits [1, T, V]
     or None, the cache)."""
-    cache = model.new_cache(1, len(ids))
+    cache = model.new_cache(1, len(ids), graphs=False)  # (a forward that stops early is never captured)
     start = 0
     if held is not None:
         start = held[0].shape[3]

@@ -1,0 +1,203 @@
+"""Captured decode and verify steps on a CUDA GPU.
+
+A step of the default model reads 270 MB of weights in bf16, about 0.1 ms of an H100's bandwidth,
+while launching its several hundred small kernels one by one from Python takes milliseconds. So
+on CUDA a step whose shape fits a bucket replays a CUDA graph captured once for that bucket:
+batch rows and cache entries attended, each rounded up to a power of two, and new tokens per row,
+to a power of four.
+
+Everything that changes between steps is a tensor at a fixed address, copied in before the
+replay in one copy from the host (and one more for a draft tree's mask): token ids, rope
+positions, each row's slot and start, and the mask over the new tokens.
+The KV cache is read and written in place, through tensor indices (kv_cache.py). Padding never
+reaches a real row: padding rows write to the cache's spare slot, a row's padding tokens write
+past its own (the spare positions, never owned by a sequence), and every query sees at least
+itself. The logits and hidden states come back as copies, since the next replay overwrites the
+graph's own.
+
+A bucket's graph is captured on its first use, into its cache's memory pool, and the cache holds
+it (KVCache.graphs), so graphs go when their cache goes; `capture_report` says how many
+were captured and what they cost. `--no-cuda-graphs` (SPECSOT_CUDA_GRAPHS=0) runs every step
+eagerly. Prefills longer than a bucket, an early-stopping forward (a router's) and a layer range
+run eagerly too.
+
+On a CPU nothing is captured; the same bucketed, tensor-indexed forward then runs as it is, which
+is how the tests check the bucketing and padding without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+MAX_TOKENS = 64  # new tokens per row (a draft tree with its lookup; a short prefill)
+MAX_BATCH = 32  # rows
+MAX_CELLS = 1024  # rows x tokens: larger steps (a batch of prefills) run eagerly
+MIN_KEYS = 256  # the smallest bucket of cache entries attended
+SPARE = (1, MAX_TOKENS)  # (slots, positions) a cache for captured steps has beyond its own
+
+
+def wanted(device: torch.device | str) -> bool:
+    """Whether caches on `device` get captured steps: on CUDA, unless SPECSOT_CUDA_GRAPHS=0."""
+    return torch.device(device).type == "cuda" and os.environ.get("SPECSOT_CUDA_GRAPHS", "1") != "0"
+
+
+def bucket(n: int, floor: int = 1, base: int = 2) -> int:
+    """n rounded up to a power of `base`, at least `floor`."""
+    size = floor
+    while size < n:
+        size *= base
+    return size
+
+
+@dataclass(slots=True)
+class Captured:
+    """One bucket's static buffers and its graph (None on a CPU: run as it is)."""
+
+    inputs: torch.Tensor  # [B, 2T + 2] on the device: token ids, rope positions, slot, start
+    mask: torch.Tensor  # [B, T, T] on the device
+    host: torch.Tensor  # inputs' staging copy on the host (pinned on a GPU): one copy a step
+    host_mask: torch.Tensor  # mask's
+    run: object = None  # the forward over these buffers
+    graph: torch.cuda.CUDAGraph | None = None
+    out: object = None  # the graph's ForwardOutput (static)
+    seconds: float = 0.0  # what capturing it cost
+    replays: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.mask.shape[1]
+
+
+def shape_key(model, cache, input_ids: torch.Tensor, step) -> tuple | None:
+    """The bucket a step runs in, or None where it runs eagerly."""
+    b, t = input_ids.shape[:2]
+    if input_ids.dim() != 2 or model.first_layer != 0 or model.last_layer != model.cfg.num_layers:
+        return None
+    if step.logit_rows == [] or (step.mask is not None and tuple(step.mask.shape) != (b, t, t)):
+        return None
+    rows, tokens = bucket(b), bucket(t, base=4)  # (a padding row or token costs a GPU next to nothing)
+    if rows > MAX_BATCH or tokens > MAX_TOKENS or rows * tokens > MAX_CELLS or cache.spare[0] < 1:
+        return None
+    keys = min(bucket(max(step.starts) + tokens, MIN_KEYS), cache.k.shape[3])
+    window = model.cfg.sliding_window
+    if window is not None and keys > window:
+        return None
+    return rows, tokens, keys, tuple(step.hidden_layers)
+
+
+def replay(model, cache, input_ids: torch.Tensor, step):
+    """The step's ForwardOutput from its bucket's graph (captured now if new), or None where the
+    step runs eagerly (shape_key). Its inputs are best on the host (layout.py makes them there):
+    they go over in one copy."""
+    key = shape_key(model, cache, input_ids, step)
+    if key is None:
+        return None
+    entry = cache.graphs.get(key) or _capture(model, cache, key)
+    b, t = input_ids.shape
+    tokens = entry.tokens
+    host = entry.host
+    host.zero_()  # padding: token 0 at position 0...
+    host[:, 2 * tokens] = cache.num_slots  # ...in the spare slot, from its start
+    host[:b, :t] = input_ids
+    host[:b, tokens : tokens + t] = step.positions
+    host[:b, 2 * tokens] = torch.tensor(step.slots)
+    host[:b, 2 * tokens + 1] = torch.tensor(step.starts)
+    entry.inputs.copy_(host, non_blocking=True)
+    if tokens > 1:  # (over one token, every mask is the token seeing itself)
+        entry.host_mask.copy_(_eye(tokens))  # a padding token sees itself alone
+        entry.host_mask[:b, :t, :t] = step.mask if step.mask is not None else _causal(t)
+        entry.mask.copy_(entry.host_mask, non_blocking=True)
+    if entry.graph is not None:
+        entry.graph.replay()
+        out = entry.out
+    else:
+        out = entry.run()
+    entry.replays += 1
+    logits = out.logits[:b, :t]
+    rows = step.logit_rows
+    logits = logits.clone() if rows is None else logits.reshape(b * t, -1)[rows]
+    return type(out)(logits, [h[:b, :t].clone() for h in out.hidden])
+
+
+def capture_report(cache) -> str:
+    """One line on the graphs captured over a cache: how many, their cost, their replays."""
+    graphs = [e for e in cache.graphs.values() if e.graph is not None]
+    seconds = sum(e.seconds for e in graphs)
+    replays = sum(e.replays for e in graphs)
+    return f"{len(graphs)} CUDA graphs captured in {seconds:.2f} s, replayed {replays} times"
+
+
+@functools.cache
+def _causal(t: int) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool).tril()
+
+
+@functools.cache
+def _eye(t: int) -> torch.Tensor:
+    return torch.eye(t, dtype=torch.bool)
+
+
+def _capture(model, cache, key: tuple) -> Captured:
+    rows, tokens, keys, hidden_layers = key
+    dev = cache.k.device
+    pinned = dev.type == "cuda"
+    entry = Captured(
+        inputs=torch.zeros(rows, 2 * tokens + 2, dtype=torch.long, device=dev),
+        mask=_eye(tokens).to(dev).repeat(rows, 1, 1),
+        host=torch.zeros(rows, 2 * tokens + 2, dtype=torch.long, pin_memory=pinned),
+        host_mask=torch.zeros(rows, tokens, tokens, dtype=torch.bool, pin_memory=pinned),
+    )
+    entry.inputs[:, 2 * tokens] = cache.num_slots  # warm-up and capture write to the spare slot
+    ids, positions = entry.inputs[:, :tokens], entry.inputs[:, tokens : 2 * tokens]
+    slots, starts = entry.inputs[:, 2 * tokens], entry.inputs[:, 2 * tokens + 1]
+
+    def run():
+        return model.forward_static(ids, positions, slots, starts, entry.mask, keys, cache, hidden_layers)
+
+    entry.run = run
+    if dev.type == "cuda":
+        with _capture_mode():
+            _record(entry, cache, dev)
+    cache.graphs[key] = entry
+    return entry
+
+
+_CAPTURING = [False]
+
+
+def capturing() -> bool:
+    """Whether a step is being captured (or warmed up for it) now: attention then keeps torch's
+    default kernels (model.attention)."""
+    return _CAPTURING[0]
+
+
+@contextlib.contextmanager
+def _capture_mode():
+    _CAPTURING[0] = True
+    try:
+        yield
+    finally:
+        _CAPTURING[0] = False
+
+
+def _record(entry: Captured, cache, dev) -> None:
+    """Warm the step up on a side stream, then capture it into the cache's memory pool."""
+    start = time.perf_counter()
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up: lazy initialisations happen outside the capture
+        entry.run()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    if cache.graph_pool is None:  # one pool per cache: its graphs share their working memory
+        cache.graph_pool = torch.cuda.graph_pool_handle()
+    entry.graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(entry.graph, pool=cache.graph_pool):
+        entry.out = entry.run()
+    torch.cuda.synchronize(dev)
+    entry.seconds = time.perf_counter() - start
