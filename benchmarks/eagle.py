@@ -34,8 +34,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import (add_dtype_option, chosen_dtype, floor_line, load_prompts, load_transformers, machine,  # noqa: E402  (a sibling script)
-                    load_with_draft, run_hf, run_script, same_prefix)
+from decode import (add_dtype_option, chosen_dtype, floor_line, load_prompts, load_transformers, machine,  # noqa: E402
+                    load_with_draft, run_hf, run_script, same_prefix, warmup_tokens)  # (a sibling script)
 
 from specsot_mq.draft import DraftHead  # noqa: E402
 from specsot_mq.errors import SpecSotError  # noqa: E402
@@ -124,10 +124,11 @@ def main(argv=None) -> dict:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True, disable=args.json_only) as bar:  # fmt: skip
         task = bar.add_task("warm-up", total=1 + len(prompts) * (4 + len(runs)))
-        plain.generate(prompt_ids[0], SamplingParams(max_tokens=8, ignore_eos=True))
-        lookup.generate(prompt_ids[0], SamplingParams(max_tokens=8, ignore_eos=True))
+        warm = warmup_tokens(plain, n)
+        plain.generate(prompt_ids[0], SamplingParams(max_tokens=warm, ignore_eos=True))
+        lookup.generate(prompt_ids[0], SamplingParams(max_tokens=warm, ignore_eos=True))
         for g in eagle.values():
-            run_eagle(g, prompt_ids[0], 8)
+            run_eagle(g, prompt_ids[0], warm)
         run_hf(hf, prompt_ids[0], 8, pad_id)
         bar.advance(task)
         for i, ids in enumerate(prompt_ids):

@@ -9,7 +9,9 @@ to a power of four.
 Everything that changes between steps is a tensor at a fixed address, copied in before the
 replay in one copy from the host (and one more for a draft tree's mask): token ids, rope
 positions, each row's slot and start, and the mask over the new tokens.
-The KV cache is read and written in place, through tensor indices (kv_cache.py). Padding never
+The KV cache is read and written in place, through tensor indices (kv_cache.py); rope with the
+cache write, and the feed-forward's gate, are one Triton kernel each where Triton runs
+(cuda_kernels.py; torch ops otherwise, or if they fail to build). Padding never
 reaches a real row: padding rows write to the cache's spare slot, a row's padding tokens write
 past its own (the spare positions, never owned by a sequence), and every query sees at least
 itself. The logits and hidden states come back as copies, since the next replay overwrites the
@@ -34,6 +36,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from specsot_mq import cuda_kernels
 
 MAX_TOKENS = 64  # new tokens per row (a draft tree with its lookup; a short prefill)
 MAX_BATCH = 32  # rows
@@ -191,8 +195,14 @@ def _record(entry: Captured, cache, dev) -> None:
     start = time.perf_counter()
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):  # warm-up: lazy initialisations happen outside the capture
-        entry.run()
+    with torch.cuda.stream(side):  # warm-up: lazy initialisations (and Triton's builds) happen outside the capture
+        try:
+            entry.run()
+        except Exception as e:  # a fused kernel that cannot build or run here: torch ops instead
+            if not cuda_kernels.available(dev):
+                raise
+            cuda_kernels.disable(f"{type(e).__name__}: {e}")
+            entry.run()
     torch.cuda.current_stream(dev).wait_stream(side)
     if cache.graph_pool is None:  # one pool per cache: its graphs share their working memory
         cache.graph_pool = torch.cuda.graph_pool_handle()

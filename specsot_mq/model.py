@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from specsot_mq import cuda_graphs
+from specsot_mq import cuda_graphs, cuda_kernels
 from specsot_mq.config import ModelConfig
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.quant import GROUP, QEmbedding, QLinear, QWeight, linear_forward, native, onto_huge_pages
@@ -178,10 +178,14 @@ class DecoderLayer(NativeForm):
             # the whole layer in one native call: the same steps as below, with no Python between
             return kernel.decoder_layers(x, [weights], layer, cos, sin, cache.k, cache.v, slots, starts, bias, [])[0]
         qkv = self.qkv(x, norm=self.input_norm)
+        fused = torch.is_tensor(slots) and self.q_norm is None and _fused_for(x, d)
         if kernel is not None and d % 8 == 0:
             # rope, the cache write and attention in one native call, each row's sums in one
             # fixed order (see attention())
             attended = kernel.attend_cached(qkv, cos, sin, cache.k[layer], cache.v[layer], slots, starts, bias, nh, nkv)
+        elif fused:  # a captured step on a GPU: rope and the cache write in one kernel (cuda_kernels.py)
+            q = cuda_kernels.rope_store(qkv, cos, sin, cache.kv[:, layer], slots, starts, nh, nkv)
+            attended = attention(q, *cache.view(layer, slots, kv_len), bias)
         else:
             qkv = qkv.view(b, t, nh + 2 * nkv, d)
             v = qkv[:, :, nh + nkv :]
@@ -194,6 +198,8 @@ class DecoderLayer(NativeForm):
             keys, values = cache.view(layer, slots, kv_len)
             attended = attention(q, keys, values, bias)
         x = self.o(attended, residual=x)
+        if fused:
+            return self.down(cuda_kernels.silu_mul(self.gate_up(x, norm=self.post_norm)), residual=x)
         return self.down(self.gate_up(x, norm=self.post_norm), glu=True, residual=x)
 
 
@@ -243,6 +249,11 @@ def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if dtype == torch.float32 and torch.device(device).type == "cpu" and native() is not None:
         return torch.float16
     return dtype
+
+
+def _fused_for(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether cuda_kernels runs a captured step's rope, cache write and gate on x (inference only)."""
+    return not torch.is_grad_enabled() and head_dim & (head_dim - 1) == 0 and cuda_kernels.available(x.device)
 
 
 def _native_for(x: torch.Tensor):

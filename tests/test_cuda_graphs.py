@@ -99,3 +99,62 @@ def test_greedy_generation_over_bucketed_steps_equals_eager(model, tree, monkeyp
     gen, got = generate()
     assert got == want
     assert gen.cache.graphs and sum(e.replays for e in gen.cache.graphs.values()) > 0
+
+
+FUSED_CHECK = """
+import json, sys
+sys.path.insert(0, "tests")
+import torch
+from conftest import ours_from_hf, tiny_hf
+from test_generate import CharTokenizer
+from test_speculative import BOS, GREEDY, TREE, random_head
+from specsot_mq import cuda_graphs, cuda_kernels
+from specsot_mq.generate import Generator
+from specsot_mq.model import Step
+from specsot_mq.sampling import Sampler
+from specsot_mq.speculative import EagleDecoder
+
+torch.manual_seed(0)
+model = ours_from_hf(tiny_hf("llama"))
+model.lm_head.weight.mul_(20)
+eager, static = model.new_cache(4, 64), model.new_cache(4, 64, graphs=True)
+mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
+steps = [(torch.randint(3, 90, (3, 5)), Step([0, 1, 3], [0, 0, 0], torch.arange(5).expand(3, 5), hidden_layers=(1,))),
+         (torch.randint(3, 90, (2, 3)), Step([3, 0], [5, 5], torch.tensor([[5, 6, 6], [5, 6, 6]]), mask))]
+gap = 0.0
+with torch.inference_mode():
+    for ids, step in steps:
+        want, got = model(ids, eager, step), model(ids, static, step)
+        gap = max(gap, (want.logits - got.logits).abs().max().item())
+    for slot, n in ((0, 8), (1, 5), (3, 8)):
+        gap = max(gap, (static.kv[:, :, slot, :, :n] - eager.kv[:, :, slot, :, :n]).abs().max().item())
+prompts = [[BOS, 5, 6, 7, 8, 9], [BOS, 12], [BOS, 40, 41, 42]]
+runs = {}
+for graphs in (False, True):
+    cuda_graphs.wanted = lambda device, on=graphs: on
+    gen = Generator(model, CharTokenizer(), max_len=64, num_slots=3)
+    eagle = EagleDecoder(model, random_head(model), gen.slots, Sampler(GREEDY, model.device), TREE)
+    runs[graphs] = ([c.token_ids for c in gen.generate_many(prompts, GREEDY)],
+                    [c.token_ids for c in gen.generate_many(prompts, GREEDY, decoder=eagle)])
+print(json.dumps({"available": cuda_kernels.available(torch.device("cpu")), "gap": gap,
+                  "plain_same": runs[True][0] == runs[False][0], "eagle_same": runs[True][1] == runs[True][0]}))
+"""
+
+
+def test_fused_kernels_compute_what_the_torch_ops_do():
+    """cuda_kernels' Triton kernels, run by Triton's interpreter on this CPU (a GPU compiles them),
+    against the same captured-step forward in torch ops: the logits and cache entries within
+    float32 rounding, and greedy decoding, plain and EAGLE, the same tokens."""
+    pytest.importorskip("triton", reason="Triton is not installed here: the fused kernels run on a GPU")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", FUSED_CHECK], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["available"]
+    assert result["gap"] < 1e-3
+    assert result["plain_same"] and result["eagle_same"]
