@@ -12,6 +12,7 @@ Runs, each as its own process with a time limit, so one failure leaves the rest 
             three answers to the README's question is timed
   exact     fp32 on the GPU: EAGLE greedy decoding of the default model, one sequence and four
             together, gives plain greedy decoding's tokens
+  curve     step.py --device cuda: one step's time over rows x new tokens, captured and eager
 
     python benchmarks/gpu.py [--only decode,eagle] [--out results.json] [--budget 450]
 
@@ -112,7 +113,7 @@ def exact(device: str, new_tokens: int = 96) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--only", default="tests,decode,ask,sot,exact,eagle,eager")
+    p.add_argument("--only", default="tests,decode,ask,sot,exact,curve,eagle,eager")
     p.add_argument("--budget", type=float, default=450, help="seconds for the whole check (parts left out past it)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # runs one in-process part (a child)
@@ -131,6 +132,7 @@ def main(argv=None) -> dict:
         "sot": ([py, "benchmarks/sot.py", *dev, "--questions", str(QUESTIONS), "--limit", "10",
                  "--engines", "hf,eagle,specsot", "--plot", "/tmp/sot.png"], 200, None),
         "exact": ([py, "benchmarks/gpu.py", *dev, "--part", "exact"], 120, None),
+        "curve": ([py, "benchmarks/step.py", *dev, "--runs", "10"], 90, None),
         "eagle": ([py, "benchmarks/eagle.py", *dev, "--limit", "2", "--new-tokens", "192",
                    "--sweep", "4x4x1,2x1x2,8x4x2+4,16x5x4+8"], 150, None),
         "eager": ([py, "benchmarks/decode.py", *dev, "--limit", "1", "--new-tokens", "128", "--runs", "1"], 90,

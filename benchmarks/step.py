@@ -27,6 +27,11 @@ vocabulary and torch.multinomial against the Sampler (top-p over the top 1024 fi
 inverse-CDF draw).
 
     python benchmarks/step.py [--dtype auto|bf16|fp32] [--threads N] [--runs 20] [--model PATH]
+    python benchmarks/step.py --device cuda [--runs 20]     # a GPU: the cost curve alone (--curve on a CPU)
+
+On a GPU (or with --curve) it times only one step over rows x new tokens, captured as CUDA graphs
+and eager, each against one row's one token: the cost curve that says what a draft tree's rows
+and the points' batch cost there.
 
 The last stdout line is one JSON object: per shape, ms of the forward and of each part; per
 batch size, ms of each way of sampling.
@@ -49,7 +54,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import add_dtype_option, chosen_dtype, cpu_name, load_prompts, measure_bandwidth, weight_bytes  # noqa: E402
+from decode import add_dtype_option, chosen_dtype, cpu_name, load_prompts, machine, measure_bandwidth, weight_bytes  # noqa: E402
 
 from specsot_mq import model as model_module  # noqa: E402
 from specsot_mq.kv_cache import KVCache  # noqa: E402
@@ -285,15 +290,56 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+CURVE_ROWS, CURVE_TOKENS = (1, 2, 4, 8, 16, 32), (1, 4, 16, 64)
+
+
+def cost_curve(args, dtype) -> dict:
+    """One step's time over rows x new tokens (a GPU's cost curve: what a draft tree's rows and
+    the points' batch cost), captured (CUDA graphs) and eager, each against one row's one token."""
+    device = torch.device(args.device)
+    model = load_model(resolve_model(args.model), dtype=dtype, device=device, quantize=args.quantize)
+    shapes = [(b, t) for b in CURVE_ROWS for t in CURVE_TOKENS if b * t <= 1024]
+    result = {"device": machine(args), "dtype": args.dtype, "shapes": []}
+    with torch.inference_mode():
+        for graphs in (True, False):
+            cache = model.new_cache(max(CURVE_ROWS), CONTEXT + 128, graphs=graphs)
+            for b, t in shapes:
+                ids = torch.randint(0, model.cfg.vocab_size, (b, t))
+                step = Step(list(range(b)), [CONTEXT] * b, torch.arange(CONTEXT, CONTEXT + t).expand(b, t))
+
+                def forward():
+                    model(ids, cache, step)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+
+                forward()  # (a captured step's graph is captured here)
+                ms = statistics.median(_seconds(forward) for _ in range(args.runs)) * 1e3
+                result["shapes"].append({"b": b, "t": t, "captured": graphs, "ms": round(ms, 3)})
+    one = {g: next(r["ms"] for r in result["shapes"] if r["captured"] == g and r["b"] == r["t"] == 1) for g in (True, False)}
+    table = Table(title=f"one step, ms (x one row's one token) | {result['device']} | {args.dtype}")
+    table.add_column("rows x tokens")
+    for title in ("captured" if device.type == "cuda" else "bucketed (as captured on a GPU)", "eager"):
+        table.add_column(title, justify="right")
+    for b, t in shapes:
+        cells = [next(r["ms"] for r in result["shapes"] if (r["b"], r["t"], r["captured"]) == (b, t, g)) for g in (True, False)]
+        table.add_row(f"{b} x {t}", *(f"{ms:.2f} ({ms / one[g]:.2f}x)" for ms, g in zip(cells, (True, False))))
+    Console(stderr=True).print(table)
+    print(json.dumps(result))
+    return result
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_dtype_option(p)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--model", default=None, help="model folder (default: the pulled default model)")
+    p.add_argument("--curve", action="store_true", help="only the cost curve over rows x tokens (always on a GPU)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = chosen_dtype(args)
+    if args.curve or torch.device(args.device).type == "cuda":
+        return cost_curve(args, dtype)
     model = load_model(resolve_model(args.model), dtype=dtype, quantize=args.quantize)
     cache = model.new_cache(max(b * stride for b, _, stride in SHAPES), CONTEXT + 32)
     gen = torch.Generator().manual_seed(0)

@@ -40,7 +40,7 @@ import torch
 from specsot_mq import cuda_kernels
 
 MAX_TOKENS = 64  # new tokens per row (a draft tree with its lookup; a short prefill)
-MAX_BATCH = 32  # rows
+MAX_BATCH = 128  # rows (a serving stage's batch, or train-draft writing its data)
 MAX_CELLS = 1024  # rows x tokens: larger steps (a batch of prefills) run eagerly
 MIN_KEYS = 256  # the smallest bucket of cache entries attended
 SPARE = (1, MAX_TOKENS)  # (slots, positions) a cache for captured steps has beyond its own

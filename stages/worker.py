@@ -238,6 +238,10 @@ class DeviceStage(Stage):
         from specsot_mq.loader import load_generator
         from specsot_mq.decode_params import TreeParams
 
+        if self.device.startswith("cuda"):  # its share of the GPU's memory (stages on one GPU)
+            import torch
+
+            torch.cuda.set_per_process_memory_fraction(gpu_share(self.spec, self.name), torch.device(self.device))
         return load_generator(self.spec.model, self.spec.dtype, self.device, self.spec.max_len, self.slots,
                               self.spec.draft, TreeParams(**self.spec.tree), self.spec.quantize,
                               self.spec.prefix_cache_mb)  # fmt: skip
@@ -291,12 +295,25 @@ class DeviceStage(Stage):
 def host_share(spec, name: str) -> CoreShare:
     """The core board of the CPU device stages on `name`'s host (see core_share.py), with all of
     this host's cores counted here: a remote host may have more or fewer than the launcher's."""
+    members = _sharing(spec, name)
+    return CoreShare(CoreShare.board_path(spec.client_address, spec.hosts[name]), members.index(name), len(members),
+                     os.cpu_count() or 1)  # fmt: skip
+
+
+def gpu_share(spec, name: str) -> float:
+    """The part of its GPU's memory a GPU device stage may take: an equal share between the device
+    stages of its host on the same GPU (a skeleton and a branch stage on GPU 0 take half each)."""
+    return 1.0 / len(_sharing(spec, name))
+
+
+def _sharing(spec, name: str) -> list[str]:
+    """The device stages on `name`'s host on the same device as it (all CPU stages share the CPU)."""
     from specsot_mq.devices import parse_devices
 
-    host = spec.hosts[name]
-    members = [n for n, d in spec.devices.items()
-               if spec.hosts[n] == host and parse_devices(d, resolve=False)[0].torch_device == "cpu"]  # fmt: skip
-    return CoreShare(CoreShare.board_path(spec.client_address, host), members.index(name), len(members), os.cpu_count() or 1)
+    def device(n: str) -> str:
+        return parse_devices(spec.devices[n], resolve=False)[0].torch_device
+
+    return [n for n in spec.devices if spec.hosts[n] == spec.hosts[name] and device(n) == device(name)]
 
 
 def batch_key(rid: str, params) -> object:

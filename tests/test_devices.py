@@ -99,3 +99,19 @@ import torch
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "10000 None"
+
+
+def test_device_stages_on_one_gpu_split_its_memory_and_cpu_stages_share_the_cores():
+    from types import SimpleNamespace
+
+    from specsot_mq.stages.worker import _sharing, gpu_share
+
+    spec = SimpleNamespace(
+        devices={"skeleton": "10.0.0.1#0", "branch0": "10.0.0.1#0", "branch1": "10.0.0.1#1", "branch2": "10.0.0.2#0",
+                 "branch3": "10.0.0.1#cpu", "branch4": "10.0.0.1#cpu1"},
+        hosts={"skeleton": "10.0.0.1", "branch0": "10.0.0.1", "branch1": "10.0.0.1", "branch2": "10.0.0.2",
+               "branch3": "10.0.0.1", "branch4": "10.0.0.1"},
+    )  # fmt: skip
+    assert gpu_share(spec, "skeleton") == gpu_share(spec, "branch0") == 0.5  # both on 10.0.0.1's GPU 0
+    assert gpu_share(spec, "branch1") == 1.0 and gpu_share(spec, "branch2") == 1.0  # alone on theirs
+    assert _sharing(spec, "branch3") == ["branch3", "branch4"]  # the host's CPU stages share its cores
