@@ -81,7 +81,7 @@ def train_draft(
     model: ModelOpt = None,
     out: Annotated[Optional[str], typer.Option(help="Where to write the head (.safetensors).")] = None,
     work_dir: Annotated[Optional[str], typer.Option(help="Data and checkpoints (resumable).")] = None,
-    questions: Annotated[int, typer.Option(help="Questions the model writes for itself.")] = 640,
+    questions: Annotated[int, typer.Option(help="Questions answered for the data (written by the model, or the first N templated ones).")] = 640,
     epochs: Annotated[int, typer.Option(help="Training epochs.")] = 5,
     batch: Annotated[int, typer.Option(help="Sequences decoded together while the model writes the data.")] = 64,
     draft_vocab: Annotated[int, typer.Option(help="Draft vocabulary size (most frequent tokens).")] = 8192,
@@ -95,6 +95,9 @@ def train_draft(
         help="Fine-tune this saved head (keeping its draft vocabulary and feature layers) instead of "
              "starting from the base's last layer.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the self-written questions: another seed, other questions.")] = 0,
+    prompts: Annotated[str, typer.Option(
+        help="Where the questions come from: self (the model writes them) or templates (23k from templates over "
+             "topics written for this project, specsot_mq/prompts/train_questions.json).")] = "self",
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay after 50 warm-up steps).")] = 1e-3,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = None,
@@ -113,6 +116,8 @@ def train_draft(
         raise SpecSotError(f"--feature-layers {feature_layers!r}: give layer numbers separated by commas, e.g. 2,15,27,30") from None
     if batch < 1:
         raise SpecSotError(f"--batch {batch}: give the number of sequences to decode together, at least 1 (e.g. 64)")
+    if prompts not in recipe.PROMPT_SOURCES:
+        raise SpecSotError(f"--prompts {prompts!r}: give one of {', '.join(recipe.PROMPT_SOURCES)}")
     if not 0 < lr < 1:
         raise SpecSotError(f"--lr {lr}: give a learning rate above 0 and below 1, e.g. 1e-3 (3e-4 to fine-tune)")
     if not 0 <= feature_noise < 1:
@@ -123,7 +128,7 @@ def train_draft(
     name = folder.name
     base = load_model(folder, dtype=resolve_dtype(dtype, dev, runs_quantized(folder, "auto", dev)), device=dev)
     cfg = recipe.TrainConfig(questions=questions, epochs=epochs, batch=batch, draft_vocab=draft_vocab, feature_layers=layers,
-                             feature_noise=feature_noise, seed=seed, lr=lr, init=init)
+                             feature_noise=feature_noise, seed=seed, lr=lr, init=init, prompts=prompts)
     recipe.feature_layers(base, cfg)  # a wrong list fails now, not after the data is written
     out_path = Path(out) if out else specsot_home() / "drafts" / f"{name}.safetensors"
     work = Path(work_dir) if work_dir else specsot_home() / "train" / name

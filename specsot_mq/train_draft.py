@@ -1,7 +1,8 @@
 """`specsot train-draft`: build an EAGLE head for a base model from the base model's own outputs.
 
 1. data: the base model writes its own user questions (Magpie-style: the chat template up to the
-   user turn, sampled), answers them greedily, and also writes Skeleton-of-Thought skeletons and
+   user turn, sampled), or takes templated ones (`--prompts templates`: 23k questions from templates
+   over topics written for this project, prompts/train_questions.json), answers them greedily, and also writes Skeleton-of-Thought skeletons and
    point expansions for them, since those are what the head will draft. Saved as JSONL, resumable.
 2. features: one base forward per sequence captures the hidden states the head reads (by default
    low, middle, high and final, fused by the head as EAGLE-3 does); kept on disk next to the data.
@@ -67,6 +68,9 @@ class TrainConfig:
     # the head learning exact training features (and a head's own, inexact, deeper predictions).
     feature_noise: float = 0.0
     seed: int = 0  # the self-written questions and the training order; another seed, other questions
+    # Where the questions come from: "self" (the base writes them, Magpie-style) or "templates"
+    # (every template of prompts/train_questions.json with every topic, shuffled by the seed)
+    prompts: str = "self"
     # A saved head to start from (fine-tuning: its draft vocabulary and feature layers are kept)
     # instead of the base's last layer.
     init: str | None = None
@@ -87,6 +91,30 @@ def _magpie_prefix(tokenizer) -> list[int]:
     marker = "\x00QUESTION"
     text = tokenizer.decode(chat_prompt_ids(tokenizer, marker))
     return tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
+
+
+PROMPT_SOURCES = ("self", "templates")
+
+
+def template_questions(seed: int) -> list[str]:
+    """Every template of prompts/train_questions.json with every topic ({n}: each count from 3 to
+    7), shuffled by `seed`: about 23,000 questions, written for this project (no benchmark's)."""
+    data = json.loads((Path(__file__).parent / "prompts" / "train_questions.json").read_text())
+    questions = [template.format(topic=topic, n=n) for template in data["templates"] for topic in data["topics"]
+                 for n in (range(3, 8) if "{n}" in template else [0])]  # fmt: skip
+    random.Random(seed).shuffle(questions)
+    return questions
+
+
+def _questions(gen: Generator, cfg: TrainConfig, done: int, n: int, prefix: list[int]) -> list[str]:
+    """The next n questions after the first `done`, drawn from the position (a resumed run asks
+    what an uninterrupted one would): the next templated ones, or ones the base writes itself."""
+    if cfg.prompts == "templates":
+        return template_questions(cfg.seed)[done : done + n]
+    seed = random.Random(f"{cfg.seed}/{done}").randrange(1 << 30)
+    ask = SamplingParams(max_tokens=64, temperature=1.0, top_p=0.95, seed=seed)
+    qs = [c.text.strip() for c in gen.generate_many([prefix] * n, ask)]
+    return [q for q in qs if len(q) > 10] or ["Give me some advice for learning to cook."]
 
 
 def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
@@ -127,12 +155,9 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
         bar.update(task, completed=done_answers)
         prefix = _magpie_prefix(tok)
         while done_answers < cfg.questions:
-            n = min(cfg.batch, cfg.questions - done_answers)
-            # Seeded by position, so a resumed run draws what an uninterrupted one would.
-            seed = random.Random(f"{cfg.seed}/{done_answers}").randrange(1 << 30)
-            ask = SamplingParams(max_tokens=64, temperature=1.0, top_p=0.95, seed=seed)
-            qs = [c.text.strip() for c in gen.generate_many([prefix] * n, ask)]
-            qs = [q for q in qs if len(q) > 10] or ["Give me some advice for learning to cook."]
+            qs = _questions(gen, cfg, done_answers, min(cfg.batch, cfg.questions - done_answers), prefix)
+            if not qs:  # every templated question is asked
+                break
             answers = _decode(gen, [Job(i, chat_prompt_ids(tok, q), SamplingParams(max_tokens=cfg.answer_tokens))
                                     for i, q in enumerate(qs)])  # fmt: skip
             save([{"kind": "answer", "question": q, "prompt": chat_prompt_ids(tok, q), "output": answers[i]}

@@ -4,6 +4,7 @@ small scale with the real model."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,8 @@ from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.loader import load_model
 from specsot_mq.model import Step
 from specsot_mq.errors import SpecSotError
-from specsot_mq.train_draft import TrainConfig, _pad, feature_layers, generate_data, head_losses, noisy, unroll
+from specsot_mq.train_draft import (TrainConfig, _pad, feature_layers, generate_data, head_losses, noisy, template_questions,
+                                    unroll)
 
 
 def test_losses_target_the_next_feature_and_the_token_after_it():
@@ -195,3 +197,33 @@ def test_fine_tuning_starts_from_the_saved_head_and_keeps_its_vocabulary_and_lay
     assert not torch.equal(moved.fc.weight.bfloat16(), stored.fc.weight.bfloat16())
     with pytest.raises(SpecSotError, match="reads 0,1,2"):
         feature_layers(base, TrainConfig(init=str(saved), feature_layers=(1, 2)))
+
+
+def test_templated_questions_are_many_distinct_seeded_and_no_benchmarks():
+    root = Path(__file__).resolve().parents[1]
+    questions = template_questions(0)
+    assert len(questions) >= 20000 and len(set(questions)) == len(questions)
+    assert template_questions(0) == questions and template_questions(1) != questions  # the seed orders them
+    assert not [q for q in questions if "{" in q or "}" in q]
+    evaluated = set()
+    for name in ("general_questions.jsonl", "router_heldout.jsonl", "count_questions.jsonl"):
+        for line in (root / "benchmarks" / name).read_text().splitlines():
+            evaluated.add(json.loads(line)["question"].strip().lower())
+    mt_bench = root.parent / "shared/data/mt_bench_questions.jsonl"  # where the checkout has it beside
+    if mt_bench.exists():
+        evaluated |= {json.loads(line)["turns"][0].strip().lower() for line in mt_bench.read_text().splitlines()}
+    assert len(evaluated) > 200
+    assert not evaluated & {q.lower() for q in questions}
+
+
+@pytest.mark.slow
+def test_data_from_templates_asks_the_templated_questions_in_order(tmp_path, default_model_dir):
+    from specsot_mq.generate import Generator
+    from specsot_mq.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir)
+    gen = Generator(ours_from_hf(tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=1024)), tok,
+                    max_len=1024, num_slots=2)  # fmt: skip
+    cfg = TrainConfig(questions=3, batch=2, answer_tokens=4, skeleton_tokens=4, point_tokens=4, prompts="templates")
+    rows = generate_data(gen, cfg, tmp_path / "data.jsonl")
+    assert [r["question"] for r in rows if r["kind"] == "answer"] == template_questions(0)[:3]
