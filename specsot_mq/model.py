@@ -349,6 +349,7 @@ class LlamaModel(NativeForm):
                     if isinstance(linear, Linear) and not norm.folded:
                         w = linear.weight
                         w.data.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))
+                        norm.weight.data.fill_(1.0)  # the state stays what it computes (a head's start reads it)
                         norm.folded = True
         return self
 

@@ -254,7 +254,7 @@ def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...]
             ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])  # right padding is never attended
             step = Step.fresh(torch.arange(n).expand(len(idx), n), logit_rows=[], hidden_layers=layers)
             res = base(ids, cache, step)
-            feats = torch.cat(res.hidden, dim=-1).to(torch.bfloat16)
+            feats = torch.cat(res.hidden, dim=-1).to("cpu", torch.bfloat16)  # kept on the host (and disk)
             for row, (i, s) in enumerate(zip(idx, seqs)):
                 cut = max(0, len(rows[i]["prompt"]) - context)
                 out[i] = (torch.tensor(s[cut:]), feats[row, cut : len(s)].clone(), len(rows[i]["prompt"]) - cut)
@@ -345,7 +345,7 @@ def unroll(head: DraftHead, tokens, feats, depths: int) -> list[tuple[torch.Tens
         return []
     cache, out, inp = _StepCache(), [], feats[:, :t]
     for depth in range(1, depths + 1):
-        positions = torch.arange(depth - 1, depth - 1 + t).expand(b, t)
+        positions = torch.arange(depth - 1, depth - 1 + t, device=tokens.device).expand(b, t)
         mask = _step_mask(t, depth, tokens.device).expand(b, t, depth * t)
         pred, logits = head(tokens[:, depth : depth + t], inp, cache, Step(list(range(b)), [(depth - 1) * t] * b, positions, mask))
         out.append((pred, logits))
@@ -403,7 +403,7 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
     t2d[d2t] = torch.arange(len(d2t))
     generated = sum(len(s[0]) - s[2] for s in train)
     covered = sum((t2d[s[0][s[2] :]] >= 0).sum().item() for s in train)
-    head.float().attach(_float_view(base))
+    head = head.float().to(base.device).attach(_float_view(base))  # trained where the base runs (a GPU: --device cuda)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     rng = random.Random(cfg.seed)
@@ -432,7 +432,7 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
             head.train()
             sums = torch.zeros(4)
             for idx in _batches(train, cfg.tokens_per_batch, rng):
-                tokens, feats, targets, mask = _pad(train, idx, t2d)
+                tokens, feats, targets, mask = (x.to(head.device) for x in _pad(train, idx, t2d))
                 res = head_losses(head, tokens, feats, targets, mask, cfg.depths, cfg.feature_noise)
                 if not res:
                     continue
@@ -457,7 +457,7 @@ def evaluate_head(head: DraftHead, samples, t2d, depths: int) -> dict:
     """Teacher-forced top-1 accuracy per unrolled depth on held-out sequences."""
     sums = torch.zeros(depths, 2)
     for i in range(len(samples)):
-        tokens, feats, targets, mask = _pad(samples, [i], t2d)
+        tokens, feats, targets, mask = (x.to(head.device) for x in _pad(samples, [i], t2d))
         for d, (_, _, acc, n) in enumerate(head_losses(head, tokens, feats, targets, mask, depths)):
             sums[d] += torch.tensor([acc.item(), n.item()])
     return {f"heldout_acc_depth{d + 1}": round((sums[d, 0] / sums[d, 1].clamp(min=1)).item(), 4) for d in range(depths)}
