@@ -1,6 +1,7 @@
 """The same promises on a CUDA GPU, where there is one (skipped elsewhere: CI has none): our model's
 logits are transformers' within each dtype's tolerance, and greedy EAGLE decoding, alone and with
-sequences batched together, gives plain greedy decoding's tokens exactly."""
+sequences batched together, gives plain greedy decoding's tokens exactly, over the captured CUDA
+graph steps the GPU runs by default and, in fp32, as the eager steps do."""
 
 import pytest
 import torch
@@ -49,3 +50,25 @@ def test_greedy_eagle_equals_plain_greedy_on_the_gpu(dtype, tree):
     together = [c.token_ids for c in gen.generate_many(prompts, GREEDY, decoder=decoder())]
     assert alone == plain
     assert together == plain
+
+
+def test_captured_steps_give_the_eager_steps_tokens_in_fp32(monkeypatch):
+    """On the GPU the decoders' steps replay CUDA graphs (cuda_graphs.py); in fp32 greedy decoding
+    over them, plain and EAGLE, gives the eager steps' tokens (SPECSOT_CUDA_GRAPHS=0, what
+    --no-cuda-graphs sets), and the graphs were captured and replayed."""
+    base = on_gpu(torch.float32)
+    head = random_head(base).to(device="cuda", dtype=torch.float32)
+    prompts = [[BOS, 5, 6, 7, 8, 9], [BOS, 12], [BOS, 40, 41, 42]]
+
+    def run():
+        gen = Generator(base, CharTokenizer(), max_len=64, num_slots=3)
+        eagle = EagleDecoder(base, head, gen.slots, Sampler(GREEDY, base.device), TREE)
+        tokens = [c.token_ids for c in gen.generate_many(prompts, GREEDY)]
+        return gen, tokens, [c.token_ids for c in gen.generate_many(prompts, GREEDY, decoder=eagle)]
+
+    captured, plain, eagle = run()
+    monkeypatch.setenv("SPECSOT_CUDA_GRAPHS", "0")
+    eager, plain_eager, _ = run()
+    assert eager.cache.graphs is None
+    assert sum(e.replays for e in captured.cache.graphs.values()) > 0
+    assert plain == plain_eager and eagle == plain_eager
