@@ -48,6 +48,10 @@ class KVCache:
         return cls(config.num_layers, num_slots, config.num_kv_heads, capacity, config.head_dim, dtype, device)
 
     @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
     def num_slots(self) -> int:
         return self.k.shape[1] - self.spare[0]
 

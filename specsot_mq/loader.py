@@ -83,14 +83,21 @@ def _scaled(w: torch.Tensor | QWeight, s: float) -> torch.Tensor | QWeight:
     return w.scaled(s) if isinstance(w, QWeight) else w * s
 
 
-def hf_to_ours(state: dict[str, torch.Tensor | QWeight], cfg: ModelConfig) -> dict[str, torch.Tensor | QWeight]:
+def hf_to_ours(state: dict[str, torch.Tensor | QWeight], cfg: ModelConfig,
+               layers: tuple[int, int] | None = None) -> dict[str, torch.Tensor | QWeight]:  # fmt: skip
     """Rename Hugging Face weights to ours, fusing q/k/v and gate/up, and folding the attention
     scale 1/sqrt(head_dim) into the q projection (or the q norm, which comes after it).
-    Quantized weights (QWeight) stay quantized; a fused projection is a list of parts."""
+    Quantized weights (QWeight) stay quantized; a fused projection is a list of parts. `layers`
+    [first, last): only those layers' weights (the embedding with the first, the output layer with
+    the last; the final norm always)."""
     scale = 1.0 / math.sqrt(cfg.head_dim)
-    out = {"embed.weight": state["model.embed_tokens.weight"], "norm.weight": state["model.norm.weight"]}
-    out["lm_head.weight"] = state["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
-    for i in range(cfg.num_layers):
+    first, last = layers or (0, cfg.num_layers)
+    out = {"norm.weight": state["model.norm.weight"]}
+    if first == 0:
+        out["embed.weight"] = state["model.embed_tokens.weight"]
+    if last == cfg.num_layers:
+        out["lm_head.weight"] = state["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
+    for i in range(first, last):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         q_scale = 1.0 if cfg.qk_norm else scale
@@ -167,23 +174,32 @@ def load_model(
     device: str | torch.device = "cpu",
     prepack: bool = True,
     quantize: str = "auto",
+    layers: tuple[int, int] | None = None,
 ) -> LlamaModel:
     """Build the model of a Hugging Face-format folder, activations in `dtype` on `device`, ready
-    for inference; `quantize` as in _quantized_as_asked (quantized weights run in QLinear)."""
+    for inference; `quantize` as in _quantized_as_asked (quantized weights run in QLinear).
+    `layers` [first, last): only that range of its layers (split.py), the others never loaded."""
     folder = Path(folder)
     device = torch.device(device)
     cfg = ModelConfig.from_folder(folder)
+    if layers is not None and not 0 <= layers[0] < layers[1] <= cfg.num_layers:
+        raise SpecSotError(f"layers {layers[0]}:{layers[1]} are not a range of the model's {cfg.num_layers} layers")
     try:
-        weights = hf_to_ours(read_state_dict(folder), cfg)
+        weights = hf_to_ours(read_state_dict(folder), cfg, layers)
     except KeyError as e:
         raise SpecSotError(f"{folder} lacks weight {e} that its config.json implies: re-pull the model") from None
     weights = _quantized_as_asked(weights, quantize, device)
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model.load_state_dict({k: v for k, v in weights.items() if torch.is_tensor(v)}, strict=False, assign=True)
-    if cfg.tie_embeddings and torch.is_tensor(weights["lm_head.weight"]):
+    if cfg.tie_embeddings and torch.is_tensor(weights.get("lm_head.weight")) and "embed.weight" in weights:
         model.lm_head.weight = model.embed.weight
     model.use_quantized({k.removesuffix(".weight"): v for k, v in weights.items() if _is_quantized(v)}, dtype)
+    if layers is not None:  # the range alone (the other layers were never given weights)
+        from specsot_mq.split import split_layers
+
+        bounds = [b for b in ((0, layers[0]), layers, (layers[1], cfg.num_layers)) if b[0] < b[1]]
+        model = split_layers(model, bounds)[bounds.index(layers)]
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise SpecSotError(f"{folder} lacks weights {missing[:3]}: re-pull the model")

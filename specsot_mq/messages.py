@@ -361,3 +361,71 @@ def decode(frames: list) -> Envelope:
 
 def _bytes(frame):
     return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+# -- a layer range served to another process (split.py's RemoteRange and RangeServer) ----------
+# These travel on a socket of their own, a request and its reply, between the process that runs a
+# model's first layers and the one that holds a later range: a tagged msgpack body, tensors as raw
+# bytes (no pickle, and no torch needed to read one).
+
+
+class Tensor(msgspec.Struct, forbid_unknown_fields=True):
+    """A tensor's bytes: `dtype` names torch's (float32, bfloat16, int64, bool, ...)."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class RangeHello(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Which layers the server holds (RangeReply.first_layer, last_layer)."""
+
+
+class RangeNewCache(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Allocate the range's KV cache (a new one replaces the old)."""
+
+    slots: int
+    capacity: int
+
+
+class RangeForward(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """One forward of the range (model.Step's fields): x is token ids [B, T] for a range that holds
+    the embedding, else the hidden state before its first layer [B, T, H]."""
+
+    x: Tensor
+    slots: list[int]
+    starts: list[int]
+    positions: Tensor
+    mask: Tensor | None
+    logit_rows: list[int] | None
+    hidden_layers: list[int]
+
+
+class RangeCacheOp(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """A cache operation of the slot manager's (kv_cache.KVCache's copy, move, snapshot, restore)."""
+
+    op: str
+    slot: int
+    slots: list[int] = []  # copy's destinations
+    positions: list[int] = []  # move's sources
+    at: int = 0  # copy's length, move's destination, snapshot's length
+    kv: list[Tensor] = []  # restore's keys and values
+
+
+class RangeStop(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """The server's last request: it answers, then ends."""
+
+
+RANGE_REQUESTS = RangeHello | RangeNewCache | RangeForward | RangeCacheOp | RangeStop
+
+
+class RangeReply(msgspec.Struct, forbid_unknown_fields=True):
+    """What a range request gives back; `error` says what failed instead."""
+
+    error: str = ""
+    logits: Tensor | None = None
+    hidden: list[Tensor] = []
+    kv: list[Tensor] = []  # a snapshot's keys and values
+    held: int = 0  # entries a restore put back
+    first_layer: int = 0
+    last_layer: int = 0

@@ -5,7 +5,8 @@ This is the split inside one process: `SplitModel` chains the ranges behind Llam
 (each range's output hidden state is the next one's input), so the generation loop, both decoders
 (an EAGLE head reads its features from whichever ranges hold those layers) and the SoT engine run
 over it unchanged, and its greedy output is the whole model's, token for token. Ranges on
-separate devices, their hidden states sent as frames over the ZeroMQ links, build on this.
+separate processes (remote_range.py: a RemoteRange part, its hidden state sent as a frame over
+ZeroMQ to the RangeServer that holds those layers) build on this.
 
 `layer_ranges` sizes the ranges by each device's memory budget (devices.json): the embedding
 goes with the first range, the final norm and output layer with the last.
@@ -105,7 +106,7 @@ class SplitCache:
     def restore(self, slot: int, kv: tuple[torch.Tensor, torch.Tensor]) -> int:
         first = 0
         for c in self.parts:
-            n = c.k.shape[0]
+            n = c.num_layers
             held = c.restore(slot, (kv[0][first : first + n], kv[1][first : first + n]))
             first += n
         return held
@@ -125,6 +126,9 @@ class SplitModel(nn.Module):
 
     @property
     def lm_head(self) -> nn.Module:
+        if not hasattr(self.parts[-1], "lm_head"):  # a remote last range (remote_range.py)
+            raise SpecSotError("an EAGLE head needs the output layer where it drafts, and the last layer range is "
+                               "in another process: pass --draft none over this split (for now)")  # fmt: skip
         return self.parts[-1].lm_head
 
     @property
@@ -135,8 +139,9 @@ class SplitModel(nn.Module):
     def device(self) -> torch.device:
         return self.parts[0].device
 
-    def new_cache(self, num_slots: int, capacity: int, dtype: torch.dtype | None = None) -> SplitCache:
-        return SplitCache([p.new_cache(num_slots, capacity, dtype) for p in self.parts])
+    def new_cache(self, num_slots: int, capacity: int, dtype: torch.dtype | None = None,
+                  graphs: bool | None = None) -> SplitCache:  # fmt: skip
+        return SplitCache([p.new_cache(num_slots, capacity, dtype, graphs) for p in self.parts])
 
     def attends_in_place(self, cache: SplitCache) -> bool:
         return all(p.attends_in_place(c) for p, c in zip(self.parts, cache.parts))

@@ -119,3 +119,84 @@ def test_the_sot_engine_over_a_split_model_answers_as_over_the_whole(default_mod
 
     got, want = answer(split), answer(whole)
     assert got == want and {i for _, i, ids in want[2] if i and ids} == {1, 2, 3}  # every point wrote
+
+
+def tiny_folder(path):
+    """The 4-layer tiny model as a Hugging Face folder (made confident, as model() is)."""
+    hf = tiny_hf("llama", num_hidden_layers=4, intermediate_size=128, vocab_size=112)
+    hf.lm_head.weight.data.mul_(20)
+    hf.save_pretrained(path)
+    return path
+
+
+def test_a_range_loaded_alone_holds_that_range_of_the_whole_model(tmp_path):
+    from specsot_mq.loader import load_model
+
+    folder = tiny_folder(tmp_path / "m")
+    whole = load_model(folder)
+    for (first, last), part in zip(BOUNDS, split_layers(whole, BOUNDS)):
+        alone = load_model(folder, layers=(first, last))
+        assert (alone.first_layer, alone.last_layer) == (first, last)
+        mine, want = dict(alone.state_dict()), dict(part.state_dict())
+        assert mine.keys() == want.keys() and all(torch.equal(mine[k], want[k]) for k in mine)
+    with pytest.raises(SpecSotError, match="not a range"):
+        load_model(folder, layers=(3, 9))
+
+
+def test_greedy_over_a_layer_range_in_another_process_equals_the_whole_model(tmp_path):
+    """Layers 2:4 served by another process (remote_range.py), their hidden states and the cache
+    operations going over ZeroMQ: the same logits and greedy tokens as the whole model, also for
+    prompts sharing a prefix, a prefix store's restore and an accepted path moved in the cache."""
+    import socket
+    import subprocess
+    import sys
+
+    from specsot_mq.loader import load_model
+    from specsot_mq.messages import RangeCacheOp
+    from specsot_mq.remote_range import RemoteRange
+
+    folder = tiny_folder(tmp_path / "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    server = subprocess.Popen([sys.executable, "-m", "specsot_mq.remote_range", "--model", str(folder), "--layers", "2:4",
+                               "--bind", address, "--dtype", "fp32"])  # fmt: skip
+    remote = None
+    try:
+        whole, local = load_model(folder), load_model(folder, layers=(0, 2))
+        remote = RemoteRange(address, local.cfg, torch.float32, timeout_s=120)
+        split = SplitModel([local, remote])
+        assert (remote.first_layer, remote.last_layer) == (2, 4)
+        prompts = [[1, 5, 6, 7, 8], [1, 5, 6, 9], [1, 5, 6, 40, 41]]
+        gens = [Generator(m, CharTokenizer(), max_len=64, num_slots=3, tree=TreeParams(lookup=4)) for m in (whole, split)]
+        for gen in gens:
+            gen.keep_prefix([1, 5, 6])  # a later prompt starting so restores it (the prefix store)
+        want, got = ([c.token_ids for c in g.generate_many(prompts, GREEDY, shared=3)] for g in gens)
+        assert got == want
+        assert [c.token_ids for c in gens[1].generate_many([[1, 5, 6, 70]], GREEDY)] == \
+            [c.token_ids for c in gens[0].generate_many([[1, 5, 6, 70]], GREEDY)]  # fmt: skip
+        # an accepted draft path compacted in the cache (KVCache.move), then a step over it
+        caches = [m.new_cache(1, 32) for m in (whole, split)]
+        ids, step = torch.tensor([[1, 5, 6, 7, 8, 9]]), Step.fresh(torch.arange(6)[None])
+        outs = []
+        with torch.inference_mode():  # (as the server runs its range)
+            for m, c in zip((whole, split), caches):
+                m(ids, c, step)
+                c.move(0, [3, 5], 3)
+                outs.append(m(torch.tensor([[11]]), c, Step([0], [5], torch.tensor([[5]]))).logits)
+        assert torch.equal(outs[0], outs[1])
+        with pytest.raises(SpecSotError, match="--draft none"):
+            DraftHead(DraftConfig.for_base(whole.cfg, 50)).attach(split)
+        with pytest.raises(SpecSotError, match=f"layer range at {address} failed: .*unknown cache operation 'rename'"):
+            remote.call(RangeCacheOp("rename", 0))
+    finally:
+        if remote is not None:
+            remote.stop()
+        server.wait(timeout=60)
+
+
+def test_a_layer_range_that_does_not_answer_is_named():
+    from specsot_mq.remote_range import RemoteRange
+
+    with pytest.raises(SpecSotError, match="tcp://127.0.0.1:9 did not answer in 1 s"):
+        RemoteRange("tcp://127.0.0.1:9", model(False).cfg, torch.float32, timeout_s=1)

@@ -1,0 +1,232 @@
+"""A range of a model's layers in another process (issue 44: a model larger than one device).
+
+`RangeServer` holds layers [first, last) of a model (loaded alone: `load_model(..., layers=)`) and
+their KV cache, and answers requests on a ZeroMQ socket: each forward's hidden state comes in as a
+frame and what the range computes goes back (the next hidden state, or the logits where the range
+ends the model), and the slot manager's cache operations (copy a prefix, compact an accepted draft
+path, snapshot and restore for the prefix store) are carried out on its own cache, so its entries
+stay those of the whole model's cache.
+
+`RemoteRange` stands for such a range in split.py's SplitModel: the process runs its own ranges
+and sends the hidden state on, so the generation loop and the SoT engine run over the split model
+unchanged and greedy output equals the whole model's, token for token. An EAGLE head needs the
+output layer where it drafts; over a remote last range it is refused for now (SplitModel.lm_head).
+
+    python -m specsot_mq.remote_range --model NAME --layers 15:30 --bind tcp://127.0.0.1:5700
+
+The messages are messages.py's Range* (tensors as raw bytes). A request that fails answers with
+its error, which the caller raises naming the server; a server that does not answer within the
+timeout is named too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import msgspec
+import torch
+from torch import nn
+
+from specsot_mq.errors import SpecSotError
+from specsot_mq.messages import (RANGE_REQUESTS, RangeCacheOp, RangeForward, RangeHello, RangeNewCache, RangeReply,
+                                 RangeStop, Tensor)  # fmt: skip
+from specsot_mq.model import ForwardOutput, LlamaModel, Step
+
+_REQUESTS = msgspec.msgpack.Decoder(RANGE_REQUESTS)
+_REPLY = msgspec.msgpack.Decoder(RangeReply)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def to_wire(t: torch.Tensor) -> Tensor:
+    t = t.detach().contiguous().cpu()
+    return Tensor(str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes())
+
+
+def from_wire(w: Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    dtype = getattr(torch, w.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SpecSotError(f"a tensor of unknown dtype {w.dtype!r} came over the wire")
+    t = torch.frombuffer(bytearray(w.data), dtype=dtype) if w.data else torch.empty(0, dtype=dtype)
+    return t.reshape(w.shape).to(device)
+
+
+class RangeServer:
+    """Layers [first, last) of a model and their cache, answering RemoteRange's requests."""
+
+    def __init__(self, model: LlamaModel):
+        self.model, self.cache = model, None
+
+    def answer(self, request) -> RangeReply:
+        try:
+            return self._answer(request)
+        except Exception as e:  # every failure goes back to the caller, which raises it
+            return RangeReply(error=f"{type(e).__name__}: {e}")
+
+    def _answer(self, request) -> RangeReply:
+        model = self.model
+        if isinstance(request, (RangeHello, RangeStop)):
+            return RangeReply(first_layer=model.first_layer, last_layer=model.last_layer)
+        if isinstance(request, RangeNewCache):
+            self.cache = model.new_cache(request.slots, request.capacity)
+            return RangeReply(first_layer=model.first_layer, last_layer=model.last_layer)
+        if self.cache is None:
+            raise SpecSotError("no cache yet: the caller must ask for one first (RangeNewCache)")
+        cache = self.cache
+        if isinstance(request, RangeCacheOp):
+            if request.op == "copy":
+                cache.copy(request.slot, request.slots, request.at)
+            elif request.op == "move":
+                cache.move(request.slot, request.positions, request.at)
+            elif request.op == "snapshot":
+                return RangeReply(kv=[to_wire(t) for t in cache.snapshot(request.slot, request.at)])
+            elif request.op == "restore":
+                k, v = (from_wire(t, cache.k.device) for t in request.kv)
+                return RangeReply(held=cache.restore(request.slot, (k, v)))
+            else:
+                raise SpecSotError(f"unknown cache operation {request.op!r}")
+            return RangeReply()
+        dev = model.device
+        mask = None if request.mask is None else from_wire(request.mask, dev)
+        step = Step(request.slots, request.starts, from_wire(request.positions, dev), mask, request.logit_rows,
+                    tuple(request.hidden_layers))  # fmt: skip
+        with torch.inference_mode():
+            out = model(from_wire(request.x, dev), cache, step)
+        ends = model.last_layer == model.cfg.num_layers
+        return RangeReply(logits=to_wire(out.logits) if ends else None, hidden=[to_wire(h) for h in out.hidden])
+
+    def serve(self, address: str) -> None:
+        """Answer requests on a ZeroMQ reply socket bound at `address` until a RangeStop."""
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.REP)
+        sock.bind(address)
+        print(f"serving layers {self.model.first_layer}:{self.model.last_layer} at {address}", file=sys.stderr, flush=True)
+        try:
+            while True:
+                raw = sock.recv()
+                try:
+                    request = _REQUESTS.decode(raw)
+                except msgspec.MsgspecError as e:
+                    sock.send(_ENCODER.encode(RangeReply(error=f"a malformed request ({e})")))
+                    continue
+                sock.send(_ENCODER.encode(self.answer(request)))
+                if isinstance(request, RangeStop):
+                    return
+        finally:
+            sock.close(linger=0)
+
+
+class RemoteRange(nn.Module):
+    """A SplitModel part whose layers a RangeServer at `address` holds (see the module docstring)."""
+
+    def __init__(self, address: str, cfg, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 timeout_s: float = 120.0):  # fmt: skip
+        import zmq
+
+        super().__init__()
+        self.address, self.cfg, self.timeout_ms = address, cfg, int(timeout_s * 1000)
+        self._dtype, self._device = dtype, torch.device(device)
+        self._sock = zmq.Context.instance().socket(zmq.REQ)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        try:
+            hello = self.call(RangeHello())
+        except SpecSotError:
+            self._sock.close()
+            raise
+        self.first_layer, self.last_layer = hello.first_layer, hello.last_layer
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def call(self, request) -> RangeReply:
+        """One request and its reply; SpecSotError naming the server if it fails or is silent."""
+        self._sock.send(_ENCODER.encode(request))
+        if not self._sock.poll(self.timeout_ms):
+            raise SpecSotError(f"the layer range at {self.address} did not answer in {self.timeout_ms / 1000:.0f} s: "
+                               "is its server running (python -m specsot_mq.remote_range)?")  # fmt: skip
+        reply = _REPLY.decode(self._sock.recv())
+        if reply.error:
+            raise SpecSotError(f"the layer range at {self.address} failed: {reply.error}")
+        return reply
+
+    def new_cache(self, num_slots: int, capacity: int, dtype=None, graphs=None) -> "RemoteCache":
+        self.call(RangeNewCache(num_slots, capacity))
+        return RemoteCache(self, num_slots, capacity)
+
+    def attends_in_place(self, cache) -> bool:
+        return False
+
+    def forward(self, x: torch.Tensor, cache: "RemoteCache", step: Step) -> ForwardOutput:
+        request = RangeForward(to_wire(x), list(step.slots), list(step.starts), to_wire(step.positions),
+                               None if step.mask is None else to_wire(step.mask), step.logit_rows,
+                               list(step.hidden_layers))  # fmt: skip
+        reply = self.call(request)
+        hidden = [from_wire(h, self._device) for h in reply.hidden]
+        logits = from_wire(reply.logits, self._device) if reply.logits is not None else x.new_zeros(0, self.cfg.vocab_size)
+        return ForwardOutput(logits, hidden)
+
+    def stop(self) -> None:
+        """End the server (it answers first)."""
+        self.call(RangeStop())
+
+
+class RemoteCache:
+    """A remote range's cache as SplitCache sees a part's: the slot manager's operations, carried
+    out by the server."""
+
+    def __init__(self, part: RemoteRange, num_slots: int, capacity: int):
+        self.part, self.num_slots, self.capacity = part, num_slots, capacity
+
+    def copy(self, src_slot: int, dst_slots, length: int) -> None:
+        self.part.call(RangeCacheOp("copy", src_slot, slots=list(dst_slots), at=length))
+
+    def move(self, slot: int, src, dst: int) -> None:
+        positions = src.tolist() if torch.is_tensor(src) else list(src)
+        self.part.call(RangeCacheOp("move", slot, positions=positions, at=dst))
+
+    def snapshot(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.part.call(RangeCacheOp("snapshot", slot, at=length)).kv
+        return from_wire(k), from_wire(v)
+
+    def restore(self, slot: int, kv: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return self.part.call(RangeCacheOp("restore", slot, kv=[to_wire(kv[0]), to_wire(kv[1])])).held
+
+    @property
+    def num_layers(self) -> int:
+        return self.part.last_layer - self.part.first_layer
+
+
+def main(argv=None) -> None:
+    from specsot_mq.loader import DTYPES, load_model, resolve_device, resolve_dtype, runs_quantized
+    from specsot_mq.pull import resolve_model
+
+    p = argparse.ArgumentParser(description="Serve a range of a model's layers to another process.")
+    p.add_argument("--model", default=None)
+    p.add_argument("--layers", required=True, help="FIRST:LAST, e.g. 15:30")
+    p.add_argument("--bind", required=True, help="a ZeroMQ address, e.g. tcp://127.0.0.1:5700")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    try:
+        first, last = (int(x) for x in args.layers.split(":"))
+    except ValueError:
+        p.error(f"--layers {args.layers!r}: give FIRST:LAST, e.g. 15:30")
+    try:
+        dev = resolve_device(args.device)
+        folder = resolve_model(args.model)
+        dtype = resolve_dtype(args.dtype, dev, runs_quantized(folder, "auto", dev))
+        RangeServer(load_model(folder, dtype=dtype, device=dev, layers=(first, last))).serve(args.bind)
+    except SpecSotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
