@@ -22,16 +22,20 @@ timeout is named too.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-import msgspec
-import torch
-from torch import nn
+# Before torch loads OpenMP: a server waiting for its next request takes no core (stages/runner.py).
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from specsot_mq.errors import SpecSotError
-from specsot_mq.messages import (RANGE_REQUESTS, RangeCacheOp, RangeForward, RangeHello, RangeNewCache, RangeReply,
-                                 RangeStop, Tensor)  # fmt: skip
-from specsot_mq.model import ForwardOutput, LlamaModel, Step
+import msgspec  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from specsot_mq.errors import SpecSotError  # noqa: E402
+from specsot_mq.messages import (RANGE_REQUESTS, RangeCacheOp, RangeForward, RangeHello,  # noqa: E402
+                                 RangeNewCache, RangeReply, RangeStop, Tensor)  # fmt: skip
+from specsot_mq.model import ForwardOutput, LlamaModel, Step  # noqa: E402
 
 _REQUESTS = msgspec.msgpack.Decoder(RANGE_REQUESTS)
 _REPLY = msgspec.msgpack.Decoder(RangeReply)

@@ -1,0 +1,148 @@
+"""A model split by layers over two processes, against the same model whole, in one run (issue 44).
+
+The model (default: SmolLM2-1.7B's shape with random weights in Q4_K_M, as benchmarks/realsize.py
+builds it under $SPECSOT_HOME/bench-models, else the default model; --model any name or file) runs
+  whole  in one process;
+  split  layers [0, a) in one process and [a, n) in a range server (specsot_mq/remote_range.py),
+         their hidden states and cache operations over ZeroMQ, a = n / 2 (--cut).
+Each measures, greedy with EOS ignored: decode tok/s of one sequence and of --batch sequences
+together (all their tokens over the slowest one's decode time), the prefill of a --prompt-tokens
+prompt, and every process's resident memory after decoding (the split's two against the whole).
+The two run one after the other, never at once.
+
+    python benchmarks/split.py [--model FILE.gguf] [--new-tokens 32] [--batch 8] [--prompt-tokens 512]
+
+Ends with one JSON line: both sides' figures and the ratios split / whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import cpu_name, load_prompts, run_script  # noqa: E402
+
+from specsot_mq.pull import resolve_model, specsot_home  # noqa: E402
+
+SCRIPT = str(Path(__file__).resolve())
+
+
+def default_model() -> str | None:
+    files = sorted((specsot_home() / "bench-models" / "smollm2-1.7b").glob("*Q4_K_M.gguf"))
+    return str(files[0]) if files else None
+
+
+def rss_mb(pid: int | str = "self") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def measure(args) -> dict:
+    """In this process: the whole model, or layers [0, cut) with the rest at args.address."""
+    import torch
+
+    from specsot_mq.generate import Generator
+    from specsot_mq.loader import load_model
+    from specsot_mq.sampling import SamplingParams
+    from specsot_mq.tokenizer import load_tokenizer
+
+    folder = resolve_model(args.model, auto_pull=False)
+    if args.address:
+        from specsot_mq.remote_range import RemoteRange
+        from specsot_mq.split import SplitModel
+
+        local = load_model(folder, layers=(0, args.cut))
+        model = SplitModel([local, RemoteRange(args.address, local.cfg, local.dtype, timeout_s=600)])
+    else:
+        model = load_model(folder)
+    prompts, _ = load_prompts(None, args.batch)
+    prompts = [prompts[i % len(prompts)] for i in range(args.batch)]
+    gen = Generator(model, load_tokenizer(folder), max_len=args.prompt_tokens + args.new_tokens + 16,
+                    num_slots=args.batch)  # fmt: skip
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    gen.generate(prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    one = gen.generate(prompts[0], params)
+    many = gen.generate_many(prompts, params)
+    decode_s = max(c.seconds - c.prefill_seconds for c in many)
+    ids = torch.randint(10, model.cfg.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0))
+    start = time.perf_counter()
+    gen.generate(ids.tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
+    prefill_s = time.perf_counter() - start
+    return {"decode_tok_s": round(one.tokens_per_second, 2),
+            "batch_tok_s": round(sum(len(c.token_ids) - 1 for c in many) / decode_s, 2),
+            "prefill_tok_s": round(args.prompt_tokens / prefill_s, 1), "rss_mb": round(rss_mb(), 1),
+            "layers": model.cfg.num_layers}  # fmt: skip
+
+
+def child(args, address: str | None = None) -> dict:
+    argv = [sys.executable, SCRIPT, "--child", "--model", args.model, "--cut", str(args.cut), "--batch", str(args.batch),
+            "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]  # fmt: skip
+    if address:
+        argv += ["--address", address]
+    # an idle OpenMP thread spins ~0.1 ms, then sleeps (as in stage processes): the side waiting for
+    # the other's reply leaves it the cores
+    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "GOMP_SPINCOUNT": "10000"})
+    if done.returncode:
+        raise RuntimeError(f"the {'split' if address else 'whole'} run failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a model name, folder or .gguf (default: see above)")
+    p.add_argument("--cut", type=int, default=None, help="the first layer of the second process (default: half)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--address", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        result = measure(args)
+        print(json.dumps(result), flush=True)
+        return result
+    from specsot_mq.config import ModelConfig
+
+    args.model = args.model or default_model()
+    folder = resolve_model(args.model)  # converted once, before anything is timed
+    args.model = args.model or str(folder)
+    n = ModelConfig.from_folder(folder).num_layers
+    args.cut = args.cut or n // 2
+    if not 0 < args.cut < n:
+        p.error(f"--cut {args.cut}: give a layer between 1 and {n - 1}")
+    whole = child(args)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    server = subprocess.Popen([sys.executable, "-m", "specsot_mq.remote_range", "--model", args.model, "--layers",
+                               f"{args.cut}:{n}", "--bind", address], stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        split = child(args, address)
+        split["server_rss_mb"] = round(rss_mb(server.pid), 1)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    ratios = {k: round(split[k] / whole[k], 3) for k in ("decode_tok_s", "batch_tok_s", "prefill_tok_s")}
+    print(f"{Path(args.model).name} | {cpu_name()} | layers 0:{args.cut} here, {args.cut}:{n} in a range server")
+    print(f"{'':26}{'whole':>10}{'split':>10}{'split/whole':>13}")
+    for key, label in (("decode_tok_s", "decode tok/s, 1 sequence"), ("batch_tok_s", f"decode tok/s, {args.batch} together"),
+                       ("prefill_tok_s", f"prefill tok/s, {args.prompt_tokens}")):  # fmt: skip
+        print(f"{label:26}{whole[key]:>10}{split[key]:>10}{ratios[key]:>13}")
+    print(f"{'resident MB':26}{whole['rss_mb']:>10}{split['rss_mb']:>10}  + server {split['server_rss_mb']}")
+    result = {"model": Path(args.model).name, "cpu": cpu_name(), "cut": args.cut, "layers": n, "whole": whole,
+              "split": split, "ratios": ratios}  # fmt: skip
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    run_script(main)
