@@ -382,16 +382,19 @@ class RangeHello(msgspec.Struct, tag=True, forbid_unknown_fields=True):
 
 
 class RangeNewCache(msgspec.Struct, tag=True, forbid_unknown_fields=True):
-    """Allocate the range's KV cache (a new one replaces the old)."""
+    """Allocate a KV cache for the range (RangeReply.cache names it); `free`: caches the caller
+    no longer holds (their names), dropped first."""
 
     slots: int
     capacity: int
+    free: list[int] = []
 
 
 class RangeForward(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     """One forward of the range (model.Step's fields): x is token ids [B, T] for a range that holds
     the embedding, else the hidden state before its first layer [B, T, H]."""
 
+    cache: int  # which (RangeNewCache's reply)
     x: Tensor
     slots: list[int]
     starts: list[int]
@@ -404,6 +407,7 @@ class RangeForward(msgspec.Struct, tag=True, forbid_unknown_fields=True):
 class RangeCacheOp(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     """A cache operation of the slot manager's (kv_cache.KVCache's copy, move, snapshot, restore)."""
 
+    cache: int
     op: str
     slot: int
     slots: list[int] = []  # copy's destinations
@@ -423,6 +427,7 @@ class RangeReply(msgspec.Struct, forbid_unknown_fields=True):
     """What a range request gives back; `error` says what failed instead."""
 
     error: str = ""
+    cache: int = 0  # a new cache's name
     logits: Tensor | None = None
     hidden: list[Tensor] = []
     kv: list[Tensor] = []  # a snapshot's keys and values

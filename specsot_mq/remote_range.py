@@ -1,7 +1,7 @@
 """A range of a model's layers in another process (issue 44: a model larger than one device).
 
 `RangeServer` holds layers [first, last) of a model (loaded alone: `load_model(..., layers=)`) and
-their KV cache, and answers requests on a ZeroMQ socket: each forward's hidden state comes in as a
+the KV caches its caller asked for (one per cache the caller holds), and answers requests on a ZeroMQ socket: each forward's hidden state comes in as a
 frame and what the range computes goes back (the next hidden state, or the logits where the range
 ends the model), and the slot manager's cache operations (copy a prefix, compact an accepted draft
 path, snapshot and restore for the prefix store) are carried out on its own cache, so its entries
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import weakref
 
 # Before torch loads OpenMP: a server waiting for its next request takes no core (stages/runner.py).
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
@@ -59,7 +60,9 @@ class RangeServer:
     """Layers [first, last) of a model and their cache, answering RemoteRange's requests."""
 
     def __init__(self, model: LlamaModel):
-        self.model, self.cache = model, None
+        self.model = model
+        self.caches: dict[int, object] = {}  # by name: each RemoteCache of the caller's
+        self.named = 0
 
     def answer(self, request) -> RangeReply:
         try:
@@ -72,11 +75,14 @@ class RangeServer:
         if isinstance(request, (RangeHello, RangeStop)):
             return RangeReply(first_layer=model.first_layer, last_layer=model.last_layer)
         if isinstance(request, RangeNewCache):
-            self.cache = model.new_cache(request.slots, request.capacity)
-            return RangeReply(first_layer=model.first_layer, last_layer=model.last_layer)
-        if self.cache is None:
-            raise SpecSotError("no cache yet: the caller must ask for one first (RangeNewCache)")
-        cache = self.cache
+            for name in request.free:
+                self.caches.pop(name, None)
+            self.named += 1
+            self.caches[self.named] = model.new_cache(request.slots, request.capacity)
+            return RangeReply(cache=self.named)
+        cache = self.caches.get(request.cache)
+        if cache is None:
+            raise SpecSotError(f"no cache {request.cache} here: ask for one first (RangeNewCache)")
         if isinstance(request, RangeCacheOp):
             if request.op == "copy":
                 cache.copy(request.slot, request.slots, request.at)
@@ -131,6 +137,7 @@ class RemoteRange(nn.Module):
         super().__init__()
         self.address, self.cfg, self.timeout_ms = address, cfg, int(timeout_s * 1000)
         self._dtype, self._device = dtype, torch.device(device)
+        self._freed: list[int] = []  # the names of caches no longer held here
         self._sock = zmq.Context.instance().socket(zmq.REQ)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
@@ -161,14 +168,18 @@ class RemoteRange(nn.Module):
         return reply
 
     def new_cache(self, num_slots: int, capacity: int, dtype=None, graphs=None) -> "RemoteCache":
-        self.call(RangeNewCache(num_slots, capacity))
-        return RemoteCache(self, num_slots, capacity)
+        """A cache on the server; the server drops it once this process no longer holds it (its
+        name goes with the next new cache's request)."""
+        freed, self._freed = self._freed, []
+        cache = RemoteCache(self, self.call(RangeNewCache(num_slots, capacity, freed)).cache, num_slots, capacity)
+        weakref.finalize(cache, self._freed.append, cache.name)
+        return cache
 
     def attends_in_place(self, cache) -> bool:
         return False
 
     def forward(self, x: torch.Tensor, cache: "RemoteCache", step: Step) -> ForwardOutput:
-        request = RangeForward(to_wire(x), list(step.slots), list(step.starts), to_wire(step.positions),
+        request = RangeForward(cache.name, to_wire(x), list(step.slots), list(step.starts), to_wire(step.positions),
                                None if step.mask is None else to_wire(step.mask), step.logit_rows,
                                list(step.hidden_layers))  # fmt: skip
         reply = self.call(request)
@@ -185,22 +196,22 @@ class RemoteCache:
     """A remote range's cache as SplitCache sees a part's: the slot manager's operations, carried
     out by the server."""
 
-    def __init__(self, part: RemoteRange, num_slots: int, capacity: int):
-        self.part, self.num_slots, self.capacity = part, num_slots, capacity
+    def __init__(self, part: RemoteRange, name: int, num_slots: int, capacity: int):
+        self.part, self.name, self.num_slots, self.capacity = part, name, num_slots, capacity
 
     def copy(self, src_slot: int, dst_slots, length: int) -> None:
-        self.part.call(RangeCacheOp("copy", src_slot, slots=list(dst_slots), at=length))
+        self.part.call(RangeCacheOp(self.name, "copy", src_slot, slots=list(dst_slots), at=length))
 
     def move(self, slot: int, src, dst: int) -> None:
         positions = src.tolist() if torch.is_tensor(src) else list(src)
-        self.part.call(RangeCacheOp("move", slot, positions=positions, at=dst))
+        self.part.call(RangeCacheOp(self.name, "move", slot, positions=positions, at=dst))
 
     def snapshot(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.part.call(RangeCacheOp("snapshot", slot, at=length)).kv
+        k, v = self.part.call(RangeCacheOp(self.name, "snapshot", slot, at=length)).kv
         return from_wire(k), from_wire(v)
 
     def restore(self, slot: int, kv: tuple[torch.Tensor, torch.Tensor]) -> int:
-        return self.part.call(RangeCacheOp("restore", slot, kv=[to_wire(kv[0]), to_wire(kv[1])])).held
+        return self.part.call(RangeCacheOp(self.name, "restore", slot, kv=[to_wire(kv[0]), to_wire(kv[1])])).held
 
     @property
     def num_layers(self) -> int:

@@ -187,8 +187,15 @@ def test_greedy_over_a_layer_range_in_another_process_equals_the_whole_model(tmp
         assert torch.equal(outs[0], outs[1])
         with pytest.raises(SpecSotError, match="--draft none"):
             DraftHead(DraftConfig.for_base(whole.cfg, 50)).attach(split)
+        # each cache here has its own there; one this process dropped is dropped there with the next new one
+        named = caches[1].parts[1].name
+        del caches[1], c, gens, split
+        remote.new_cache(1, 8)
+        with pytest.raises(SpecSotError, match=f"no cache {named} here"):
+            remote.call(RangeCacheOp(named, "snapshot", 0, at=1))
+        remote.new_cache(1, 8)
         with pytest.raises(SpecSotError, match=f"layer range at {address} failed: .*unknown cache operation 'rename'"):
-            remote.call(RangeCacheOp("rename", 0))
+            remote.call(RangeCacheOp(remote.new_cache(1, 8).name, "rename", 0))
     finally:
         if remote is not None:
             remote.stop()
@@ -200,3 +207,16 @@ def test_a_layer_range_that_does_not_answer_is_named():
 
     with pytest.raises(SpecSotError, match="tcp://127.0.0.1:9 did not answer in 1 s"):
         RemoteRange("tcp://127.0.0.1:9", model(False).cfg, torch.float32, timeout_s=1)
+
+
+def test_the_routers_forward_over_a_split_model_reads_what_the_whole_model_gives():
+    """The learned router's forward (a fixed beginning's keys and values reused, the forward stopped
+    half way up) over a split model: the whole model's hidden state."""
+    from specsot_mq.sot.learned_router import _kv, forward
+
+    whole = model(False)
+    split = SplitModel(split_layers(model(False), BOUNDS))
+    head, ids = [1, 5, 6], [1, 5, 6, 7, 8, 9]
+    got, want = (forward(m, ids, (2,), logits=False, held=_kv(forward(m, head, (2,), logits=False)[2]))[0][0]
+                 for m in (whole, split))  # fmt: skip
+    assert got.shape == (1, 3, whole.cfg.hidden_size) and torch.equal(got, want)

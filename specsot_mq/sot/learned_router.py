@@ -158,11 +158,7 @@ def forward(model, ids: list[int], layers: tuple[int, ...], logits: bool, held=N
     ([the hidden states asked for, [1, T, H] each, of the tokens computed], the logits [1, T, V]
     or None, the cache)."""
     cache = model.new_cache(1, len(ids), graphs=False)  # (a forward that stops early is never captured)
-    start = 0
-    if held is not None:
-        start = held[0].shape[3]
-        cache.k[:, :, :, :start] = held[0]
-        cache.v[:, :, :, :start] = held[1]
+    start = cache.restore(0, held) if held is not None else 0
     positions = torch.arange(start, len(ids), device=model.device).unsqueeze(0)
     step = Step([0], [start], positions, logit_rows=None if logits else [], hidden_layers=layers)
     with torch.inference_mode():
@@ -171,8 +167,8 @@ def forward(model, ids: list[int], layers: tuple[int, ...], logits: bool, held=N
 
 
 def _kv(cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values a cache of one prompt holds."""
-    return cache.k.clone(), cache.v.clone()
+    """The keys and values a cache of one prompt holds (a split model's too: split.py)."""
+    return cache.snapshot(0, cache.capacity)
 
 
 def fit(x: torch.Tensor, y: torch.Tensor, l2: float = L2) -> dict[str, torch.Tensor]:
