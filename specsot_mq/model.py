@@ -172,7 +172,7 @@ class DecoderLayer(NativeForm):
         cfg = self.cfg
         b, t, _ = x.shape
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        # (slots as a tensor: a captured step's, cuda_graphs.py, which runs torch ops alone)
+        # (slots as a tensor: a captured step's, cuda_graphs.py: torch ops, or the fused kernels on a GPU)
         kernel = _native_for(x) if self.q_norm is None and isinstance(cache, KVCache) and not torch.is_tensor(slots) else None
         if kernel is not None and (weights := self.native_weights()) is not None:
             # the whole layer in one native call: the same steps as below, with no Python between
