@@ -151,7 +151,7 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
                 chunk = missing[i : i + 4 * cfg.batch]
                 save(_sot_rows(chunk, fmt, stamp, gen, cfg))
                 bar.advance(task, len(chunk))
-        task = bar.add_task("self-written data", total=cfg.questions, info="")
+        task = bar.add_task("self-written data" if cfg.prompts == "self" else "templated questions", total=cfg.questions, info="")
         bar.update(task, completed=done_answers)
         prefix = _magpie_prefix(tok)
         while done_answers < cfg.questions:
