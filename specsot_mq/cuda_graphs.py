@@ -72,6 +72,7 @@ class Captured:
     out: object = None  # the graph's ForwardOutput (static)
     seconds: float = 0.0  # what capturing it cost
     replays: int = 0
+    copied: object = None  # on a GPU, the event after the last step's copies from `host`
 
     @property
     def tokens(self) -> int:
@@ -106,6 +107,8 @@ def replay(model, cache, input_ids: torch.Tensor, step):
     b, t = input_ids.shape
     tokens = entry.tokens
     host = entry.host
+    if entry.copied is not None:  # the last step's copy from the pinned buffer must be done before it changes
+        entry.copied.synchronize()
     host.zero_()  # padding: token 0 at position 0...
     host[:, 2 * tokens] = cache.num_slots  # ...in the spare slot, from its start
     host[:b, :t] = input_ids
@@ -117,6 +120,8 @@ def replay(model, cache, input_ids: torch.Tensor, step):
         entry.host_mask.copy_(_eye(tokens))  # a padding token sees itself alone
         entry.host_mask[:b, :t, :t] = step.mask if step.mask is not None else _causal(t)
         entry.mask.copy_(entry.host_mask, non_blocking=True)
+    if entry.copied is not None:
+        entry.copied.record()
     if entry.graph is not None:
         entry.graph.replay()
         out = entry.out
@@ -210,4 +215,5 @@ def _record(entry: Captured, cache, dev) -> None:
     with torch.cuda.graph(entry.graph, pool=cache.graph_pool):
         entry.out = entry.run()
     torch.cuda.synchronize(dev)
+    entry.copied = torch.cuda.Event()
     entry.seconds = time.perf_counter() - start
