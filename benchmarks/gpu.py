@@ -52,9 +52,7 @@ def run(name: str, argv: list[str], limit: float, env: dict | None = None) -> di
     print(f"== {name}: {' '.join(argv)}", flush=True)
     try:
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=limit, env={**os.environ, **(env or {})})
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stdout or b"")[-1500:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-1500:]
-        print(tail, flush=True)
+    except subprocess.TimeoutExpired:
         return {"error": f"timed out after {limit:.0f} s", "seconds": round(time.perf_counter() - start, 1)}
     print(done.stdout[-3000:], done.stderr[-2000:], sep="\n", flush=True)
     result = last_json(done.stdout) or {}

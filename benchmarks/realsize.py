@@ -172,8 +172,9 @@ def ours(path: Path, args) -> dict:
     return result
 
 
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident memory (this one's by default)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0

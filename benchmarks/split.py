@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import cpu_name, load_prompts, run_script  # noqa: E402
+from realsize import rss_bytes  # noqa: E402
 
 from specsot_mq.pull import resolve_model, specsot_home  # noqa: E402
 
@@ -37,13 +38,6 @@ SCRIPT = str(Path(__file__).resolve())
 def default_model() -> str | None:
     files = sorted((specsot_home() / "bench-models" / "smollm2-1.7b").glob("*Q4_K_M.gguf"))
     return str(files[0]) if files else None
-
-
-def rss_mb(pid: int | str = "self") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def measure(args) -> dict:
@@ -79,7 +73,7 @@ def measure(args) -> dict:
     prefill_s = time.perf_counter() - start
     return {"decode_tok_s": round(one.tokens_per_second, 2),
             "batch_tok_s": round(sum(len(c.token_ids) - 1 for c in many) / decode_s, 2),
-            "prefill_tok_s": round(args.prompt_tokens / prefill_s, 1), "rss_mb": round(rss_mb(), 1),
+            "prefill_tok_s": round(args.prompt_tokens / prefill_s, 1), "rss_mb": round(rss_bytes() / 2**20, 1),
             "layers": model.cfg.num_layers}  # fmt: skip
 
 
@@ -127,7 +121,7 @@ def main(argv=None) -> dict:
                                f"{args.cut}:{n}", "--bind", address], stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         split = child(args, address)
-        split["server_rss_mb"] = round(rss_mb(server.pid), 1)
+        split["server_rss_mb"] = round(rss_bytes(server.pid) / 2**20, 1)
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -80,14 +80,15 @@ class Captured:
 
 
 def shape_key(model, cache, input_ids: torch.Tensor, step) -> tuple | None:
-    """The bucket a step runs in, or None where it runs eagerly."""
+    """The bucket a step runs in, or None where it runs eagerly (a cache with graphs has the spare
+    slot and positions: model.new_cache makes both)."""
     b, t = input_ids.shape[:2]
     if input_ids.dim() != 2 or model.first_layer != 0 or model.last_layer != model.cfg.num_layers:
         return None
     if step.logit_rows == [] or (step.mask is not None and tuple(step.mask.shape) != (b, t, t)):
         return None
     rows, tokens = bucket(b), bucket(t, base=4)  # (a padding row or token costs a GPU next to nothing)
-    if rows > MAX_BATCH or tokens > MAX_TOKENS or rows * tokens > MAX_CELLS or cache.spare[0] < 1:
+    if rows > MAX_BATCH or tokens > MAX_TOKENS or rows * tokens > MAX_CELLS:
         return None
     keys = min(bucket(max(step.starts) + tokens, MIN_KEYS), cache.k.shape[3])
     window = model.cfg.sliding_window

@@ -9,7 +9,8 @@ accepted path after a verify). The layout keeps nothing of its own: what each sl
 is the slot manager's (slots.py). A shared prompt prefix is computed once and read by every row
 that shares it from one slot (the kernels' prefix sources); a step is one [B, T] forward, rows
 right-padded, or, where causal rows differ in length and the native kernels run the model, one
-token per batch row (no padding).
+token per batch row (no padding). A step's tensors are made on the host: the model moves them
+where it runs (a captured GPU step copies them over in one go, cuda_graphs.py).
 
 A branch-index-map layout (every branch of a question in one slot, under a mask) ran beside this
 one until 2026-11-26; it gave no robust gain in any measurement (benchmarks/HISTORY.md) and went.
@@ -50,7 +51,7 @@ class SlotLayout:
         from `source` (a slot that holds it, or a prefix store entry that begins it, restored into
         the first slot, the rest computed there once), copied to the others in place; then every
         suffix in ONE forward: right-padded, or ragged where the lengths differ (_ragged)."""
-        mgr, cache, dev = self.slots, self.slots.cache, self.model.device
+        mgr, cache = self.slots, self.slots.cache
         slots = list(prompts)
         first = slots[0]
         _check_shared(prompts, shared)
@@ -75,8 +76,8 @@ class SlotLayout:
             logits, features = self._ragged(slots, suffixes, positions, hidden_layers, last_only=True)
         else:
             t = max(lens)
-            ids = torch.tensor([x + [0] * (t - len(x)) for x in suffixes], device=dev)
-            positions = torch.arange(shared, shared + t, device=dev).expand(len(slots), t)
+            ids = torch.tensor([x + [0] * (t - len(x)) for x in suffixes])
+            positions = torch.arange(shared, shared + t).expand(len(slots), t)
             step = Step(slots, [shared] * len(slots), positions, logit_rows=[i * t + n - 1 for i, n in enumerate(lens)],
                         hidden_layers=hidden_layers, sources=mgr.prefix_sources(slots))  # fmt: skip
             out = self.model(ids, cache, step)
@@ -98,15 +99,14 @@ class SlotLayout:
         """New tokens ids[i] at positions[i] for sequence seqs[i] (masks[i]: [T_i, T_i] over them;
         None: causal); returns logits [B, T, V] and features [B, T, F*H] (rows right-padded). The
         entries stay the sequences' own only as commit() keeps them."""
-        dev, mgr = self.model.device, self.slots
+        mgr = self.slots
         lens = [len(x) for x in ids]
         for s, n in zip(seqs, lens):
             mgr.check(s, mgr[s].length, n)
         if masks is None and self._ragged_pays(lens):
             return self._ragged(seqs, ids, positions, hidden_layers)
         t = max(lens)
-        # padding goes last: causal rows never see it; under a mask, padding sees only itself. Made
-        # on the host: the model moves them (a captured step copies them over at once, cuda_graphs.py)
+        # padding goes last: causal rows never see it; under a mask, padding sees only itself
         tokens = torch.tensor([list(x) + [0] * (t - n) for x, n in zip(ids, lens)])
         pos = torch.tensor([list(p) + [p[0]] * (t - n) for p, n in zip(positions, lens)])
         mask = None
@@ -130,12 +130,12 @@ class SlotLayout:
         written before any row attends), so the padding a [B, T] forward would compute is never
         computed, and each row gets the bits it would get there. Returns logits [B, T, V]
         right-padded (last_only: [B, V], each sequence's last) and features [B, T, F*H]."""
-        dev, mgr = self.model.device, self.slots
+        mgr = self.slots
         lens = [len(x) for x in ids]
         slots = [s for s, n in zip(seqs, lens) for _ in range(n)]
         starts = [mgr[s].length + i for s, n in zip(seqs, lens) for i in range(n)]
-        tokens = torch.tensor([tok for x in ids for tok in x], device=dev)[:, None]
-        pos = torch.tensor([p for row in positions for p in row], device=dev)[:, None]
+        tokens = torch.tensor([tok for x in ids for tok in x])[:, None]
+        pos = torch.tensor([p for row in positions for p in row])[:, None]
         ends = [n - 1 for n in itertools.accumulate(lens)]
         step = Step(slots, starts, pos, logit_rows=ends if last_only else None, hidden_layers=hidden_layers,
                     sources=mgr.prefix_sources(slots))  # fmt: skip
@@ -161,10 +161,9 @@ def _check_shared(prompts: dict[int, list[int]], shared: int) -> None:
 def _prefix(model: LlamaModel, slots: SlotManager, slot: int, ids: list[int], start: int, hidden_layers):
     """The shared prefix's tokens from `start` on into `slot` (which holds those before it); their
     features [len(ids), F*H] when asked."""
-    dev = model.device
-    step = Step([slot], [start], torch.arange(start, start + len(ids), device=dev)[None], logit_rows=[len(ids) - 1],
+    step = Step([slot], [start], torch.arange(start, start + len(ids))[None], logit_rows=[len(ids) - 1],
                 hidden_layers=hidden_layers)  # fmt: skip
-    out = model(torch.tensor([ids], device=dev), slots.cache, step)
+    out = model(torch.tensor([ids]), slots.cache, step)
     return torch.cat(out.hidden, -1)[0] if hidden_layers else None
 
 

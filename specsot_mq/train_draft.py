@@ -1,9 +1,10 @@
 """`specsot train-draft`: build an EAGLE head for a base model from the base model's own outputs.
 
 1. data: the base model writes its own user questions (Magpie-style: the chat template up to the
-   user turn, sampled), or takes templated ones (`--prompts templates`: 23k questions from templates
-   over topics written for this project, prompts/train_questions.json), answers them greedily, and also writes Skeleton-of-Thought skeletons and
-   point expansions for them, since those are what the head will draft. Saved as JSONL, resumable.
+   user turn, sampled), or takes templated ones (`--prompts templates`: 23k questions from
+   templates over topics written for this project, prompts/train_questions.json), answers them
+   greedily, and also writes Skeleton-of-Thought skeletons and point expansions for them, since
+   those are what the head will draft. Saved as JSONL, resumable.
 2. features: one base forward per sequence captures the hidden states the head reads (by default
    low, middle, high and final, fused by the head as EAGLE-3 does); kept on disk next to the data.
 3. training: EAGLE-1 objective (regress the next feature + cross-entropy on the next token over the
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -96,21 +98,23 @@ def _magpie_prefix(tokenizer) -> list[int]:
 PROMPT_SOURCES = ("self", "templates")
 
 
-def template_questions(seed: int) -> list[str]:
+@functools.cache
+def template_questions(seed: int) -> tuple[str, ...]:
     """Every template of prompts/train_questions.json with every topic ({n}: each count from 3 to
-    7), shuffled by `seed`: about 23,000 questions, written for this project (no benchmark's)."""
+    7), shuffled by `seed`: about 23,000 questions, written for this project (no benchmark's); built
+    once per seed (the data writer takes a batch of them at a time)."""
     data = json.loads((Path(__file__).parent / "prompts" / "train_questions.json").read_text())
     questions = [template.format(topic=topic, n=n) for template in data["templates"] for topic in data["topics"]
                  for n in (range(3, 8) if "{n}" in template else [0])]  # fmt: skip
     random.Random(seed).shuffle(questions)
-    return questions
+    return tuple(questions)
 
 
 def _questions(gen: Generator, cfg: TrainConfig, done: int, n: int, prefix: list[int]) -> list[str]:
     """The next n questions after the first `done`, drawn from the position (a resumed run asks
     what an uninterrupted one would): the next templated ones, or ones the base writes itself."""
     if cfg.prompts == "templates":
-        return template_questions(cfg.seed)[done : done + n]
+        return list(template_questions(cfg.seed)[done : done + n])
     seed = random.Random(f"{cfg.seed}/{done}").randrange(1 << 30)
     ask = SamplingParams(max_tokens=64, temperature=1.0, top_p=0.95, seed=seed)
     qs = [c.text.strip() for c in gen.generate_many([prefix] * n, ask)]
@@ -151,7 +155,8 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
                 chunk = missing[i : i + 4 * cfg.batch]
                 save(_sot_rows(chunk, fmt, stamp, gen, cfg))
                 bar.advance(task, len(chunk))
-        task = bar.add_task("self-written data" if cfg.prompts == "self" else "templated questions", total=cfg.questions, info="")
+        source = "self-written data" if cfg.prompts == "self" else "templated questions"
+        task = bar.add_task(source, total=cfg.questions, info="")
         bar.update(task, completed=done_answers)
         prefix = _magpie_prefix(tok)
         while done_answers < cfg.questions:

@@ -76,6 +76,7 @@ def test_steps_outside_every_bucket_run_eagerly(model):
 
 
 def test_graphs_are_off_on_a_cpu_and_with_the_flag(monkeypatch):
+    monkeypatch.delenv("SPECSOT_CUDA_GRAPHS", raising=False)
     assert not cuda_graphs.wanted("cpu")
     assert cuda_graphs.wanted("cuda")
     monkeypatch.setenv("SPECSOT_CUDA_GRAPHS", "0")  # what --no-cuda-graphs sets
