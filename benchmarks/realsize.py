@@ -7,7 +7,9 @@ the cache) and measure, on --threads threads, as llama-bench does: decode (tg: -
 one at a time from an empty cache), prefill (pp: a --prompt-tokens prompt in one forward), and one
 forward of k new rows (k = 1, 2, 4, 8, 16) as a multiple of one row's time, which is what
 speculation and the parallel points pay. Beside them: the bytes our decode reads per token against
-the memory bandwidth measured in the same run, and our process's resident memory against the file.
+the memory bandwidth measured in the same run, and our process's resident memory against the file:
+all of it, and without the runtime's fixed cost (python and torch imported, before any model) and
+the KV cache.
 
     benchmarks/setup_llamacpp.sh        # once: llama.cpp's programs, about 5 minutes
     python benchmarks/realsize.py [--shapes smollm2-360m,qwen2.5-0.5b,smollm2-1.7b] \\
@@ -191,6 +193,7 @@ def measure(path: Path, args) -> dict:
     from specsot_mq.model import Step
 
     torch.set_num_threads(args.threads)
+    runtime = rss_bytes()  # python, torch and the project imported: what any stage pays before a model
     resolve_model(str(path), auto_pull=False)  # the one-time conversion, outside the memory figure
     gen = load_generator(str(path), draft="none", max_len=1024)
     model = gen.model
@@ -226,6 +229,7 @@ def measure(path: Path, args) -> dict:
         "bytes_per_token": nbytes,
         "read_gb_s": nbytes * decode_tok_s / 1e9,
         "bandwidth_gb_s": measure_bandwidth() / 1e9,
+        "rss_runtime": runtime,
         "rss_loaded": loaded,
         "rss_after": rss_bytes(),
         # the KV cache's bytes per position (keys and values of every layer), times the positions used
@@ -272,11 +276,14 @@ def main(argv=None) -> dict | None:
                             "ours": mine,
                             "decode_vs_llamacpp": mine["decode_tok_s"] / theirs["decode_tok_s"],
                             "prefill_vs_llamacpp": mine["prefill_tok_s"] / theirs["prefill_tok_s"],
-                            "rss_over_file": mine["rss_after"] / path.stat().st_size})  # fmt: skip
+                            "rss_over_file": mine["rss_after"] / path.stat().st_size,
+                            # the model's own memory, the runtime's fixed cost and the KV cache taken out
+                            "model_over_file": (mine["rss_after"] - mine["rss_runtime"] - mine["kv_bytes"])
+                            / path.stat().st_size})  # fmt: skip
     table = Table(title=f"Real sizes, random weights: llama-bench and ours on the same file ({args.threads} threads, "
                         f"{cpu_name()})")  # fmt: skip
     for col in ("shape", "type", "MB", "decode tok/s llama.cpp / ours", "x", "prefill tok/s", "x",
-                "k rows = x one row, k = 2 4 8 16: llama.cpp / ours", "read GB/s / bandwidth", "RSS / file"):  # fmt: skip
+                "k rows = x one row, k = 2 4 8 16: llama.cpp / ours", "read GB/s / bandwidth", "RSS / file", "runtime MB", "model / file"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("shape", "type") else "right")
     for r in results:
         t, o = r["llamacpp"], r["ours"]
@@ -288,7 +295,8 @@ def main(argv=None) -> dict | None:
                       f"{t['decode_tok_s']:.1f} / {o['decode_tok_s']:.1f}", f"{r['decode_vs_llamacpp']:.2f}",
                       f"{t['prefill_tok_s']:.0f} / {o['prefill_tok_s']:.0f}", f"{r['prefill_vs_llamacpp']:.2f}",
                       f"{multiples(t['row_ms'])} / {multiples(o['row_ms'])}",
-                      f"{o['read_gb_s']:.1f} / {o['bandwidth_gb_s']:.1f}", f"{r['rss_over_file']:.2f}")  # fmt: skip
+                      f"{o['read_gb_s']:.1f} / {o['bandwidth_gb_s']:.1f}", f"{r['rss_over_file']:.2f}",
+                      f"{o['rss_runtime'] / 2**20:.0f}", f"{r['model_over_file']:.2f}")  # fmt: skip
     Console(width=200).print(table)
     summary = {"cpu": cpu_name(), "avx512_bf16": "avx512_bf16" in Path("/proc/cpuinfo").read_text(),
                "kernel_isa": os.environ.get("SPECSOT_KERNEL_ISA", "native"), "threads": args.threads, "results": results}

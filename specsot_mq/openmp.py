@@ -1,4 +1,4 @@
-"""OpenMP thread pools, and which thread runs the model.
+"""OpenMP thread pools, which thread runs the model, and heap memory handed back.
 
 Each thread that starts torch's parallel work (a forward, loading weights) gets its own OpenMP
 thread pool. Once a process holds more OpenMP threads than the machine has cores, libgomp (the
@@ -26,3 +26,13 @@ def release_pool() -> bool:
         return False
     pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
     return pause(1) == 0  # omp_pause_soft
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim): weights just moved, or a
+    tokenizer's parsed JSON, were freed into the heap, where they would stay counted in the
+    process's memory."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

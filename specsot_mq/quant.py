@@ -12,7 +12,6 @@ extension builder); where they cannot be built it says so once and runs the dequ
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import mmap
 import os
@@ -29,6 +28,7 @@ from torch import nn
 
 from specsot_mq.gguf_blocks import (BLOCK, FORMATS, GROUP, Format, dequantize_columns,
                                     pack_columns, pack_ggml, unpack_columns)  # fmt: skip
+from specsot_mq.openmp import release_freed_memory
 
 KINDS = {"int4": "Q4_1", "int8": "Q8_0"}  # --quantize names
 
@@ -308,18 +308,9 @@ def onto_huge_pages(module: nn.Module) -> None:
         p.data = moved
         freed += n
         if freed >= 16 << 20:  # the process's peak memory stays near its final size
-            _release_freed_memory()
+            release_freed_memory()
             freed = 0
-    _release_freed_memory()
-
-
-def _release_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim): the weights just moved
-    were freed into the heap, where they would stay counted in the process's memory."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    release_freed_memory()
 
 
 class QEmbedding(nn.Module):

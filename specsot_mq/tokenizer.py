@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 
 from specsot_mq.errors import SpecSotError
+from specsot_mq.openmp import release_freed_memory
 
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")  # what a chat template may name
 
@@ -35,6 +36,7 @@ class ChatTokenizer:
             config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise SpecSotError(f"{folder} has no usable tokenizer ({e}): re-pull the model") from None
+        release_freed_memory()  # the parsed JSON of a large vocabulary, freed into the heap
         template = folder / "chat_template.jinja"
         self.chat_template = template.read_text() if template.is_file() else config.get("chat_template")
         # A special token is written as a string or as an added token's record ({"content": ...}).
