@@ -99,8 +99,10 @@ def main(argv=None) -> dict:
     from specsot_mq.loader import load_generator
     from specsot_mq.sot.engine import SoTEngine
 
-    # No prefix store beyond the pinned prompt heads, and a History of outputs per engine: the
-    # second answer to a question must not start from the first one's prompt or copy its words.
+    # No prefix store beyond the pinned prompt heads, and prompt lookup's History as of the question
+    # for each answer: the second answer to a question must not start from the first one's prompt
+    # or copy its words, and both engines draft from the same earlier outputs (both answers to
+    # every earlier question), so that a question the router sends direct is decoded alike.
     gen = load_generator(args.model, args.dtype, "cpu", 2048, 8, args.draft, quantize=args.quantize, prefix_cache_mb=0)
     args.dtype = str(gen.model.dtype).removeprefix("torch.")
     planned_engine = SoTEngine(gen, SoTConfig(sot=args.sot))
@@ -108,15 +110,17 @@ def main(argv=None) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
     out.print(f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | {len(questions)} questions "
               f"({', '.join(sources)}) | max tokens {args.max_tokens} per phase | planned: --sot {args.sot}")  # fmt: skip
-    histories = {planned_engine: History(), direct_engine: History()}
+    earlier: list[list[int]] = []  # outputs of the questions answered so far, oldest first
+    written: list[list[int]] = []  # this question's, from both answers
 
     def answer(engine, question: str):
-        gen.history = histories[engine]
+        gen.history = Recorded(earlier, written)
         start = time.perf_counter()
         return engine.generate(question, params), time.perf_counter() - start
 
     answer(planned_engine, "Say hello.")  # warm-up (and the router, loaded or trained, for --sot auto)
     answer(direct_engine, "Say hello.")
+    written.clear()
 
     rows = []
     for n, question in enumerate(questions):
@@ -126,6 +130,10 @@ def main(argv=None) -> dict:
         else:
             (planned, planned_s), (direct, direct_s) = answer(planned_engine, question), answer(direct_engine, question)
         row = measure(question, planned, direct) | {"planned_s": planned_s, "direct_s": direct_s}
+        earlier += written
+        written.clear()
+        while sum(map(len, earlier)) > History().max_tokens:  # what a History would still hold
+            earlier.pop(0)
         if judge is not None:
             row["judge"] = judged(judge, question, planned.answer, direct.answer)
         rows.append(row)
@@ -135,6 +143,20 @@ def main(argv=None) -> dict:
                   dtype=args.dtype, max_tokens=args.max_tokens, sot=args.sot, judge=args.judge, per_question=rows)  # fmt: skip
     print(json.dumps(result), flush=True)
     return result
+
+
+class Recorded(History):
+    """A History holding `earlier` outputs that also keeps what is added to it in `written`."""
+
+    def __init__(self, earlier: list[list[int]], written: list[list[int]]):
+        super().__init__()
+        for tokens in earlier:
+            super().add(tokens)
+        self.written = written
+
+    def add(self, tokens: list[int]) -> None:
+        self.written.append(list(tokens))
+        super().add(tokens)
 
 
 def shown_points(answer) -> list[tuple[str, str]]:

@@ -8,11 +8,15 @@ builds it under $SPECSOT_HOME/bench-models, else the default model; --model any 
 Each measures, greedy with EOS ignored: decode tok/s of one sequence and of --batch sequences
 together (all their tokens over the slowest one's decode time), the prefill of a --prompt-tokens
 prompt, and every process's resident memory after decoding (the split's two against the whole).
-The two run one after the other, never at once.
+The two run one after the other, never at once. Then, as two devices of one core each (this
+process on core 0, the range server on core 1, one thread each), the split's prefill of a
+--prefill-tokens prompt in one piece against pipelined in chunks of --prefill-chunk tokens
+(split.py: the range here computes chunk i + 1 while the server computes chunk i).
 
-    python benchmarks/split.py [--model FILE.gguf] [--new-tokens 32] [--batch 8] [--prompt-tokens 512]
+    python benchmarks/split.py [--model FILE.gguf] [--new-tokens 32] [--batch 8] [--prompt-tokens 512] \
+        [--prefill-tokens 2000] [--prefill-chunk 128] [--runs 3]
 
-Ends with one JSON line: both sides' figures and the ratios split / whole.
+Ends with one JSON line: both sides' figures, the ratios split / whole and the pipelined prefill's.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,17 +82,77 @@ def measure(args) -> dict:
             "layers": model.cfg.num_layers}  # fmt: skip
 
 
-def child(args, address: str | None = None) -> dict:
+def measure_prefill(args) -> dict:
+    """In this process, on one core: layers [0, cut) here and the rest at args.address (also on a
+    core of its own), a --prefill-tokens prompt's prefill in one piece and pipelined in chunks."""
+    import statistics
+
+    import torch
+
+    from specsot_mq.loader import load_model
+    from specsot_mq.model import Step
+    from specsot_mq.remote_range import RemoteRange
+    from specsot_mq.split import SplitModel
+
+    os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    local = load_model(resolve_model(args.model, auto_pull=False), layers=(0, args.cut))
+    model = SplitModel([local, RemoteRange(args.address, local.cfg, local.dtype, timeout_s=600)])
+    t = args.prefill_tokens
+    ids = torch.randint(10, model.cfg.vocab_size, (1, t), generator=torch.Generator().manual_seed(0))
+    step = Step.fresh(torch.arange(t)[None], logit_rows=[t - 1])
+
+    def prefill(chunk: int) -> float:
+        model.prefill_chunk = chunk
+        cache = model.new_cache(1, t)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model(ids, cache, step)
+        return time.perf_counter() - start
+
+    chunks = [0, args.prefill_chunk]
+    prefill(args.prefill_chunk)  # warm-up
+    runs = {c: [] for c in chunks}
+    for _ in range(args.runs):  # alternating, so neither finds the machine warmer
+        for c in chunks:
+            runs[c].append(prefill(c))
+    one, piped = (statistics.median(runs[c]) for c in chunks)
+    return {"prefill_tokens": t, "chunk": args.prefill_chunk, "one_piece_s": round(one, 3), "pipelined_s": round(piped, 3),
+            "pipelined_speedup": round(one / piped, 3)}  # fmt: skip
+
+
+def child(args, address: str | None = None, pipelined: bool = False) -> dict:
     argv = [sys.executable, SCRIPT, "--child", "--model", args.model, "--cut", str(args.cut), "--batch", str(args.batch),
-            "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]  # fmt: skip
+            "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens), "--runs", str(args.runs),
+            "--prefill-tokens", str(args.prefill_tokens), "--prefill-chunk", str(args.prefill_chunk)]  # fmt: skip
     if address:
         argv += ["--address", address]
+    if pipelined:
+        argv.append("--pipelined")
     # an idle OpenMP thread spins ~0.1 ms, then sleeps (as in stage processes): the side waiting for
     # the other's reply leaves it the cores
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "GOMP_SPINCOUNT": "10000"})
     if done.returncode:
         raise RuntimeError(f"the {'split' if address else 'whole'} run failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@contextmanager
+def range_server(args, n: int, core: int | None = None):
+    """A range server for layers [cut, n) (on one core of its own where `core` is given): (its
+    address, its process), stopped on leaving."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if core is not None else None
+    server = subprocess.Popen([sys.executable, "-m", "specsot_mq.remote_range", "--model", args.model, "--layers",
+                               f"{args.cut}:{n}", "--bind", address], stderr=subprocess.DEVNULL, env=env,
+                              preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}))  # fmt: skip
+    try:
+        yield address, server
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
 
 def main(argv=None) -> dict:
@@ -97,11 +162,15 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--prefill-tokens", type=int, default=2000, help="the pipelined prefill's prompt")
+    p.add_argument("--prefill-chunk", type=int, default=128, help="its chunks' tokens")
+    p.add_argument("--runs", type=int, default=3, help="prefills each way (the median counts)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--address", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        result = measure(args)
+        result = measure_prefill(args) if args.pipelined else measure(args)
         print(json.dumps(result), flush=True)
         return result
     from specsot_mq.config import ModelConfig
@@ -114,17 +183,14 @@ def main(argv=None) -> dict:
     if not 0 < args.cut < n:
         p.error(f"--cut {args.cut}: give a layer between 1 and {n - 1}")
     whole = child(args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    server = subprocess.Popen([sys.executable, "-m", "specsot_mq.remote_range", "--model", args.model, "--layers",
-                               f"{args.cut}:{n}", "--bind", address], stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
+    with range_server(args, n) as (address, server):
         split = child(args, address)
         split["server_rss_mb"] = round(rss_bytes(server.pid) / 2**20, 1)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    if len(os.sched_getaffinity(0)) >= 2:  # two devices of one core each: this process's, the server's
+        with range_server(args, n, core=1) as (address, _):
+            pipelined = child(args, address, pipelined=True)
+    else:
+        pipelined = None
     ratios = {k: round(split[k] / whole[k], 3) for k in ("decode_tok_s", "batch_tok_s", "prefill_tok_s")}
     print(f"{Path(args.model).name} | {cpu_name()} | layers 0:{args.cut} here, {args.cut}:{n} in a range server")
     print(f"{'':26}{'whole':>10}{'split':>10}{'split/whole':>13}")
@@ -132,8 +198,12 @@ def main(argv=None) -> dict:
                        ("prefill_tok_s", f"prefill tok/s, {args.prompt_tokens}")):  # fmt: skip
         print(f"{label:26}{whole[key]:>10}{split[key]:>10}{ratios[key]:>13}")
     print(f"{'resident MB':26}{whole['rss_mb']:>10}{split['rss_mb']:>10}  + server {split['server_rss_mb']}")
+    if pipelined:
+        print(f"prefill of {pipelined['prefill_tokens']} tokens over the split, one core each side: one piece "
+              f"{pipelined['one_piece_s']} s, pipelined in chunks of {pipelined['chunk']} {pipelined['pipelined_s']} s, "
+              f"{pipelined['pipelined_speedup']}x")  # fmt: skip
     result = {"model": Path(args.model).name, "cpu": cpu_name(), "cut": args.cut, "layers": n, "whole": whole,
-              "split": split, "ratios": ratios}  # fmt: skip
+              "split": split, "ratios": ratios, "pipelined_prefill": pipelined}  # fmt: skip
     print(json.dumps(result), flush=True)
     return result
 

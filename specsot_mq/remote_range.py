@@ -138,7 +138,9 @@ class RemoteRange(nn.Module):
         self.address, self.cfg, self.timeout_ms = address, cfg, int(timeout_s * 1000)
         self._dtype, self._device = dtype, torch.device(device)
         self._freed: list[int] = []  # the names of caches no longer held here
-        self._sock = zmq.Context.instance().socket(zmq.REQ)
+        # A dealer (to the server's reply socket, an empty frame before each message): requests may
+        # be sent ahead of their replies, which come back in order (a pipelined prefill's chunks).
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
         try:
@@ -158,14 +160,26 @@ class RemoteRange(nn.Module):
 
     def call(self, request) -> RangeReply:
         """One request and its reply; SpecSotError naming the server if it fails or is silent."""
-        self._sock.send(_ENCODER.encode(request))
+        self.send(request)
+        return self.receive()
+
+    def send(self, request) -> None:
+        """A request whose reply `receive` gets later (replies come in the order sent)."""
+        self._sock.send_multipart([b"", _ENCODER.encode(request)])
+
+    def receive(self) -> RangeReply:
+        """The reply to the oldest request not yet received."""
         if not self._sock.poll(self.timeout_ms):
             raise SpecSotError(f"the layer range at {self.address} did not answer in {self.timeout_ms / 1000:.0f} s: "
                                "is its server running (python -m specsot_mq.remote_range)?")  # fmt: skip
-        reply = _REPLY.decode(self._sock.recv())
+        reply = _REPLY.decode(self._sock.recv_multipart()[-1])
         if reply.error:
             raise SpecSotError(f"the layer range at {self.address} failed: {reply.error}")
         return reply
+
+    def ready(self) -> bool:
+        """Whether a reply is waiting."""
+        return bool(self._sock.poll(0))
 
     def new_cache(self, num_slots: int, capacity: int, dtype=None, graphs=None) -> "RemoteCache":
         """A cache on the server; the server drops it once this process no longer holds it (its
@@ -179,12 +193,21 @@ class RemoteRange(nn.Module):
         return False
 
     def forward(self, x: torch.Tensor, cache: "RemoteCache", step: Step) -> ForwardOutput:
-        request = RangeForward(cache.name, to_wire(x), list(step.slots), list(step.starts), to_wire(step.positions),
+        self.submit(x, cache, step)
+        return self.result()
+
+    def submit(self, x: torch.Tensor, cache: "RemoteCache", step: Step) -> None:
+        """Send a forward; `result` gets its output."""
+        self.send(RangeForward(cache.name, to_wire(x), list(step.slots), list(step.starts), to_wire(step.positions),
                                None if step.mask is None else to_wire(step.mask), step.logit_rows,
-                               list(step.hidden_layers))  # fmt: skip
-        reply = self.call(request)
+                               list(step.hidden_layers)))  # fmt: skip
+
+    def result(self) -> ForwardOutput:
+        """The output of the oldest forward submitted and not yet received."""
+        reply = self.receive()
         hidden = [from_wire(h, self._device) for h in reply.hidden]
-        logits = from_wire(reply.logits, self._device) if reply.logits is not None else x.new_zeros(0, self.cfg.vocab_size)
+        logits = (from_wire(reply.logits, self._device) if reply.logits is not None
+                  else torch.zeros(0, self.cfg.vocab_size, dtype=self._dtype, device=self._device))  # fmt: skip
         return ForwardOutput(logits, hidden)
 
     def stop(self) -> None:

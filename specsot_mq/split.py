@@ -6,7 +6,9 @@ This is the split inside one process: `SplitModel` chains the ranges behind Llam
 (an EAGLE head reads its features from whichever ranges hold those layers) and the SoT engine run
 over it unchanged, and its greedy output is the whole model's, token for token. Ranges on
 separate processes (remote_range.py: a RemoteRange part, its hidden state sent as a frame over
-ZeroMQ to the RangeServer that holds those layers) build on this.
+ZeroMQ to the RangeServer that holds those layers) build on this. Over those, a long prompt's
+prefill is pipelined: cut into chunks of `prefill_chunk` tokens, so that the ranges here work on
+chunk i + 1 while the other processes work on chunk i.
 
 `layer_ranges` sizes the ranges by each device's memory budget (devices.json): the embedding
 goes with the first range, the final norm and output layer with the last.
@@ -23,6 +25,8 @@ from torch import nn
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.model import ForwardOutput, LlamaModel, Step
+
+PREFILL_CHUNK = 128  # --prefill-chunk: tokens per piece of a pipelined prefill
 
 
 def layer_ranges(num_layers: int, layer_bytes: int, budgets: Sequence[float], embed_bytes: int = 0,
@@ -115,10 +119,13 @@ class SplitCache:
 class SplitModel(nn.Module):
     """The ranges chained behind LlamaModel's interface (see the module docstring)."""
 
-    def __init__(self, parts: list[LlamaModel]):
+    def __init__(self, parts: list[LlamaModel], prefill_chunk: int = PREFILL_CHUNK):
+        """prefill_chunk: a longer prompt's prefill goes through ranges in other processes in
+        chunks of this many tokens, pipelined (0: in one piece)."""
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.cfg = parts[0].cfg
+        self.prefill_chunk = prefill_chunk
 
     @property
     def embed(self) -> nn.Module:
@@ -150,6 +157,8 @@ class SplitModel(nn.Module):
         """Each range in turn over the previous one's output hidden state; the hidden states asked
         for from the ranges that hold them, the logits from the last (none asked: the forward ends
         with the range that holds the last hidden state asked for, as LlamaModel's does)."""
+        if self._pipelines(input_ids, step):
+            return self._pipelined(input_ids, cache, step)
         want, x, hidden = tuple(step.hidden_layers), input_ids, {}
         stop = max(want) if step.logit_rows == [] and want else None
         for part, c in zip(self.parts, cache.parts):
@@ -163,3 +172,57 @@ class SplitModel(nn.Module):
                 return ForwardOutput(out.logits, [hidden[i] for i in want])
             x = out.hidden[-1]
         raise AssertionError("unreachable: the last range returns")
+
+    def _pipelines(self, input_ids: torch.Tensor, step: Step) -> bool:
+        """Whether this forward is a prefill to pipeline: one causal row longer than a chunk, over
+        ranges of which the later ones are in other processes, that asks for no hidden state."""
+        remote = [hasattr(p, "submit") for p in self.parts]
+        return (0 < self.prefill_chunk < input_ids.shape[1] and input_ids.shape[0] == 1 and step.mask is None
+                and not step.hidden_layers and step.logit_rows != [] and any(remote)
+                and remote == sorted(remote))  # fmt: skip
+
+    def _pipelined(self, input_ids: torch.Tensor, cache: SplitCache, step: Step) -> ForwardOutput:
+        """The prefill in chunks of prefill_chunk tokens: the ranges here compute chunk i + 1 while
+        the other processes' ranges compute chunk i (each range's cache gets the chunks in order,
+        each attending to the entries before it, so the output is the one-piece prefill's); a
+        range's output goes on to the next as it comes back."""
+        n, t = self.prefill_chunk, input_ids.shape[1]
+        spans = [(a, min(a + n, t)) for a in range(0, t, n)]
+        rows = set(range(t)) if step.logit_rows is None else set(step.logit_rows)
+        first_remote = next(i for i, p in enumerate(self.parts) if hasattr(p, "submit"))
+        last = len(self.parts) - 1
+
+        def sub(i: int, a: int, b: int) -> Step:
+            chunk = replace(step, starts=[s + a for s in step.starts], positions=step.positions[:, a:b])
+            mine = [r - a for r in range(a, b) if r in rows]
+            if i < last or not mine:  # (a forward asked for nothing would stop before writing its cache)
+                return replace(chunk, logit_rows=[], hidden_layers=(self.parts[i].last_layer,))
+            return replace(chunk, logit_rows=None if step.logit_rows is None else mine)
+
+        sent = [0] * len(self.parts)  # chunks sent to each remote range
+        done = [0] * len(self.parts)  # and received back from it
+        logits = []
+
+        def take(i: int) -> None:  # remote range i's next output goes on to range i + 1, or is the result
+            out, (a, b) = self.parts[i].result(), spans[done[i]]
+            done[i] += 1
+            if i == last:
+                if any(a <= r < b for r in rows):
+                    logits.append(out.logits)
+            else:
+                self.parts[i + 1].submit(out.hidden[-1], cache.parts[i + 1], sub(i + 1, a, b))
+                sent[i + 1] += 1
+
+        for a, b in spans:
+            x = input_ids[:, a:b]
+            for i in range(first_remote):
+                x = self.parts[i](x, cache.parts[i], sub(i, a, b)).hidden[-1]
+            self.parts[first_remote].submit(x, cache.parts[first_remote], sub(first_remote, a, b))
+            sent[first_remote] += 1
+            for i in range(first_remote, last + 1):  # what has come back meanwhile
+                while done[i] < sent[i] and self.parts[i].ready():
+                    take(i)
+        for i in range(first_remote, last + 1):
+            while done[i] < sent[i]:
+                take(i)
+        return ForwardOutput(torch.cat(logits, dim=0 if step.logit_rows is not None else 1), [])

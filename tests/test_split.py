@@ -175,6 +175,20 @@ def test_greedy_over_a_layer_range_in_another_process_equals_the_whole_model(tmp
         assert got == want
         assert [c.token_ids for c in gens[1].generate_many([[1, 5, 6, 70]], GREEDY)] == \
             [c.token_ids for c in gens[0].generate_many([[1, 5, 6, 70]], GREEDY)]  # fmt: skip
+        # a prompt longer than a chunk: its prefill pipelined in chunks of 3 (split.py), the same
+        # logits at every position and the same greedy tokens
+        piped = SplitModel([local, remote], prefill_chunk=3)
+        long = [[1, 5, 6, *range(20, 33)], [1, 5, 6, 7, 8, 9, 10]]
+        want, got = ([c.token_ids for c in Generator(m, CharTokenizer(), max_len=64, num_slots=2).generate_many(long, GREEDY)]
+                     for m in (whole, piped))  # fmt: skip
+        assert got == want
+        with torch.inference_mode():
+            ids = torch.tensor([long[0]])
+            full = [m(ids, m.new_cache(1, 32), Step.fresh(torch.arange(len(long[0]))[None])).logits for m in (whole, piped)]
+            rows = [m(ids, m.new_cache(1, 32), Step.fresh(torch.arange(len(long[0]))[None], logit_rows=[4, 15])).logits
+                    for m in (whole, piped)]  # fmt: skip
+        torch.testing.assert_close(full[1], full[0], rtol=1e-5, atol=1e-5)  # (chunks may round differently)
+        torch.testing.assert_close(rows[1], rows[0], rtol=1e-5, atol=1e-5)
         # an accepted draft path compacted in the cache (KVCache.move), then a step over it
         caches = [m.new_cache(1, 32) for m in (whole, split)]
         ids, step = torch.tensor([[1, 5, 6, 7, 8, 9]]), Step.fresh(torch.arange(6)[None])
