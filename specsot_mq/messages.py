@@ -427,6 +427,7 @@ class RangeReply(msgspec.Struct, forbid_unknown_fields=True):
     """What a range request gives back; `error` says what failed instead."""
 
     error: str = ""
+    epoch: str = ""  # the server process's own id: a new one means it restarted and holds no cache of before
     cache: int = 0  # a new cache's name
     logits: Tensor | None = None
     hidden: list[Tensor] = []

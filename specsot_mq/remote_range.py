@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+import uuid
 import weakref
 
 # Before torch loads OpenMP: a server waiting for its next request takes no core (stages/runner.py).
@@ -31,6 +33,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import msgspec  # noqa: E402
 import torch  # noqa: E402
+import zmq  # noqa: E402
 from torch import nn  # noqa: E402
 
 from specsot_mq.errors import SpecSotError  # noqa: E402
@@ -61,14 +64,17 @@ class RangeServer:
 
     def __init__(self, model: LlamaModel):
         self.model = model
-        self.caches: dict[int, object] = {}  # by name: each RemoteCache of the caller's
+        self.caches: dict[int, object] = {}  # by name: each RemoteCache of the callers'
         self.named = 0
+        self.epoch = uuid.uuid4().hex[:12]  # every reply carries it: a caller sees a restart
 
     def answer(self, request) -> RangeReply:
         try:
-            return self._answer(request)
+            reply = self._answer(request)
         except Exception as e:  # every failure goes back to the caller, which raises it
-            return RangeReply(error=f"{type(e).__name__}: {e}")
+            reply = RangeReply(error=f"{type(e).__name__}: {e}")
+        reply.epoch = self.epoch
+        return reply
 
     def _answer(self, request) -> RangeReply:
         model = self.model
@@ -107,8 +113,6 @@ class RangeServer:
 
     def serve(self, address: str) -> None:
         """Answer requests on a ZeroMQ reply socket bound at `address` until a RangeStop."""
-        import zmq
-
         sock = zmq.Context.instance().socket(zmq.REP)
         sock.bind(address)
         print(f"serving layers {self.model.first_layer}:{self.model.last_layer} at {address}", file=sys.stderr, flush=True)
@@ -132,31 +136,43 @@ class RemoteRange(nn.Module):
 
     def __init__(self, address: str, cfg, dtype: torch.dtype, device: torch.device | str = "cpu",
                  timeout_s: float = 120.0):  # fmt: skip
-        import zmq
-
         super().__init__()
         self.address, self.cfg, self.timeout_ms = address, cfg, int(timeout_s * 1000)
         self._dtype, self._device = dtype, torch.device(device)
         self._freed: list[int] = []  # the names of caches no longer held here
-        # A dealer (to the server's reply socket, an empty frame before each message): requests may
-        # be sent ahead of their replies, which come back in order (a pipelined prefill's chunks).
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._caches: weakref.WeakSet[RemoteCache] = weakref.WeakSet()  # the live ones
+        self._lost: str | None = None  # the server went away: "reported" (a request failed for it) or "unreported"
+        self._connect()
         try:
             hello = self.call(RangeHello())
         except SpecSotError:
-            self._sock.close()
+            self._close()
             raise
-        self.first_layer, self.last_layer = hello.first_layer, hello.last_layer
+        self.first_layer, self.last_layer, self.epoch = hello.first_layer, hello.last_layer, hello.epoch
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
+    def _connect(self) -> None:
+        """A dealer socket to the server's reply socket (an empty frame before each message), so
+        requests may be sent ahead of their replies, which come back in order (a pipelined
+        prefill's chunks); and a monitor of it, which tells when the server goes away."""
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock.connect(self.address)
+        self._pending = 0  # requests sent and not yet answered
 
-    @property
-    def device(self) -> torch.device:
-        return self._device
+    def _close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+    def _fail(self, why: str) -> SpecSotError:
+        """The error of a request that got no reply; the socket starts afresh, so that a reply
+        still on its way never answers a later request, and the next request first checks whether
+        the server restarted (_recover)."""
+        self._close()
+        self._connect()
+        self._lost = "reported"
+        return SpecSotError(f"the layer range at {self.address} {why}")
 
     def call(self, request) -> RangeReply:
         """One request and its reply; SpecSotError naming the server if it fails or is silent."""
@@ -165,14 +181,57 @@ class RemoteRange(nn.Module):
 
     def send(self, request) -> None:
         """A request whose reply `receive` gets later (replies come in the order sent)."""
+        if not self._pending:
+            while self._monitor.poll(0):  # the server went away while nothing was pending here
+                self._monitor.recv_multipart()
+                self._lost = self._lost or "unreported"
+            if self._lost:
+                self._recover()
         self._sock.send_multipart([b"", _ENCODER.encode(request)])
+        self._pending += 1
 
-    def receive(self) -> RangeReply:
-        """The reply to the oldest request not yet received."""
-        if not self._sock.poll(self.timeout_ms):
-            raise SpecSotError(f"the layer range at {self.address} did not answer in {self.timeout_ms / 1000:.0f} s: "
-                               "is its server running (python -m specsot_mq.remote_range)?")  # fmt: skip
+    def _recover(self) -> None:
+        """After the server went away: once it answers again, whether it is a new process, whose
+        caches are made again (empty) under the names of this side's live caches; a restart no
+        request has failed for yet fails this one (slots here may claim entries it lost)."""
+        lost, self._lost = self._lost, None
+        self.send(RangeHello())
+        epoch = self.receive(same_process=False).epoch
+        if epoch != self.epoch:
+            self._restarted(epoch)
+            if lost == "unreported":
+                raise SpecSotError(f"the layer range at {self.address} restarted, losing the KV cache of the requests "
+                                   "it held: they fail, later ones run")  # fmt: skip
+
+    def _restarted(self, epoch: str) -> None:
+        self.epoch = epoch
+        for cache in list(self._caches):
+            cache.name = self.call(RangeNewCache(cache.num_slots, cache.capacity)).cache
+
+    def receive(self, same_process: bool = True) -> RangeReply:
+        """The reply to the oldest request not yet received. SpecSotError naming the server if it
+        fails the request, goes away while it is pending or stays silent for the timeout, or has
+        restarted since (which loses the caches it held: they are made again, empty, and the
+        requests that held entries in them fail); same_process False: from any server process."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while True:
+            ready = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
+            if self._sock in ready:
+                break
+            if self._monitor in ready:
+                raise self._fail("went away before it answered (its process died?)")
+            if time.monotonic() >= deadline:
+                raise self._fail(f"did not answer in {self.timeout_ms / 1000:.0f} s: is its server running "
+                                 "(python -m specsot_mq.remote_range)?")  # fmt: skip
         reply = _REPLY.decode(self._sock.recv_multipart()[-1])
+        self._pending -= 1
+        if same_process and reply.epoch != getattr(self, "epoch", reply.epoch):  # (none known yet: the hello)
+            self._restarted(reply.epoch)
+            raise SpecSotError(f"the layer range at {self.address} restarted, losing the KV cache of the requests it "
+                               "held: they fail, later ones run")  # fmt: skip
         if reply.error:
             raise SpecSotError(f"the layer range at {self.address} failed: {reply.error}")
         return reply
@@ -186,7 +245,8 @@ class RemoteRange(nn.Module):
         name goes with the next new cache's request)."""
         freed, self._freed = self._freed, []
         cache = RemoteCache(self, self.call(RangeNewCache(num_slots, capacity, freed)).cache, num_slots, capacity)
-        weakref.finalize(cache, self._freed.append, cache.name)
+        weakref.finalize(cache, _free, self._freed, cache.names)
+        self._caches.add(cache)
         return cache
 
     def attends_in_place(self, cache) -> bool:
@@ -220,7 +280,16 @@ class RemoteCache:
     out by the server."""
 
     def __init__(self, part: RemoteRange, name: int, num_slots: int, capacity: int):
-        self.part, self.name, self.num_slots, self.capacity = part, name, num_slots, capacity
+        self.part, self.num_slots, self.capacity = part, num_slots, capacity
+        self.names = [name]  # its name on the server, made anew if the server restarts (held in a list the finalizer reads)
+
+    @property
+    def name(self) -> int:
+        return self.names[0]
+
+    @name.setter
+    def name(self, name: int) -> None:
+        self.names[0] = name
 
     def copy(self, src_slot: int, dst_slots, length: int) -> None:
         self.part.call(RangeCacheOp(self.name, "copy", src_slot, slots=list(dst_slots), at=length))
@@ -239,6 +308,11 @@ class RemoteCache:
     @property
     def num_layers(self) -> int:
         return self.part.last_layer - self.part.first_layer
+
+
+def _free(freed: list[int], names: list[int]) -> None:
+    """A dropped cache's current name goes with the next new cache's request."""
+    freed.append(names[0])
 
 
 def main(argv=None) -> None:

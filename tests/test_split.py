@@ -3,6 +3,8 @@ and hidden states bit for bit (module by module, and in the native kernels' one 
 and greedy decoding, plain and with an EAGLE head reading layers from several ranges, token for
 token; layer_ranges sizes the ranges by memory."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -234,3 +236,63 @@ def test_the_routers_forward_over_a_split_model_reads_what_the_whole_model_gives
     got, want = (forward(m, ids, (2,), logits=False, held=_kv(forward(m, head, (2,), logits=False)[2]))[0][0]
                  for m in (whole, split))  # fmt: skip
     assert got.shape == (1, 3, whole.cfg.hidden_size) and torch.equal(got, want)
+
+
+def test_a_layer_range_that_dies_fails_the_requests_it_held_and_serves_later_ones_once_restarted(tmp_path):
+    """Its process killed with a forward pending there: that forward fails naming it; killed while
+    idle: the first request after its restart fails (this side's slots may claim entries it lost);
+    either way the next ones run on the restarted server, with the whole model's logits."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from specsot_mq.loader import load_model
+    from specsot_mq.remote_range import RemoteRange
+
+    folder = tiny_folder(tmp_path / "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+    def serve():
+        return subprocess.Popen([sys.executable, "-m", "specsot_mq.remote_range", "--model", str(folder), "--layers",
+                                 "2:4", "--bind", address, "--dtype", "fp32"])  # fmt: skip
+
+    whole, local = load_model(folder), load_model(folder, layers=(0, 2))
+    ids, step = torch.tensor([[1, 5, 6, 7]]), Step.fresh(torch.arange(4)[None])
+
+    def logits(m):
+        with torch.inference_mode():
+            return m(ids, m.new_cache(1, 16) if m is whole else cache, step).logits
+
+    server, remote = serve(), None
+    try:
+        remote = RemoteRange(address, local.cfg, torch.float32, timeout_s=120)
+        split = SplitModel([local, remote])
+        cache = split.new_cache(1, 16)
+        torch.testing.assert_close(logits(split), logits(whole))
+        os.kill(server.pid, signal.SIGSTOP)  # a forward pending there when it dies
+        with torch.inference_mode():
+            x = local(ids, cache.parts[0], replace(step, logit_rows=[], hidden_layers=(2,))).hidden[-1]
+        remote.submit(x, cache.parts[1], step)
+        server.kill()
+        server.wait()
+        with pytest.raises(SpecSotError, match=f"layer range at {address} went away before it answered"):
+            remote.result()
+        server = serve()
+        torch.testing.assert_close(logits(split), logits(whole))  # its cache made again there
+        server.kill()  # and now while idle
+        server.wait()
+        time.sleep(1)  # (its going away reaches this side)
+        server = serve()
+        with pytest.raises(SpecSotError, match=f"layer range at {address} restarted"):
+            logits(split)
+        torch.testing.assert_close(logits(split), logits(whole))
+    finally:
+        if remote is not None and server.poll() is None:
+            remote.stop()
+        server.kill()
+        server.wait(timeout=60)
