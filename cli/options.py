@@ -76,6 +76,9 @@ class TopologyOptions:
     run: Annotated[str, typer.Option("--run", envvar="SPECSOT_RUN", help="Name of the run (its run file under $SPECSOT_HOME/runs).")] = "default"
     devices: Annotated[str, typer.Option("--devices", envvar="SPECSOT_DEVICES", help="Devices as ip#gpu,... (#cpu for a CPU device).")] = "127.0.0.1#cpu"
     topology: Annotated[str, typer.Option("--topology", envvar="SPECSOT_TOPOLOGY", help="p2p or ring.")] = "p2p"
+    split: Annotated[str, typer.Option("--split", envvar="SPECSOT_SPLIT",
+        help="none: the whole model on every device; layers: its layers in ranges over the devices, "
+             "sized by their memory in devices.json (a model larger than one device).")] = "none"
 
 
 @dataclasses.dataclass(slots=True)

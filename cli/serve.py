@@ -31,7 +31,7 @@ def _launch_options(topo: TopologyOptions, model: ModelOptions, launch: LaunchFl
     """The LaunchOptions of these flags (the tree checked now); `launch`: launch's own flags."""
     from specsot_mq.stages.launch import LaunchOptions
 
-    return LaunchOptions(devices=topo.devices, topology=topo.topology, model=model.model, dtype=model.dtype, quantize=model.quantize,
+    return LaunchOptions(devices=topo.devices, topology=topo.topology, split=topo.split, model=model.model, dtype=model.dtype, quantize=model.quantize,
                          draft=model.draft, tree=model.tree(), **(launch.options() if launch else {}))  # fmt: skip
 
 
@@ -44,8 +44,10 @@ def _table(status, launcher) -> Table:
         s = rows.get(name, {})
         alive = proc.proc is not None and proc.proc.poll() is None
         state = (s.get("state", "ready") if s.get("up") else "starting" if not s.get("ever_up") else "down") if alive else "dead"
-        color = {"busy": "green", "idle": "cyan", "ready": "cyan", "starting": "yellow"}.get(state, "red")
-        table.add_row(name, launcher.spec.hosts[name], launcher.spec.devices.get(name, "-"),
+        if name in launcher.spec.ranges and alive:  # a range server (--split layers) sends no heartbeat
+            state = "layers {}:{}".format(*launcher.spec.ranges[name]["layers"])
+        color = {"busy": "green", "idle": "cyan", "ready": "cyan", "starting": "yellow"}.get(state, "cyan" if state.startswith("layers") else "red")
+        table.add_row(name, launcher.spec.hosts[name], launcher.spec.devices.get(name) or launcher.spec.ranges.get(name, {}).get("device", "-"),
                       str(proc.proc.pid if proc.proc else "-"), f"[{color}]{state}[/]", str(s.get("inflight", 0)),
                       f"{s.get('tokens_per_s', 0.0):.1f}", f"{s.get('rss_mb', 0.0):.0f}")  # fmt: skip
     return table

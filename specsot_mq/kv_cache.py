@@ -95,6 +95,9 @@ class KVCache:
         idx = self._gather[1]
         return self.k[layer, :, :, :length].index_select(0, idx), self.v[layer, :, :, :length].index_select(0, idx)
 
+    def forget(self) -> None:
+        """No entry is in use (SlotManager.forget_claims): nothing to do for entries held here."""
+
     def move(self, slot: int, src: Sequence[int] | torch.Tensor, dst: int) -> None:
         """Copy the entries at positions `src` of a slot to positions dst, dst+1, ... (all layers):
         an accepted draft-tree path, compacted."""

@@ -306,13 +306,15 @@ def load_generator(
     tree=None,
     quantize: str = "auto",
     prefix_cache_mb: int = 256,
+    ranges: dict[str, str] | None = None,
 ):
     """The model named or given by path (pulled if it is a known name not yet cached), its
     tokenizer, its EAGLE draft head (see resolve_draft), and a Generator with caches of
     `max_len` positions for `num_slots` sequences and a prefix store of `prefix_cache_mb`;
     quantize: see load_model. tree: TreeParams (default TreeParams(), whose
     prompt lookup also drafts for a model without a head; TreeParams(lookup=0) there decodes
-    plainly)."""
+    plainly). `ranges`: the range servers (remote_range.py) that hold the model's layers, in order,
+    as {name: address}: this process holds none and runs the model through them, with no draft head."""
     from specsot_mq.draft import DraftHead
     from specsot_mq.generate import Generator
     from specsot_mq.pull import resolve_model
@@ -323,8 +325,17 @@ def load_generator(
     check_dtype(dtype)  # a bad flag fails before a model is pulled
     check_quantize(quantize)
     folder = resolve_model(model)
-    net = load_model(folder, dtype=resolve_dtype(dtype, dev, runs_quantized(folder, quantize, dev)), device=dev,
-                     quantize=quantize)  # fmt: skip
+    activations = resolve_dtype(dtype, dev, runs_quantized(folder, quantize, dev))
+    if ranges:
+        from specsot_mq.remote_range import RemoteRange
+        from specsot_mq.split import SplitModel
+
+        cfg = ModelConfig.from_folder(folder)
+        # a long prefill over a slow range takes minutes; a range that dies is seen at once (RemoteRange)
+        parts = [RemoteRange(address, cfg, activations, dev, timeout_s=600, name=name) for name, address in ranges.items()]
+        net, draft = SplitModel(parts), "none"
+    else:
+        net = load_model(folder, dtype=activations, device=dev, quantize=quantize)
     draft_path = resolve_draft(draft, folder)
     head = DraftHead.load(draft_path, net).prepack() if draft_path else None
     return Generator(net, load_tokenizer(folder), max_len=max_len, num_slots=num_slots, draft=head,

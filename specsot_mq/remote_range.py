@@ -135,13 +135,15 @@ class RemoteRange(nn.Module):
     """A SplitModel part whose layers a RangeServer at `address` holds (see the module docstring)."""
 
     def __init__(self, address: str, cfg, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 timeout_s: float = 120.0):  # fmt: skip
+                 timeout_s: float = 120.0, name: str | None = None):  # fmt: skip
+        """name: how errors name the server, beside its address (a launch's range stage)."""
         super().__init__()
         self.address, self.cfg, self.timeout_ms = address, cfg, int(timeout_s * 1000)
         self._dtype, self._device = dtype, torch.device(device)
         self._freed: list[int] = []  # the names of caches no longer held here
         self._caches: weakref.WeakSet[RemoteCache] = weakref.WeakSet()  # the live ones
-        self._lost: str | None = None  # the server went away: "reported" (a request failed for it) or "unreported"
+        self._lost = False  # the server went away: whether it restarted is checked before the next request
+        self.label = f"{name} at {address}" if name else f"at {address}"  # how errors name it
         self._connect()
         try:
             hello = self.call(RangeHello())
@@ -149,6 +151,14 @@ class RemoteRange(nn.Module):
             self._close()
             raise
         self.first_layer, self.last_layer, self.epoch = hello.first_layer, hello.last_layer, hello.epoch
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
 
     def _connect(self) -> None:
         """A dealer socket to the server's reply socket (an empty frame before each message), so
@@ -171,8 +181,8 @@ class RemoteRange(nn.Module):
         the server restarted (_recover)."""
         self._close()
         self._connect()
-        self._lost = "reported"
-        return SpecSotError(f"the layer range at {self.address} {why}")
+        self._lost = True
+        return SpecSotError(f"the layer range {self.label} {why}")
 
     def call(self, request) -> RangeReply:
         """One request and its reply; SpecSotError naming the server if it fails or is silent."""
@@ -181,32 +191,42 @@ class RemoteRange(nn.Module):
 
     def send(self, request) -> None:
         """A request whose reply `receive` gets later (replies come in the order sent)."""
-        if not self._pending:
-            while self._monitor.poll(0):  # the server went away while nothing was pending here
-                self._monitor.recv_multipart()
-                self._lost = self._lost or "unreported"
-            if self._lost:
-                self._recover()
+        self.prepare()
         self._sock.send_multipart([b"", _ENCODER.encode(request)])
         self._pending += 1
 
+    def prepare(self, cache: "RemoteCache | None" = None) -> None:
+        """Before a request (to `cache`, which it reads or writes, before its name goes in it): if
+        the server went away, whether it restarted; SpecSotError if that lost entries in use."""
+        if not self._pending:
+            while self._monitor.poll(0):  # the server went away while nothing was pending here
+                self._monitor.recv_multipart()
+                self._lost = True
+            if self._lost:
+                self._recover()
+        if cache is not None:
+            if cache.lost:
+                cache.lost = False
+                raise SpecSotError(f"the layer range {self.label} restarted, losing the KV cache entries of the "
+                                   "requests running here: they fail, later ones run")  # fmt: skip
+            cache.holds = True
+
     def _recover(self) -> None:
-        """After the server went away: once it answers again, whether it is a new process, whose
-        caches are made again (empty) under the names of this side's live caches; a restart no
-        request has failed for yet fails this one (slots here may claim entries it lost)."""
-        lost, self._lost = self._lost, None
+        """After the server went away: once it answers again, whether it is a new process (its
+        caches are then made again, empty, under the names of this side's live caches)."""
+        self._lost = False
         self.send(RangeHello())
         epoch = self.receive(same_process=False).epoch
         if epoch != self.epoch:
             self._restarted(epoch)
-            if lost == "unreported":
-                raise SpecSotError(f"the layer range at {self.address} restarted, losing the KV cache of the requests "
-                                   "it held: they fail, later ones run")  # fmt: skip
 
     def _restarted(self, epoch: str) -> None:
+        """The server is a new process: this side's caches are made again there, and those whose
+        entries were in use fail their next request (the slot manager's claims are on them)."""
         self.epoch = epoch
         for cache in list(self._caches):
             cache.name = self.call(RangeNewCache(cache.num_slots, cache.capacity)).cache
+            cache.lost, cache.holds = cache.holds, False
 
     def receive(self, same_process: bool = True) -> RangeReply:
         """The reply to the oldest request not yet received. SpecSotError naming the server if it
@@ -230,10 +250,10 @@ class RemoteRange(nn.Module):
         self._pending -= 1
         if same_process and reply.epoch != getattr(self, "epoch", reply.epoch):  # (none known yet: the hello)
             self._restarted(reply.epoch)
-            raise SpecSotError(f"the layer range at {self.address} restarted, losing the KV cache of the requests it "
-                               "held: they fail, later ones run")  # fmt: skip
+            raise SpecSotError(f"the layer range {self.label} restarted, losing the KV cache entries of the requests "
+                               "running here: they fail, later ones run")  # fmt: skip
         if reply.error:
-            raise SpecSotError(f"the layer range at {self.address} failed: {reply.error}")
+            raise SpecSotError(f"the layer range {self.label} failed: {reply.error}")
         return reply
 
     def ready(self) -> bool:
@@ -258,6 +278,7 @@ class RemoteRange(nn.Module):
 
     def submit(self, x: torch.Tensor, cache: "RemoteCache", step: Step) -> None:
         """Send a forward; `result` gets its output."""
+        self.prepare(cache)
         self.send(RangeForward(cache.name, to_wire(x), list(step.slots), list(step.starts), to_wire(step.positions),
                                None if step.mask is None else to_wire(step.mask), step.logit_rows,
                                list(step.hidden_layers)))  # fmt: skip
@@ -282,6 +303,11 @@ class RemoteCache:
     def __init__(self, part: RemoteRange, name: int, num_slots: int, capacity: int):
         self.part, self.num_slots, self.capacity = part, num_slots, capacity
         self.names = [name]  # its name on the server, made anew if the server restarts (held in a list the finalizer reads)
+        self.holds = False  # entries in use were written to it (since the slot manager last forgot its claims)
+        self.lost = False  # a server restart lost those: its next use fails
+
+    def forget(self) -> None:
+        self.holds = self.lost = False
 
     @property
     def name(self) -> int:
@@ -292,17 +318,21 @@ class RemoteCache:
         self.names[0] = name
 
     def copy(self, src_slot: int, dst_slots, length: int) -> None:
+        self.part.prepare(self)
         self.part.call(RangeCacheOp(self.name, "copy", src_slot, slots=list(dst_slots), at=length))
 
     def move(self, slot: int, src, dst: int) -> None:
         positions = src.tolist() if torch.is_tensor(src) else list(src)
+        self.part.prepare(self)
         self.part.call(RangeCacheOp(self.name, "move", slot, positions=positions, at=dst))
 
     def snapshot(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.part.prepare(self)
         k, v = self.part.call(RangeCacheOp(self.name, "snapshot", slot, at=length)).kv
         return from_wire(k), from_wire(v)
 
     def restore(self, slot: int, kv: tuple[torch.Tensor, torch.Tensor]) -> int:
+        self.part.prepare(self)
         return self.part.call(RangeCacheOp(self.name, "restore", slot, kv=[to_wire(kv[0]), to_wire(kv[1])])).held
 
     @property
@@ -325,7 +355,11 @@ def main(argv=None) -> None:
     p.add_argument("--bind", required=True, help="a ZeroMQ address, e.g. tcp://127.0.0.1:5700")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--quantize", default="auto", help="the weights: as shipped (auto), int4, int8 or none")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     try:
         first, last = (int(x) for x in args.layers.split(":"))
     except ValueError:
@@ -333,8 +367,9 @@ def main(argv=None) -> None:
     try:
         dev = resolve_device(args.device)
         folder = resolve_model(args.model)
-        dtype = resolve_dtype(args.dtype, dev, runs_quantized(folder, "auto", dev))
-        RangeServer(load_model(folder, dtype=dtype, device=dev, layers=(first, last))).serve(args.bind)
+        dtype = resolve_dtype(args.dtype, dev, runs_quantized(folder, args.quantize, dev))
+        model = load_model(folder, dtype=dtype, device=dev, quantize=args.quantize, layers=(first, last))
+        RangeServer(model).serve(args.bind)
     except SpecSotError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -86,9 +86,11 @@ class SlotManager:
             self.slots[s].prefix, self.slots[s].copy = prefix, copy
 
     def forget_claims(self) -> None:
-        """No slot holds a prefix worth finding (their draft entries are gone)."""
+        """No slot holds a prefix worth finding (their draft entries are gone), and no entry is in
+        use (no sequence runs: between two runs of the loop, or after a failed one)."""
         for slot in self.slots:
             slot.prefix, slot.copy, slot.feature = (), -1, None
+        self.cache.forget()
 
     def prefix_sources(self, slots: Sequence[int]) -> tuple[list[int], list[int]] | None:
         """For a forward over `slots`: where each row may read its shared prefix from (the first

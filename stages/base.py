@@ -56,6 +56,9 @@ class RunSpec:
     restart_wait_s: float = 60.0  # a new request waits this long for a down stage to be back
     threads: dict[str, int] = field(default_factory=dict)  # CPU device stage -> torch threads (default: its host's cores)
     curve: bool = False  # tcp links authenticated with the run's CURVE keys (given to each stage on its stdin)
+    # --split layers: range server name -> {"layers": [first, last], "address", "device"}, in layer
+    # order; the device stages then hold no layers and run the model through these (remote_range.py)
+    ranges: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -29,6 +29,7 @@ from specsot_mq.stages.base import RunSpec, parse_overrides
 from specsot_mq.transports import TOPOLOGIES
 
 
+SPLITS = ("none", "layers")  # --split: the whole model on every device, or its layers over the devices
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 120.0  # a stage that dies this often within the window is not restarted again
 
 
@@ -59,6 +60,7 @@ class LaunchOptions:
     threads: int | None = None  # torch threads of each CPU device stage (None: its share of its host's cores)
     prefix_cache_mb: int = 256  # each device stage's prefix store: a conversation's earlier turns computed once
     max_len: int = 2048  # each device stage's KV cache length (prompt + answer)
+    split: str = "none"  # or "layers": the model's layers in ranges over the devices, sized by their memory
 
 
 def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
@@ -72,37 +74,68 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
         raise SpecSotError(f"--prefix-cache-mb must be 0 (off) or more, got {options.prefix_cache_mb}")
     if options.max_len < 1:
         raise SpecSotError(f"--max-len must be at least 1 token, got {options.max_len}")
+    if options.split not in SPLITS:
+        raise SpecSotError(f"--split must be one of {', '.join(SPLITS)}, not {options.split!r}")
     profiles = load_profiles(options.devices_file or default_profiles_path())
-    run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
-    spec = plan_run(parse_devices(options.devices), profiles, options.topology, run_dir, options.base_port,
-                    options.threads, model=options.model, dtype=options.dtype, quantize=options.quantize, draft=options.draft, tree=options.tree,
-                    sot=sot, overrides=parse_overrides(options.stages), prefix_cache_mb=options.prefix_cache_mb,
-                    max_len=options.max_len)  # fmt: skip
+    devices = parse_devices(options.devices)
     # pulled, or converted from a .gguf, once here before the stages start (the gateway, parse,
     # schedule and merge run on this host and read its tokenizer) rather than by the first of them;
     # a bad model name fails now. Remote hosts resolve it themselves.
-    resolve_model(options.model)
+    folder = resolve_model(options.model)
+    ranges = split_ranges(devices, profiles, folder, options.draft) if options.split == "layers" else None
+    run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
+    spec = plan_run(devices, profiles, options.topology, run_dir, options.base_port, options.threads, ranges,
+                    model=options.model, dtype=options.dtype, quantize=options.quantize,
+                    draft="none" if ranges else options.draft, tree=options.tree, sot=sot,
+                    overrides=parse_overrides(options.stages), prefix_cache_mb=options.prefix_cache_mb,
+                    max_len=options.max_len)  # fmt: skip
     launcher = Launcher(spec, run_dir, remote=options.remote, restart=options.restart)
     launcher.start()
     return launcher, spec
 
 
+def split_ranges(devices: list[Device], profiles: dict[str, DeviceProfile], folder: Path,
+                 draft: str | None) -> list[tuple[int, int]]:  # fmt: skip
+    """--split layers: each device's [first, last) layers, sized by its memory in devices.json."""
+    from specsot_mq.config import ModelConfig
+    from specsot_mq.split import layer_ranges, weight_bytes
+
+    if len(devices) < 2:
+        raise SpecSotError("--split layers needs two devices or more in --devices, e.g. 127.0.0.1#cpu0,127.0.0.1#cpu1")
+    if not all(is_local(d.host) for d in devices):
+        raise SpecSotError("--split layers runs over the devices of this host for now: its range links are not "
+                           "authenticated yet; use --split none across hosts")  # fmt: skip
+    if draft not in (None, "auto", "none"):
+        raise SpecSotError("an EAGLE head over --split layers is not built yet (the output layer is in another "
+                           "process): use --draft none")  # fmt: skip
+    layer, embed, head = weight_bytes(folder)
+    budgets = [p.memory_gb * 1e9 for p in device_profiles(devices, profiles)]
+    return layer_ranges(ModelConfig.from_folder(folder).num_layers, int(layer), budgets, embed, head,
+                        [d.name for d in devices])  # fmt: skip
+
+
 def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology: str, run_dir: Path,
-             base_port: int = 5600, stage_threads: int | None = None, **options) -> RunSpec:  # fmt: skip
+             base_port: int = 5600, stage_threads: int | None = None, ranges: list[tuple[int, int]] | None = None,
+             **options) -> RunSpec:  # fmt: skip
     """The RunSpec of a topology over these devices (options: RunSpec fields such as model, sot).
     A CPU device stage runs `stage_threads` torch threads if given, else its share of the cores of
     the host it runs on (counted there, by the stage itself: a remote host may have more or fewer
-    than this one): a stage busy alone takes all of them, busy stages split them (core_share.py)."""
+    than this one): a stage busy alone takes all of them, busy stages split them (core_share.py).
+    `ranges` (--split layers): each device's layers, served by a range server on it; the skeleton
+    and one branch stage, on the first device's host, then run the model through them."""
     if topology not in TOPOLOGIES:
         raise SpecSotError(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {topology!r}")
     if not devices:
         raise SpecSotError("--devices names no device: give at least one, e.g. 127.0.0.1#cpu")
     first = devices[0]
-    branch_names = [f"branch@{d.name}" for d in devices]
+    branched = devices[:1] if ranges else devices
+    branch_names = [f"branch@{d.name}" for d in branched]
     kinds = {"gateway": "gateway", "skeleton": "skeleton", "parse": "parse", "schedule": "schedule",
              **dict.fromkeys(branch_names, "branch"), "merge": "merge"}  # fmt: skip
-    hosts = {name: first.host for name in kinds} | {f"branch@{d.name}": d.host for d in devices}
-    dev = {"skeleton": first.name} | {f"branch@{d.name}": d.name for d in devices}
+    hosts = {name: first.host for name in kinds} | {f"branch@{d.name}": d.host for d in branched}
+    dev = {"skeleton": first.name} | {f"branch@{d.name}": d.name for d in branched}
+    served = {f"range@{d.name}": (d, bounds) for d, bounds in zip(devices, ranges or [])}
+    hosts |= {name: d.host for name, (d, _) in served.items()}
     local = all(is_local(host) for host in hosts.values())
     port = iter(range(base_port, base_port + 1000))
 
@@ -115,12 +148,15 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
     if stage_threads is not None and (isinstance(stage_threads, bool) or stage_threads < 1):
         raise SpecSotError(f"--threads must be a whole number of at least 1, got {stage_threads!r}")
     threads = {name: stage_threads for name in dev if "#cpu" in dev[name]} if stage_threads else {}
+    threads |= {name: stage_threads for name, (d, _) in served.items() if d.kind == "cpu"} if stage_threads else {}
     # Each branch's profile fields but its name (the stage is named after the device already).
     profs = {f"branch@{p.name}": {k: v for k, v in asdict(p).items() if k != "name"}
-             for p in device_profiles(devices, profiles)}  # fmt: skip
+             for p in device_profiles(branched, profiles)}  # fmt: skip
+    served = {name: {"layers": list(bounds), "address": address(name), "device": d.name}
+              for name, (d, bounds) in served.items()}  # fmt: skip
     # Over tcp, every link is authenticated with the run's own CURVE keys (the launcher makes them).
     return RunSpec(topology, table, kinds, hosts, dev, profs, address("client"), threads=threads, curve=not local,
-                   **options)  # fmt: skip
+                   ranges=served, **options)  # fmt: skip
 
 
 @dataclass
@@ -145,10 +181,18 @@ class Launcher:
             public, secret = zmq.curve_keypair()
             self.keys = {"public": public.decode(), "secret": secret.decode()}
         self.stages = {name: StageProcess(name, self._command(name), self.run_dir / f"{_safe(name)}.log")
-                       for name in spec.kinds}  # fmt: skip
+                       for name in [*spec.ranges, *spec.kinds]}  # fmt: skip
 
     def _command(self, name: str) -> list[str]:
         cmd = [sys.executable, "-m", "specsot_mq.stages.runner", "--name", name, "--spec", self.spec.to_json()]
+        if name in self.spec.ranges:  # a range server of --split layers
+            served, spec = self.spec.ranges[name], self.spec
+            first, last = served["layers"]
+            cmd = [sys.executable, "-m", "specsot_mq.remote_range", "--layers", f"{first}:{last}", "--bind",
+                   served["address"], "--dtype", spec.dtype, "--quantize", spec.quantize, "--device",
+                   parse_devices(served["device"], resolve=False)[0].torch_device]  # fmt: skip
+            cmd += ["--model", spec.model] if spec.model else []
+            cmd += ["--threads", str(spec.threads[name])] if name in spec.threads else []
         host = self.spec.hosts[name]
         if is_local(host):
             return cmd

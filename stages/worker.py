@@ -141,6 +141,7 @@ class DeviceWorker:
                         return
             except Exception as exc:  # a failed batch fails its requests, not the stage
                 log.exception("decoding failed")
+                self.gen.slots.forget_claims()  # what a slot held may be lost (a range server that restarted)
                 for job_key in active | {job.key for job in pending}:
                     self.loop.call_soon_threadsafe(self.on_error, job_key, f"{type(exc).__name__}: {exc}")
             self.done_counts = self.spec_counts()
@@ -244,7 +245,7 @@ class DeviceStage(Stage):
             torch.cuda.set_per_process_memory_fraction(gpu_share(self.spec, self.name), torch.device(self.device))
         return load_generator(self.spec.model, self.spec.dtype, self.device, self.spec.max_len, self.slots,
                               self.spec.draft, TreeParams(**self.spec.tree), self.spec.quantize,
-                              self.spec.prefix_cache_mb)  # fmt: skip
+                              self.spec.prefix_cache_mb, {name: r["address"] for name, r in self.spec.ranges.items()})  # fmt: skip
 
     async def _drain(self) -> None:
         while True:

@@ -89,15 +89,21 @@ def tiny_model(tmp_path_factory, default_model_dir):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), default_model_dir)
 
 
-def tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu0,127.0.0.1#cpu1", point_tokens=12, dead_after_s=2.0):
-    """A run of the tiny model, and its folder (short: ipc socket paths have a length limit)."""
+def tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu0,127.0.0.1#cpu1", point_tokens=12, dead_after_s=2.0,
+              split=False):  # fmt: skip
+    """A run of the tiny model, and its folder (short: ipc socket paths have a length limit);
+    `split`: its layers over the devices (--split layers)."""
     import tempfile
     from pathlib import Path
 
+    from specsot_mq.stages.launch import split_ranges
+
     model, draft = tiny_model
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-test-"))
-    spec = plan_run(parse_devices(devices), load_profiles(default_profiles_path()), topology, run_dir,
-                    model=str(model), dtype="fp32", draft=str(draft), max_len=512,
+    profiles = load_profiles(default_profiles_path())
+    ranges = split_ranges(parse_devices(devices), profiles, Path(model), "none") if split else None
+    spec = plan_run(parse_devices(devices), profiles, topology, run_dir, ranges=ranges,
+                    model=str(model), dtype="fp32", draft="none" if split else str(draft), max_len=512,
                     sot={"point_tokens": point_tokens, "skeleton_tokens": 16}, heartbeat_s=0.25, dead_after_s=dead_after_s,
                     overrides={"parse": "pipeline_helpers:FixedPlanParse"})  # fmt: skip
     return spec, run_dir
@@ -273,6 +279,35 @@ def test_a_branch_killed_with_no_way_around_fails_its_request_by_name_and_the_re
     with launched(spec, run_dir) as launcher:
         messages, reports, after = _kill_mid_request(spec, launcher, victim, LONG)
     assert isinstance(messages[-1], Failed) and f"stage {victim} stopped" in messages[-1].error, messages[-1]
+    assert isinstance(after, Answer), after
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["p2p", "ring"])
+def test_a_model_split_by_layers_answers_as_the_whole_and_a_dead_range_fails_by_name(tiny_model, reference, topology):
+    """--split layers over two CPU devices: a range server on each holds its layers (sized by
+    their memory), the skeleton and one branch stage run the model through them. The skeleton and
+    a direct answer are the in-process engine's (greedy, so with or without its draft head); a
+    range server killed while points decode fails the request naming it, and once restarted the
+    next request is answered."""
+    skeleton, _, direct = reference
+    spec, run_dir = tiny_spec(tiny_model, topology, point_tokens=360, split=True)
+    victim = "range@127.0.0.1#cpu1"
+    assert spec.named("branch") == ["branch@127.0.0.1#cpu0"] and list(spec.ranges) == ["range@127.0.0.1#cpu0", victim]
+    assert [r["layers"] for r in spec.ranges.values()] == [[0, 1], [1, 2]]  # equal memory: half the layers each
+    with launched(spec, run_dir) as launcher:
+
+        async def whole():
+            async with Client(spec.client_address) as client:
+                return await asyncio.gather(client.answer(QUESTION, PARAMS, "always", timeout=120),
+                                            client.answer("What is 17 * 23?", PARAMS, "never", timeout=120))  # fmt: skip
+
+        sot, direct_got = asyncio.run(whole())
+        messages, reports, after = _kill_mid_request(spec, launcher, victim, LONG)
+    assert isinstance(sot, Answer) and sot.skeleton == skeleton, sot
+    assert direct_got.mode == "direct" and direct_got.answer == direct.answer
+    assert isinstance(messages[-1], Failed) and victim in messages[-1].error and "went away" in messages[-1].error, messages[-1]
+    assert any(victim in r and "signal 9" in r for r in reports), reports
     assert isinstance(after, Answer), after
 
 
