@@ -78,7 +78,8 @@ def launch(topo: TopologyOptions, model: ModelOptions, flags: LaunchFlags):
         try:
             asyncio.run(wait_ready(launcher))
             launcher.write_run_file(run_file)
-            print(f"ready: {len(spec.kinds)} stages, {topo.topology}; clients attach with --run {topo.run} "
+            ranges = "".join(f", layers {a}:{b} on {r['device']}" for r in spec.ranges.values() for a, b in [r["layers"]])
+            print(f"ready: {len(spec.kinds)} stages{ranges}, {topo.topology}; clients attach with --run {topo.run} "
                   f"(run file {run_file})", flush=True)  # fmt: skip
 
             async def watch(live):
