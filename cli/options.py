@@ -79,6 +79,8 @@ class TopologyOptions:
     split: Annotated[str, typer.Option("--split", envvar="SPECSOT_SPLIT",
         help="none: the whole model on every device; layers: its layers in ranges over the devices, "
              "sized by their memory in devices.json (a model larger than one device).")] = "none"
+    replicas: Annotated[int, typer.Option("--replicas", envvar="SPECSOT_REPLICAS",
+        help="With --split layers: devices serving each layer range; when one dies the next answers in its place.")] = 1
 
 
 @dataclasses.dataclass(slots=True)

@@ -306,7 +306,7 @@ def load_generator(
     tree=None,
     quantize: str = "auto",
     prefix_cache_mb: int = 256,
-    ranges: dict[str, str] | None = None,
+    ranges: dict[str, str | list[str]] | None = None,
 ):
     """The model named or given by path (pulled if it is a known name not yet cached), its
     tokenizer, its EAGLE draft head (see resolve_draft), and a Generator with caches of
@@ -314,7 +314,8 @@ def load_generator(
     quantize: see load_model. tree: TreeParams (default TreeParams(), whose
     prompt lookup also drafts for a model without a head; TreeParams(lookup=0) there decodes
     plainly). `ranges`: the range servers (remote_range.py) that hold the model's layers, in order,
-    as {name: address}: this process holds none and runs the model through them, with no draft head."""
+    as {name: address, or its replicas' addresses}: this process holds none and runs the model
+    through them, with no draft head."""
     from specsot_mq.draft import DraftHead
     from specsot_mq.generate import Generator
     from specsot_mq.pull import resolve_model

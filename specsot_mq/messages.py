@@ -382,9 +382,10 @@ class RangeHello(msgspec.Struct, tag=True, forbid_unknown_fields=True):
 
 
 class RangeNewCache(msgspec.Struct, tag=True, forbid_unknown_fields=True):
-    """Allocate a KV cache for the range (RangeReply.cache names it); `free`: caches the caller
-    no longer holds (their names), dropped first."""
+    """Allocate a KV cache for the range under the caller's name for it (one it had there before
+    is made again, empty); `free`: caches the caller no longer holds, dropped first."""
 
+    name: int
     slots: int
     capacity: int
     free: list[int] = []
@@ -428,7 +429,7 @@ class RangeReply(msgspec.Struct, forbid_unknown_fields=True):
 
     error: str = ""
     epoch: str = ""  # the server process's own id: a new one means it restarted and holds no cache of before
-    cache: int = 0  # a new cache's name
+    caches: list[int] = []  # a hello's: the names of the caches it holds
     logits: Tensor | None = None
     hidden: list[Tensor] = []
     kv: list[Tensor] = []  # a snapshot's keys and values

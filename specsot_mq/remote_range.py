@@ -22,11 +22,14 @@ timeout is named too.
 from __future__ import annotations
 
 import argparse
+import itertools
+import logging
 import os
 import sys
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 
 # Before torch loads OpenMP: a server waiting for its next request takes no core (stages/runner.py).
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
@@ -40,6 +43,8 @@ from specsot_mq.errors import SpecSotError  # noqa: E402
 from specsot_mq.messages import (RANGE_REQUESTS, RangeCacheOp, RangeForward, RangeHello,  # noqa: E402
                                  RangeNewCache, RangeReply, RangeStop, Tensor)  # fmt: skip
 from specsot_mq.model import ForwardOutput, LlamaModel, Step  # noqa: E402
+
+log = logging.getLogger("specsot.remote_range")
 
 _REQUESTS = msgspec.msgpack.Decoder(RANGE_REQUESTS)
 _REPLY = msgspec.msgpack.Decoder(RangeReply)
@@ -65,7 +70,6 @@ class RangeServer:
     def __init__(self, model: LlamaModel):
         self.model = model
         self.caches: dict[int, object] = {}  # by name: each RemoteCache of the callers'
-        self.named = 0
         self.epoch = uuid.uuid4().hex[:12]  # every reply carries it: a caller sees a restart
 
     def answer(self, request) -> RangeReply:
@@ -79,13 +83,13 @@ class RangeServer:
     def _answer(self, request) -> RangeReply:
         model = self.model
         if isinstance(request, (RangeHello, RangeStop)):
-            return RangeReply(first_layer=model.first_layer, last_layer=model.last_layer)
+            return RangeReply(first_layer=model.first_layer, last_layer=model.last_layer, caches=list(self.caches))
         if isinstance(request, RangeNewCache):
             for name in request.free:
                 self.caches.pop(name, None)
-            self.named += 1
-            self.caches[self.named] = model.new_cache(request.slots, request.capacity)
-            return RangeReply(cache=self.named)
+            self.caches.pop(request.name, None)
+            self.caches[request.name] = model.new_cache(request.slots, request.capacity)
+            return RangeReply()
         cache = self.caches.get(request.cache)
         if cache is None:
             raise SpecSotError(f"no cache {request.cache} here: ask for one first (RangeNewCache)")
@@ -131,26 +135,104 @@ class RangeServer:
             sock.close(linger=0)
 
 
-class RemoteRange(nn.Module):
-    """A SplitModel part whose layers a RangeServer at `address` holds (see the module docstring)."""
+class _Peer:
+    """One server of a range (a range with replicas has several, each holding the same layers):
+    a dealer socket to its reply socket (an empty frame before each message), so requests may be
+    sent ahead of their replies, which come back in order (a pipelined prefill's chunks); and a
+    monitor of it, which tells when the server goes away or connects again."""
 
-    def __init__(self, address: str, cfg, dtype: torch.dtype, device: torch.device | str = "cpu",
+    def __init__(self, address: str, label: str):
+        self.address, self.label = address, label
+        self.epoch = ""  # its process's id, from its replies
+        self.state = "sync"  # "sync": it holds what this side's caches hold; "down": unused until it rejoins
+        self.lost = False  # it went away while nothing was pending: whether it restarted is checked first
+        self.connect()
+
+    def connect(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        self.sock.connect(self.address)
+        self.pending = 0  # requests sent, replies not yet read
+        self.owed = 0  # of those, the first ones whose replies are dropped (another peer answered them)
+        self.gone = self.back = False  # it disconnected; it connected (again) since
+
+    def reset(self) -> None:
+        """A new socket: a reply still on its way never answers a later request."""
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+        self.connect()
+
+    def send(self, raw: bytes) -> None:
+        self.sock.send_multipart([b"", raw])
+        self.pending += 1
+
+    def events(self) -> None:
+        """Read what the monitor says (gone, back)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            self.gone |= event == zmq.EVENT_DISCONNECTED
+            self.back |= event == zmq.EVENT_CONNECTED
+
+    def wait(self, timeout_ms: int) -> RangeReply | str:
+        """The next reply, or why none came: "went away ..." or "did not answer ..."."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            ready = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
+            if self.sock in ready:
+                self.pending -= 1
+                return _REPLY.decode(self.sock.recv_multipart()[-1])
+            if self.monitor in ready:
+                self.events()
+                if self.gone:
+                    return "went away before it answered (its process died?)"
+            elif time.monotonic() >= deadline:
+                return (f"did not answer in {timeout_ms / 1000:.0f} s: is its server running "
+                        "(python -m specsot_mq.remote_range)?")  # fmt: skip
+
+    def drain(self) -> None:
+        """Drop the owed replies that have come."""
+        while self.owed and self.sock.poll(0):
+            self.sock.recv_multipart()
+            self.pending -= 1
+            self.owed -= 1
+
+
+class RemoteRange(nn.Module):
+    """A SplitModel part whose layers a RangeServer at `address` holds (see the module docstring),
+    or several (a list of addresses: replicas). Every request goes to each replica in sync, the
+    first of them answers; when it dies the next one answers in its place, from the same cache
+    entries (it ran the same requests), so nothing is lost. A replica that went away rejoins, its
+    caches made again, once no entry is in use (SlotManager.forget_claims)."""
+
+    def __init__(self, address: str | Sequence[str], cfg, dtype: torch.dtype, device: torch.device | str = "cpu",
                  timeout_s: float = 120.0, name: str | None = None):  # fmt: skip
-        """name: how errors name the server, beside its address (a launch's range stage)."""
+        """name: how errors name the range, beside its servers' addresses (a launch's range stage)."""
         super().__init__()
-        self.address, self.cfg, self.timeout_ms = address, cfg, int(timeout_s * 1000)
+        addresses = [address] if isinstance(address, str) else list(address)
+        self.address, self.cfg, self.timeout_ms = addresses[0], cfg, int(timeout_s * 1000)
         self._dtype, self._device = dtype, torch.device(device)
         self._freed: list[int] = []  # the names of caches no longer held here
         self._caches: weakref.WeakSet[RemoteCache] = weakref.WeakSet()  # the live ones
-        self._lost = False  # the server went away: whether it restarted is checked before the next request
-        self.label = f"{name} at {address}" if name else f"at {address}"  # how errors name it
-        self._connect()
+        self._names = itertools.count(int.from_bytes(os.urandom(5), "little") << 20)  # caches' names, this side's own
+        self.peers = [_Peer(a, f"{name} at {a}" if name else f"at {a}") for a in addresses]
+        self.label = self.peers[0].label  # how errors name the range
         try:
-            hello = self.call(RangeHello())
+            hellos = [self._ask(peer, RangeHello()) for peer in self.peers]
         except SpecSotError:
-            self._close()
+            for peer in self.peers:
+                peer.reset()
             raise
-        self.first_layer, self.last_layer, self.epoch = hello.first_layer, hello.last_layer, hello.epoch
+        layers = {(h.first_layer, h.last_layer) for h in hellos}
+        if len(layers) > 1:
+            raise SpecSotError(f"the replicas {', '.join(addresses)} hold different layers: {sorted(layers)}")
+        (self.first_layer, self.last_layer), = layers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -160,29 +242,25 @@ class RemoteRange(nn.Module):
     def device(self) -> torch.device:
         return self._device
 
-    def _connect(self) -> None:
-        """A dealer socket to the server's reply socket (an empty frame before each message), so
-        requests may be sent ahead of their replies, which come back in order (a pipelined
-        prefill's chunks); and a monitor of it, which tells when the server goes away."""
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._sock.connect(self.address)
-        self._pending = 0  # requests sent and not yet answered
+    def _in_sync(self) -> list[_Peer]:
+        return [p for p in self.peers if p.state == "sync"]
 
-    def _close(self) -> None:
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
-
-    def _fail(self, why: str) -> SpecSotError:
-        """The error of a request that got no reply; the socket starts afresh, so that a reply
-        still on its way never answers a later request, and the next request first checks whether
-        the server restarted (_recover)."""
-        self._close()
-        self._connect()
-        self._lost = True
-        return SpecSotError(f"the layer range {self.label} {why}")
+    def _ask(self, peer: _Peer, request) -> RangeReply:
+        """One request to one peer alone (a hello, a rejoining peer's caches)."""
+        peer.send(_ENCODER.encode(request))
+        while True:
+            got = peer.wait(self.timeout_ms)
+            if isinstance(got, str):
+                peer.reset()
+                raise SpecSotError(f"the layer range {peer.label} {got}")
+            if peer.owed:
+                peer.owed -= 1
+                continue
+            if not peer.epoch or isinstance(request, RangeHello):
+                peer.epoch = got.epoch
+            if got.error:
+                raise SpecSotError(f"the layer range {peer.label} failed: {got.error}")
+            return got
 
     def call(self, request) -> RangeReply:
         """One request and its reply; SpecSotError naming the server if it fails or is silent."""
@@ -190,20 +268,28 @@ class RemoteRange(nn.Module):
         return self.receive()
 
     def send(self, request) -> None:
-        """A request whose reply `receive` gets later (replies come in the order sent)."""
+        """A request whose reply `receive` gets later (replies come in the order sent), to each
+        replica in sync."""
         self.prepare()
-        self._sock.send_multipart([b"", _ENCODER.encode(request)])
-        self._pending += 1
+        raw = _ENCODER.encode(request)
+        for peer in self._in_sync():
+            peer.send(raw)
 
     def prepare(self, cache: "RemoteCache | None" = None) -> None:
-        """Before a request (to `cache`, which it reads or writes, before its name goes in it): if
-        the server went away, whether it restarted; SpecSotError if that lost entries in use."""
-        if not self._pending:
-            while self._monitor.poll(0):  # the server went away while nothing was pending here
-                self._monitor.recv_multipart()
-                self._lost = True
-            if self._lost:
-                self._recover()
+        """Before a request (to `cache`, which it reads or writes): a replica that went away while
+        idle stops being used (the last one is checked: did it restart?); SpecSotError if a
+        restart lost entries in use."""
+        for peer in self._in_sync():
+            if not peer.pending:
+                peer.events()
+                if peer.gone:  # it went away while nothing was pending here
+                    if len(self._in_sync()) > 1:
+                        self._drop(peer)
+                    else:
+                        peer.gone, peer.lost = False, True
+        only = self._in_sync()
+        if len(only) == 1 and only[0].lost:
+            self._recover(only[0])
         if cache is not None:
             if cache.lost:
                 cache.lost = False
@@ -211,61 +297,98 @@ class RemoteRange(nn.Module):
                                    "requests running here: they fail, later ones run")  # fmt: skip
             cache.holds = True
 
-    def _recover(self) -> None:
-        """After the server went away: once it answers again, whether it is a new process (its
-        caches are then made again, empty, under the names of this side's live caches)."""
-        self._lost = False
-        self.send(RangeHello())
-        epoch = self.receive(same_process=False).epoch
-        if epoch != self.epoch:
-            self._restarted(epoch)
+    def _drop(self, peer: _Peer) -> None:
+        log.warning("the layer range %s went away: its replica %s goes on", peer.label,
+                    next(p for p in self._in_sync() if p is not peer).label)  # fmt: skip
+        peer.state = "down"
+        peer.reset()
 
-    def _restarted(self, epoch: str) -> None:
+    def _recover(self, peer: _Peer) -> None:
+        """After the last replica went away: once it answers again, whether it is a new process
+        (its caches are then made again, empty)."""
+        peer.lost = False
+        epoch = peer.epoch
+        self._ask(peer, RangeHello())
+        if peer.epoch != epoch:
+            self._restarted(peer)
+
+    def _restarted(self, peer: _Peer) -> None:
         """The server is a new process: this side's caches are made again there, and those whose
         entries were in use fail their next request (the slot manager's claims are on them)."""
-        self.epoch = epoch
         for cache in list(self._caches):
-            cache.name = self.call(RangeNewCache(cache.num_slots, cache.capacity)).cache
+            self._ask(peer, RangeNewCache(cache.name, cache.num_slots, cache.capacity))
             cache.lost, cache.holds = cache.holds, False
 
-    def receive(self, same_process: bool = True) -> RangeReply:
-        """The reply to the oldest request not yet received. SpecSotError naming the server if it
-        fails the request, goes away while it is pending or stays silent for the timeout, or has
-        restarted since (which loses the caches it held: they are made again, empty, and the
-        requests that held entries in them fail); same_process False: from any server process."""
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        deadline = time.monotonic() + self.timeout_ms / 1000
+    def receive(self) -> RangeReply:
+        """The reply to the oldest request not yet received, from the first replica in sync (the
+        next one's when it goes away). SpecSotError naming the server if the last one fails the
+        request, goes away while it is pending or stays silent for the timeout, or has restarted
+        since (which loses the caches it held: they are made again, empty, and the requests that
+        held entries in them fail)."""
         while True:
-            ready = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
-            if self._sock in ready:
-                break
-            if self._monitor in ready:
-                raise self._fail("went away before it answered (its process died?)")
-            if time.monotonic() >= deadline:
-                raise self._fail(f"did not answer in {self.timeout_ms / 1000:.0f} s: is its server running "
-                                 "(python -m specsot_mq.remote_range)?")  # fmt: skip
-        reply = _REPLY.decode(self._sock.recv_multipart()[-1])
-        self._pending -= 1
-        if same_process and reply.epoch != getattr(self, "epoch", reply.epoch):  # (none known yet: the hello)
-            self._restarted(reply.epoch)
-            raise SpecSotError(f"the layer range {self.label} restarted, losing the KV cache entries of the requests "
-                               "running here: they fail, later ones run")  # fmt: skip
-        if reply.error:
-            raise SpecSotError(f"the layer range {self.label} failed: {reply.error}")
-        return reply
+            peer = self._in_sync()[0]
+            got = peer.wait(self.timeout_ms)
+            if not isinstance(got, str) and peer.owed:  # a reply to a request another replica answered
+                peer.owed -= 1
+                continue
+            restarted = not isinstance(got, str) and got.epoch != peer.epoch
+            if isinstance(got, str) or restarted:
+                if len(self._in_sync()) > 1:
+                    self._drop(peer)
+                    continue
+                if restarted:
+                    peer.epoch = got.epoch
+                    self._restarted(peer)
+                    raise SpecSotError(f"the layer range {peer.label} restarted, losing the KV cache entries of the "
+                                       "requests running here: they fail, later ones run")  # fmt: skip
+                peer.reset()
+                peer.lost = True
+                raise SpecSotError(f"the layer range {peer.label} {got}")
+            for other in self._in_sync()[1:]:
+                other.owed += 1
+                other.drain()
+                other.events()
+                if other.gone:  # a replica that died behind the one answering stops being sent to
+                    self._drop(other)
+            if got.error:
+                raise SpecSotError(f"the layer range {peer.label} failed: {got.error}")
+            return got
 
     def ready(self) -> bool:
         """Whether a reply is waiting."""
-        return bool(self._sock.poll(0))
+        return bool(self._in_sync()[0].sock.poll(0))
+
+    def quiet(self) -> None:
+        """No entry of this side's caches is in use: a replica that went away and is back rejoins,
+        its caches made again (empty, as none holds an entry in use)."""
+        if any(cache.holds for cache in self._caches):
+            return
+        for peer in self.peers:
+            if peer.state != "down":
+                continue
+            peer.events()
+            if not peer.back:
+                continue
+            try:
+                held = self._ask(peer, RangeHello()).caches
+                live = {cache.name for cache in self._caches}
+                for cache in self._caches:
+                    self._ask(peer, RangeNewCache(cache.name, cache.num_slots, cache.capacity,
+                                                  [n for n in held if n not in live]))  # fmt: skip
+                    held = []
+            except SpecSotError:
+                peer.reset()
+                continue
+            peer.state, peer.gone, peer.back = "sync", False, False
+            log.warning("the layer range %s is back in sync", peer.label)
 
     def new_cache(self, num_slots: int, capacity: int, dtype=None, graphs=None) -> "RemoteCache":
         """A cache on the server; the server drops it once this process no longer holds it (its
         name goes with the next new cache's request)."""
         freed, self._freed = self._freed, []
-        cache = RemoteCache(self, self.call(RangeNewCache(num_slots, capacity, freed)).cache, num_slots, capacity)
-        weakref.finalize(cache, _free, self._freed, cache.names)
+        cache = RemoteCache(self, next(self._names), num_slots, capacity)
+        self.call(RangeNewCache(cache.name, num_slots, capacity, freed))
+        weakref.finalize(cache, self._freed.append, cache.name)
         self._caches.add(cache)
         return cache
 
@@ -292,8 +415,9 @@ class RemoteRange(nn.Module):
         return ForwardOutput(logits, hidden)
 
     def stop(self) -> None:
-        """End the server (it answers first)."""
-        self.call(RangeStop())
+        """End the servers (each answers first)."""
+        for peer in self._in_sync():
+            self._ask(peer, RangeStop())
 
 
 class RemoteCache:
@@ -301,21 +425,13 @@ class RemoteCache:
     out by the server."""
 
     def __init__(self, part: RemoteRange, name: int, num_slots: int, capacity: int):
-        self.part, self.num_slots, self.capacity = part, num_slots, capacity
-        self.names = [name]  # its name on the server, made anew if the server restarts (held in a list the finalizer reads)
+        self.part, self.name, self.num_slots, self.capacity = part, name, num_slots, capacity
         self.holds = False  # entries in use were written to it (since the slot manager last forgot its claims)
         self.lost = False  # a server restart lost those: its next use fails
 
     def forget(self) -> None:
         self.holds = self.lost = False
-
-    @property
-    def name(self) -> int:
-        return self.names[0]
-
-    @name.setter
-    def name(self, name: int) -> None:
-        self.names[0] = name
+        self.part.quiet()
 
     def copy(self, src_slot: int, dst_slots, length: int) -> None:
         self.part.prepare(self)
@@ -338,11 +454,6 @@ class RemoteCache:
     @property
     def num_layers(self) -> int:
         return self.part.last_layer - self.part.first_layer
-
-
-def _free(freed: list[int], names: list[int]) -> None:
-    """A dropped cache's current name goes with the next new cache's request."""
-    freed.append(names[0])
 
 
 def main(argv=None) -> None:

@@ -61,6 +61,7 @@ class LaunchOptions:
     prefix_cache_mb: int = 256  # each device stage's prefix store: a conversation's earlier turns computed once
     max_len: int = 2048  # each device stage's KV cache length (prompt + answer)
     split: str = "none"  # or "layers": the model's layers in ranges over the devices, sized by their memory
+    replicas: int = 1  # --split layers: devices serving each range (the ranges are sized over the first 1/replicas)
 
 
 def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
@@ -82,7 +83,9 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
     # schedule and merge run on this host and read its tokenizer) rather than by the first of them;
     # a bad model name fails now. Remote hosts resolve it themselves.
     folder = resolve_model(options.model)
-    ranges = split_ranges(devices, profiles, folder, options.draft) if options.split == "layers" else None
+    if options.replicas != 1 and options.split != "layers":
+        raise SpecSotError("--replicas serves each layer range on several devices: it needs --split layers")
+    ranges = split_ranges(devices, profiles, folder, options.draft, options.replicas) if options.split == "layers" else None
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
     spec = plan_run(devices, profiles, options.topology, run_dir, options.base_port, options.threads, ranges,
                     model=options.model, dtype=options.dtype, quantize=options.quantize,
@@ -95,13 +98,20 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
 
 
 def split_ranges(devices: list[Device], profiles: dict[str, DeviceProfile], folder: Path,
-                 draft: str | None) -> list[tuple[int, int]]:  # fmt: skip
-    """--split layers: each device's [first, last) layers, sized by its memory in devices.json."""
+                 draft: str | None, replicas: int = 1) -> list[tuple[int, int]]:  # fmt: skip
+    """--split layers: each device's [first, last) layers, sized by memory in devices.json: the
+    first len(devices) / replicas devices take the ranges in order, and each later one serves the
+    same range as the device that many places before it (its replica)."""
     from specsot_mq.config import ModelConfig
     from specsot_mq.split import layer_ranges, weight_bytes
 
-    if len(devices) < 2:
-        raise SpecSotError("--split layers needs two devices or more in --devices, e.g. 127.0.0.1#cpu0,127.0.0.1#cpu1")
+    if replicas < 1 or len(devices) % replicas:
+        raise SpecSotError(f"--replicas {replicas}: give a number of devices that it divides "
+                           f"({len(devices)} in --devices)")  # fmt: skip
+    n = len(devices) // replicas
+    if n < 2:
+        raise SpecSotError(f"--split layers needs two devices or more per replica in --devices ({len(devices)} for "
+                           f"{replicas} replicas), e.g. 127.0.0.1#cpu0,127.0.0.1#cpu1")  # fmt: skip
     if not all(is_local(d.host) for d in devices):
         raise SpecSotError("--split layers runs over the devices of this host for now: its range links are not "
                            "authenticated yet; use --split none across hosts")  # fmt: skip
@@ -110,8 +120,15 @@ def split_ranges(devices: list[Device], profiles: dict[str, DeviceProfile], fold
                            "process): use --draft none")  # fmt: skip
     layer, embed, head = weight_bytes(folder)
     budgets = [p.memory_gb * 1e9 for p in device_profiles(devices, profiles)]
-    return layer_ranges(ModelConfig.from_folder(folder).num_layers, int(layer), budgets, embed, head,
-                        [d.name for d in devices])  # fmt: skip
+    bounds = layer_ranges(ModelConfig.from_folder(folder).num_layers, int(layer), budgets[:n], embed, head,
+                          [d.name for d in devices[:n]])  # fmt: skip
+    for i in range(n, len(devices)):  # a replica's memory holds its range too
+        first, last = bounds[i % n]
+        need = (last - first) * layer + (embed if first == 0 else 0) + (head if i % n == n - 1 else 0)
+        if need > budgets[i]:
+            raise SpecSotError(f"{devices[i].name}'s layers {first}:{last} (a replica) need {need / 2**20:.0f} MB, more "
+                               f"than its memory budget ({budgets[i] / 2**20:.0f} MB): raise it in devices.json")  # fmt: skip
+    return [bounds[i % n] for i in range(len(devices))]
 
 
 def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology: str, run_dir: Path,
@@ -129,6 +146,8 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
         raise SpecSotError("--devices names no device: give at least one, e.g. 127.0.0.1#cpu")
     first = devices[0]
     branched = devices[:1] if ranges else devices
+    if ranges is not None and len(ranges) != len(devices):
+        raise SpecSotError(f"{len(ranges)} layer ranges for {len(devices)} devices: give one per device")
     branch_names = [f"branch@{d.name}" for d in branched]
     kinds = {"gateway": "gateway", "skeleton": "skeleton", "parse": "parse", "schedule": "schedule",
              **dict.fromkeys(branch_names, "branch"), "merge": "merge"}  # fmt: skip

@@ -213,6 +213,15 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
         future.set_result(result)
 
 
+def replica_groups(ranges: dict[str, dict]) -> dict[str, list[str]]:
+    """RunSpec.ranges as load_generator takes them: {the range's servers' names: their addresses},
+    one entry per range (its replicas together), in layer order."""
+    groups: dict[tuple, list[tuple[str, str]]] = {}
+    for name, served in ranges.items():
+        groups.setdefault(tuple(served["layers"]), []).append((name, served["address"]))
+    return {" / ".join(n for n, _ in g): [a for _, a in g] for _, g in sorted(groups.items())}
+
+
 class DeviceStage(Stage):
     """A stage that owns a device: one Generator (model, draft head, KV cache allocated at start)
     and the worker thread that decodes on it. Messages go out in order through one sender task."""
@@ -245,7 +254,7 @@ class DeviceStage(Stage):
             torch.cuda.set_per_process_memory_fraction(gpu_share(self.spec, self.name), torch.device(self.device))
         return load_generator(self.spec.model, self.spec.dtype, self.device, self.spec.max_len, self.slots,
                               self.spec.draft, TreeParams(**self.spec.tree), self.spec.quantize,
-                              self.spec.prefix_cache_mb, {name: r["address"] for name, r in self.spec.ranges.items()})  # fmt: skip
+                              self.spec.prefix_cache_mb, replica_groups(self.spec.ranges))  # fmt: skip
 
     async def _drain(self) -> None:
         while True:

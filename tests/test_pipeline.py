@@ -90,9 +90,9 @@ def tiny_model(tmp_path_factory, default_model_dir):
 
 
 def tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu0,127.0.0.1#cpu1", point_tokens=12, dead_after_s=2.0,
-              split=False):  # fmt: skip
+              split=False, replicas=1):  # fmt: skip
     """A run of the tiny model, and its folder (short: ipc socket paths have a length limit);
-    `split`: its layers over the devices (--split layers)."""
+    `split`: its layers over the devices (--split layers, --replicas)."""
     import tempfile
     from pathlib import Path
 
@@ -101,7 +101,7 @@ def tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu0,127.0.0.1#cpu1", poi
     model, draft = tiny_model
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-test-"))
     profiles = load_profiles(default_profiles_path())
-    ranges = split_ranges(parse_devices(devices), profiles, Path(model), "none") if split else None
+    ranges = split_ranges(parse_devices(devices), profiles, Path(model), "none", replicas) if split else None
     spec = plan_run(parse_devices(devices), profiles, topology, run_dir, ranges=ranges,
                     model=str(model), dtype="fp32", draft="none" if split else str(draft), max_len=512,
                     sot={"point_tokens": point_tokens, "skeleton_tokens": 16}, heartbeat_s=0.25, dead_after_s=dead_after_s,
@@ -307,6 +307,30 @@ def test_a_model_split_by_layers_answers_as_the_whole_and_a_dead_range_fails_by_
     assert isinstance(sot, Answer) and sot.skeleton == skeleton, sot
     assert direct_got.mode == "direct" and direct_got.answer == direct.answer
     assert isinstance(messages[-1], Failed) and victim in messages[-1].error and "went away" in messages[-1].error, messages[-1]
+    assert any(victim in r and "signal 9" in r for r in reports), reports
+    assert isinstance(after, Answer), after
+
+
+@pytest.mark.slow
+def test_a_layer_range_with_a_replica_loses_nothing_when_it_dies_mid_request(tiny_model):
+    """--split layers --replicas 2 over four CPU devices: each range on two. The first server of
+    a range killed while points decode, its replica answers in its place: the answer is exactly
+    the one without the fault, nothing fails, and the next request is answered."""
+    four = "127.0.0.1#cpu0,127.0.0.1#cpu1,127.0.0.1#cpu2,127.0.0.1#cpu3"
+    spec, run_dir = tiny_spec(tiny_model, "p2p", devices=four, point_tokens=360, split=True, replicas=2)
+    assert [r["layers"] for r in spec.ranges.values()] == [[0, 1], [1, 2], [0, 1], [1, 2]]
+    victim = "range@127.0.0.1#cpu1"  # the first server of layers 1:2 (cpu3 is its replica)
+    with launched(spec, run_dir) as launcher:
+
+        async def unfaulted():
+            async with Client(spec.client_address) as client:
+                return await client.answer(QUESTION, LONG, "always", timeout=120)
+
+        want = asyncio.run(unfaulted())
+        messages, reports, after = _kill_mid_request(spec, launcher, victim, LONG)
+    last = messages[-1]
+    assert isinstance(last, Answer) and last.answer == want.answer, last
+    assert not any(isinstance(m, Failed) for m in messages)
     assert any(victim in r and "signal 9" in r for r in reports), reports
     assert isinstance(after, Answer), after
 
