@@ -10,7 +10,11 @@ final message), the median and p95 latency with and without faults, the kills, a
 RSS at the end. Last line: one JSON object with `answered`, `failed` and `lost` per topology.
 `--victims branch` kills the branch stages in turn (two devices: one always survives);
 `skeleton` kills the skeleton stage (its requests fail with its name; the rest are answered
-after its restart).
+after its restart); `range`, with `--split layers --replicas 2` and four devices, kills the layer
+ranges' servers in turn, each range keeping its replica:
+
+    python benchmarks/faults.py --split layers --replicas 2 --victims range --topologies p2p \
+        --devices 127.0.0.1#cpu0,127.0.0.1#cpu1,127.0.0.1#cpu2,127.0.0.1#cpu3
 """
 
 from __future__ import annotations
@@ -42,12 +46,14 @@ LOST = "in time"  # the client's own timeout message: the request neither answer
 
 def soak(args, topology: str, questions: list[str], faults: bool, progress) -> dict:
     options = LaunchOptions(devices=args.devices, topology=topology, model=args.model, point_tokens=args.max_tokens,
-                            skeleton_tokens=args.max_tokens)  # fmt: skip
+                            skeleton_tokens=args.max_tokens, split=args.split, replicas=args.replicas)  # fmt: skip
     launcher, spec = start_topology(options)
     kills, stop = [], threading.Event()
     try:
         asyncio.run(wait_ready(launcher))
-        victims = spec.named(args.victims)
+        victims = list(spec.ranges) if args.victims == "range" else spec.named(args.victims)
+        if not victims:
+            raise SystemExit(f"no {args.victims} stage to kill: --victims range needs --split layers")
 
         def watch():  # the launcher's own loop: restart what died; kill the next victim every K s
             next_kill, turn = time.monotonic() + args.every, 0
@@ -106,14 +112,16 @@ def main(argv=None) -> dict:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64, help="cap on every phase")
     p.add_argument("--every", type=float, default=30.0, help="seconds between kills")
-    p.add_argument("--victims", default="branch", choices=["branch", "skeleton"])
+    p.add_argument("--victims", default="branch", choices=["branch", "skeleton", "range"])
+    p.add_argument("--split", default="none", choices=["none", "layers"])
+    p.add_argument("--replicas", type=int, default=1, help="with --split layers: servers of each layer range")
     p.add_argument("--timeout", type=float, default=300.0, help="the client's wait for a request")
     p.add_argument("--no-baseline", action="store_true", help="skip the runs without faults")
     args = p.parse_args(argv)
     console = Console(stderr=True)
     questions, source = load_prompts(args.questions, args.limit)
     result = {"cpu": cpu_name(), "requests": args.requests, "concurrency": args.concurrency, "every_s": args.every,
-              "victims": args.victims, "questions": source}  # fmt: skip
+              "victims": args.victims, "split": args.split, "replicas": args.replicas, "questions": source}  # fmt: skip
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console)  # fmt: skip
     with progress:

@@ -306,16 +306,16 @@ def load_generator(
     tree=None,
     quantize: str = "auto",
     prefix_cache_mb: int = 256,
-    ranges: dict[str, str | list[str]] | None = None,
+    ranges: list[dict[str, str]] | None = None,
 ):
     """The model named or given by path (pulled if it is a known name not yet cached), its
     tokenizer, its EAGLE draft head (see resolve_draft), and a Generator with caches of
     `max_len` positions for `num_slots` sequences and a prefix store of `prefix_cache_mb`;
     quantize: see load_model. tree: TreeParams (default TreeParams(), whose
     prompt lookup also drafts for a model without a head; TreeParams(lookup=0) there decodes
-    plainly). `ranges`: the range servers (remote_range.py) that hold the model's layers, in order,
-    as {name: address, or its replicas' addresses}: this process holds none and runs the model
-    through them, with no draft head."""
+    plainly). `ranges`: the range servers (remote_range.py) that hold the model's layers: for each
+    range in order, its servers (replicas) as {name: address}. This process then holds no layer
+    and runs the model through them, with no draft head."""
     from specsot_mq.draft import DraftHead
     from specsot_mq.generate import Generator
     from specsot_mq.pull import resolve_model
@@ -333,7 +333,8 @@ def load_generator(
 
         cfg = ModelConfig.from_folder(folder)
         # a long prefill over a slow range takes minutes; a range that dies is seen at once (RemoteRange)
-        parts = [RemoteRange(address, cfg, activations, dev, timeout_s=600, name=name) for name, address in ranges.items()]
+        parts = [RemoteRange(list(servers.values()), cfg, activations, dev, timeout_s=600, name=list(servers))
+                 for servers in ranges]  # fmt: skip
         net, draft = SplitModel(parts), "none"
     else:
         net = load_model(folder, dtype=activations, device=dev, quantize=quantize)

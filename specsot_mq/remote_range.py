@@ -208,20 +208,24 @@ class RemoteRange(nn.Module):
     """A SplitModel part whose layers a RangeServer at `address` holds (see the module docstring),
     or several (a list of addresses: replicas). Every request goes to each replica in sync, the
     first of them answers; when it dies the next one answers in its place, from the same cache
-    entries (it ran the same requests), so nothing is lost. A replica that went away rejoins, its
-    caches made again, once no entry is in use (SlotManager.forget_claims)."""
+    entries (it ran the same requests), so nothing is lost. A replica that went away rejoins once
+    it is back, between two requests: its caches made again and their entries in use copied to it."""
 
     def __init__(self, address: str | Sequence[str], cfg, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 timeout_s: float = 120.0, name: str | None = None):  # fmt: skip
-        """name: how errors name the range, beside its servers' addresses (a launch's range stage)."""
+                 timeout_s: float = 120.0, name: str | Sequence[str] | None = None):  # fmt: skip
+        """name: how errors name each server, beside its address (a launch's range stages)."""
         super().__init__()
         addresses = [address] if isinstance(address, str) else list(address)
         self.address, self.cfg, self.timeout_ms = addresses[0], cfg, int(timeout_s * 1000)
         self._dtype, self._device = dtype, torch.device(device)
         self._freed: list[int] = []  # the names of caches no longer held here
         self._caches: weakref.WeakSet[RemoteCache] = weakref.WeakSet()  # the live ones
-        self._names = itertools.count(int.from_bytes(os.urandom(5), "little") << 20)  # caches' names, this side's own
-        self.peers = [_Peer(a, f"{name} at {a}" if name else f"at {a}") for a in addresses]
+        # this side's caches' names: a random 40-bit prefix of its own (other processes use the same
+        # servers), then a count
+        self._prefix = int.from_bytes(os.urandom(5), "little")
+        self._names = itertools.count(self._prefix << 20)
+        names = [name] * len(addresses) if name is None or isinstance(name, str) else list(name)
+        self.peers = [_Peer(a, f"{n} at {a}" if n else f"at {a}") for a, n in zip(addresses, names)]
         self.label = self.peers[0].label  # how errors name the range
         try:
             hellos = [self._ask(peer, RangeHello()) for peer in self.peers]
@@ -277,8 +281,8 @@ class RemoteRange(nn.Module):
 
     def prepare(self, cache: "RemoteCache | None" = None) -> None:
         """Before a request (to `cache`, which it reads or writes): a replica that went away while
-        idle stops being used (the last one is checked: did it restart?); SpecSotError if a
-        restart lost entries in use."""
+        idle stops being used (the last one is checked: did it restart?), one that is back
+        rejoins once nothing is pending; SpecSotError if a restart lost entries in use."""
         for peer in self._in_sync():
             if not peer.pending:
                 peer.events()
@@ -290,12 +294,12 @@ class RemoteRange(nn.Module):
         only = self._in_sync()
         if len(only) == 1 and only[0].lost:
             self._recover(only[0])
-        if cache is not None:
-            if cache.lost:
-                cache.lost = False
-                raise SpecSotError(f"the layer range {self.label} restarted, losing the KV cache entries of the "
-                                   "requests running here: they fail, later ones run")  # fmt: skip
-            cache.holds = True
+        if len(only) < len(self.peers) and not any(p.pending for p in only):
+            self._rejoin()
+        if cache is not None and cache.lost:
+            cache.lost = False
+            raise SpecSotError(f"the layer range {self.label} restarted, losing the KV cache entries of the "
+                               "requests running here: they fail, later ones run")  # fmt: skip
 
     def _drop(self, peer: _Peer) -> None:
         log.warning("the layer range %s went away: its replica %s goes on", peer.label,
@@ -317,7 +321,7 @@ class RemoteRange(nn.Module):
         entries were in use fail their next request (the slot manager's claims are on them)."""
         for cache in list(self._caches):
             self._ask(peer, RangeNewCache(cache.name, cache.num_slots, cache.capacity))
-            cache.lost, cache.holds = cache.holds, False
+            cache.lost, cache.used = bool(cache.used), {}
 
     def receive(self) -> RangeReply:
         """The reply to the oldest request not yet received, from the first replica in sync (the
@@ -358,11 +362,11 @@ class RemoteRange(nn.Module):
         """Whether a reply is waiting."""
         return bool(self._in_sync()[0].sock.poll(0))
 
-    def quiet(self) -> None:
-        """No entry of this side's caches is in use: a replica that went away and is back rejoins,
-        its caches made again (empty, as none holds an entry in use)."""
-        if any(cache.holds for cache in self._caches):
-            return
+    def _rejoin(self) -> None:
+        """A replica that went away and is back (its monitor saw it connect) rejoins: its caches
+        are made again, and the entries in use of each are copied to it from the replica that
+        answers (KV shipped, not recomputed), so it holds what the others hold."""
+        source = self._in_sync()[0]
         for peer in self.peers:
             if peer.state != "down":
                 continue
@@ -370,13 +374,18 @@ class RemoteRange(nn.Module):
             if not peer.back:
                 continue
             try:
-                held = self._ask(peer, RangeHello()).caches
                 live = {cache.name for cache in self._caches}
-                for cache in self._caches:
-                    self._ask(peer, RangeNewCache(cache.name, cache.num_slots, cache.capacity,
-                                                  [n for n in held if n not in live]))  # fmt: skip
-                    held = []
-            except SpecSotError:
+                # this side's caches it still holds from before (it went away without dying), the
+                # others' left alone: other processes use it too
+                stale = [n for n in self._ask(peer, RangeHello()).caches if n >> 20 == self._prefix and n not in live]
+                for cache in list(self._caches):
+                    self._ask(peer, RangeNewCache(cache.name, cache.num_slots, cache.capacity, stale))
+                    stale = []
+                    for slot, length in cache.used.items():
+                        kv = self._ask(source, RangeCacheOp(cache.name, "snapshot", slot, at=length)).kv
+                        self._ask(peer, RangeCacheOp(cache.name, "restore", slot, kv=kv))
+            except SpecSotError as e:
+                log.warning("the layer range %s could not rejoin yet: %s", peer.label, e)
                 peer.reset()
                 continue
             peer.state, peer.gone, peer.back = "sync", False, False
@@ -402,6 +411,8 @@ class RemoteRange(nn.Module):
     def submit(self, x: torch.Tensor, cache: "RemoteCache", step: Step) -> None:
         """Send a forward; `result` gets its output."""
         self.prepare(cache)
+        for slot, start in zip(step.slots, step.starts):
+            cache.wrote(slot, start + step.positions.shape[1])
         self.send(RangeForward(cache.name, to_wire(x), list(step.slots), list(step.starts), to_wire(step.positions),
                                None if step.mask is None else to_wire(step.mask), step.logit_rows,
                                list(step.hidden_layers)))  # fmt: skip
@@ -426,20 +437,27 @@ class RemoteCache:
 
     def __init__(self, part: RemoteRange, name: int, num_slots: int, capacity: int):
         self.part, self.name, self.num_slots, self.capacity = part, name, num_slots, capacity
-        self.holds = False  # entries in use were written to it (since the slot manager last forgot its claims)
-        self.lost = False  # a server restart lost those: its next use fails
+        # how far each slot's entries may be in use (written since the slot manager last forgot its
+        # claims): what a rejoining replica gets copied, what a restart loses
+        self.used: dict[int, int] = {}
+        self.lost = False  # a server restart lost entries in use: its next use fails
+
+    def wrote(self, slot: int, end: int) -> None:
+        self.used[slot] = max(self.used.get(slot, 0), end)
 
     def forget(self) -> None:
-        self.holds = self.lost = False
-        self.part.quiet()
+        self.used, self.lost = {}, False
 
     def copy(self, src_slot: int, dst_slots, length: int) -> None:
         self.part.prepare(self)
+        for slot in dst_slots:
+            self.wrote(slot, length)
         self.part.call(RangeCacheOp(self.name, "copy", src_slot, slots=list(dst_slots), at=length))
 
     def move(self, slot: int, src, dst: int) -> None:
         positions = src.tolist() if torch.is_tensor(src) else list(src)
         self.part.prepare(self)
+        self.wrote(slot, dst + len(positions))
         self.part.call(RangeCacheOp(self.name, "move", slot, positions=positions, at=dst))
 
     def snapshot(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -449,7 +467,9 @@ class RemoteCache:
 
     def restore(self, slot: int, kv: tuple[torch.Tensor, torch.Tensor]) -> int:
         self.part.prepare(self)
-        return self.part.call(RangeCacheOp(self.name, "restore", slot, kv=[to_wire(kv[0]), to_wire(kv[1])])).held
+        held = self.part.call(RangeCacheOp(self.name, "restore", slot, kv=[to_wire(kv[0]), to_wire(kv[1])])).held
+        self.wrote(slot, held)
+        return held
 
     @property
     def num_layers(self) -> int:

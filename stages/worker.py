@@ -213,13 +213,13 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
         future.set_result(result)
 
 
-def replica_groups(ranges: dict[str, dict]) -> dict[str, list[str]]:
-    """RunSpec.ranges as load_generator takes them: {the range's servers' names: their addresses},
-    one entry per range (its replicas together), in layer order."""
-    groups: dict[tuple, list[tuple[str, str]]] = {}
+def replica_groups(ranges: dict[str, dict]) -> list[dict[str, str]]:
+    """RunSpec.ranges as load_generator takes them: for each range, in layer order, its servers
+    (its replicas) as {name: address}."""
+    groups: dict[tuple, dict[str, str]] = {}
     for name, served in ranges.items():
-        groups.setdefault(tuple(served["layers"]), []).append((name, served["address"]))
-    return {" / ".join(n for n, _ in g): [a for _, a in g] for _, g in sorted(groups.items())}
+        groups.setdefault(tuple(served["layers"]), {})[name] = served["address"]
+    return [group for _, group in sorted(groups.items())]
 
 
 class DeviceStage(Stage):

@@ -302,8 +302,9 @@ def test_a_layer_range_that_dies_fails_the_requests_it_held_and_serves_later_one
 def test_a_layer_range_with_a_replica_loses_nothing_when_either_dies(tmp_path):
     """Layers 2:4 served twice: every request goes to both, the first answers. Its process killed
     with a forward pending there, the replica answers that forward, and decoding goes on with the
-    whole model's logits and greedy tokens; restarted, it rejoins once no entry is in use; then the
-    replica dies while idle and the first goes on alone."""
+    whole model's logits and greedy tokens. Restarted, it rejoins between two steps of a sequence
+    still decoding, the entries in use copied to it from the replica; then the replica dies and
+    that sequence's next step, on the first alone, still has the whole model's logits."""
     import os
     import signal
     import socket
@@ -332,34 +333,34 @@ def test_a_layer_range_with_a_replica_loses_nothing_when_either_dies(tmp_path):
         remote = RemoteRange(addresses, local.cfg, torch.float32, timeout_s=120)
         split = SplitModel([local, remote])
         ids, step = torch.tensor([[1, 5, 6, 7]]), Step.fresh(torch.arange(4)[None])
-        nxt, at = torch.tensor([[9]]), Step([0], [4], torch.tensor([[4]]))
+        steps = [(torch.tensor([[t]]), Step([0], [4 + i], torch.tensor([[4 + i]]))) for i, t in enumerate([9, 11, 13])]
         with torch.inference_mode():
             cache, want_cache = split.new_cache(1, 16), whole.new_cache(1, 16)
-            want = [whole(ids, want_cache, step).logits, whole(nxt, want_cache, at).logits]
+            want = [whole(ids, want_cache, step).logits] + [whole(t, want_cache, at).logits for t, at in steps]
             x = local(ids, cache.parts[0], replace(step, logit_rows=[], hidden_layers=(2,))).hidden[-1]
             os.kill(servers[0].pid, signal.SIGSTOP)  # a forward pending at the first when it dies
             remote.submit(x, cache.parts[1], step)
             servers[0].kill()
             servers[0].wait()
-            got = [remote.result().logits, split(nxt, cache, at).logits]  # the replica answers, then decodes on
+            got = [remote.result().logits, split(steps[0][0], cache, steps[0][1]).logits]  # the replica answers, then decodes on
+            assert [p.state for p in remote.peers] == ["down", "sync"]
+            prompts = [[1, 5, 6, 7, 8], [1, 5, 6, 9]]
+            gens = [Generator(m, CharTokenizer(), max_len=64, num_slots=2) for m in (whole, split)]
+            want_tokens, got_tokens = ([c.token_ids for c in g.generate_many(prompts, GREEDY)] for g in gens)
+            assert got_tokens == want_tokens
+            servers[0] = serve(addresses[0])
+            deadline = time.monotonic() + 120
+            while not remote.peers[0].back and time.monotonic() < deadline:  # (up and connected again)
+                remote.peers[0].events()
+                time.sleep(0.2)
+            got.append(split(steps[1][0], cache, steps[1][1]).logits)  # rejoins first, the cache's entries copied
+            assert [p.state for p in remote.peers] == ["sync", "sync"]
+            servers[1].kill()  # the replica
+            servers[1].wait()
+            time.sleep(1)  # (its going away reaches this side)
+            got.append(split(steps[2][0], cache, steps[2][1]).logits)  # on the first alone
         torch.testing.assert_close(got, want)
-        assert [p.state for p in remote.peers] == ["down", "sync"]
-        prompts = [[1, 5, 6, 7, 8], [1, 5, 6, 9]]
-        gens = [Generator(m, CharTokenizer(), max_len=64, num_slots=2) for m in (whole, split)]
-        want, got = ([c.token_ids for c in g.generate_many(prompts, GREEDY)] for g in gens)
-        assert got == want
-        servers[0] = serve(addresses[0])
-        deadline = time.monotonic() + 120
-        cache.forget()  # (its entries no longer in use either)
-        while remote.peers[0].state != "sync" and time.monotonic() < deadline:  # back once no entry is in use
-            gens[1].slots.forget_claims()
-            time.sleep(0.2)
-        assert remote.peers[0].state == "sync"
-        servers[1].kill()  # the replica, while idle
-        servers[1].wait()
-        time.sleep(1)  # (its going away reaches this side)
-        got = [c.token_ids for c in gens[1].generate_many(prompts, GREEDY)]
-        assert got == want and [p.state for p in remote.peers] == ["sync", "down"]
+        assert [p.state for p in remote.peers] == ["sync", "down"]
     finally:
         if remote is not None and servers[0].poll() is None:
             remote.stop()
