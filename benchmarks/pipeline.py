@@ -7,7 +7,11 @@ The pipeline gains by overlapping phases (request 2's skeleton while request 1's
 by batching the points of several requests in a branch stage. Last line: one JSON object with
 `pipeline_vs_inproc_N` for each client count N, answers per minute, and peak memory per stage.
 `--soak N` then sends N more requests (4 clients) and reports each stage's memory (RSS once idle)
-before them and after each quarter of them.
+before them and after each quarter of them. `--split-devices D` then launches the model split by
+layers over the devices D (`--split layers`, draft none on both sides) beside the same model whole
+on --devices, and reports split over whole answers per minute at each client count:
+
+    python benchmarks/pipeline.py --draft none --split-devices 127.0.0.1#cpu0,127.0.0.1#cpu1
 """
 
 from __future__ import annotations
@@ -36,6 +40,45 @@ from specsot_mq.sampling import SamplingParams  # noqa: E402
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles  # noqa: E402
 
 
+def measure_split(args, questions, params, sot, progress) -> dict[int, float]:
+    """Answers per minute at each client count of a launch with the model's layers over
+    --split-devices."""
+    from specsot_mq.pull import resolve_model
+    from specsot_mq.stages.launch import split_ranges
+
+    devices, profiles = parse_devices(args.split_devices), load_profiles(default_profiles_path())
+    ranges = split_ranges(devices, profiles, resolve_model(args.model), "none")
+    run_dir = Path(tempfile.mkdtemp(prefix="specsot-bench-"))
+    spec = plan_run(devices, profiles, args.topology, run_dir, stage_threads=args.threads, ranges=ranges,
+                    model=args.model, dtype=args.dtype, draft="none", sot=sot)  # fmt: skip
+    launcher = Launcher(spec, run_dir)
+    launcher.start()
+    try:
+        asyncio.run(wait_ready(launcher))
+        with progress:
+            return {n: asyncio.run(answers_per_min(spec, params, n, questions,
+                                                   progress.add_task(f"split, {n} clients", total=len(questions)),
+                                                   progress))  # fmt: skip
+                    for n in [int(c) for c in args.clients.split(",")]}
+    finally:
+        launcher.stop()
+
+
+async def answers_per_min(spec, params, n_clients: int, items: list[str], task, progress) -> float:
+    gate = asyncio.Semaphore(n_clients)
+    async with Client(spec.client_address) as client:
+        async def one(q):
+            async with gate:
+                msg = await client.answer(q, params, timeout=600)
+            if not isinstance(msg, Answer):
+                raise RuntimeError(f"a request failed: {msg.error}")
+            progress.advance(task)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(q) for q in items))
+        return 60 * len(items) / (time.perf_counter() - start)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
@@ -49,6 +92,7 @@ def main(argv=None) -> dict:
     p.add_argument("--clients", default="1,4,8")
     p.add_argument("--threads", type=int, default=None, help="torch threads per device stage (default: all of the host's cores)")
     p.add_argument("--soak", type=int, default=0, help="extra requests to check memory stays flat")
+    p.add_argument("--split-devices", default=None, help="also launch the model split by layers over these devices")
     args = p.parse_args(argv)
     console = Console(stderr=True)
     questions, source = load_prompts(args.questions, args.limit)
@@ -84,18 +128,7 @@ def main(argv=None) -> dict:
         asyncio.run(wait_ready(launcher))
 
         async def batch(n_clients: int, items: list[str], task) -> float:
-            gate = asyncio.Semaphore(n_clients)
-            async with Client(spec.client_address) as client:
-                async def one(q):
-                    async with gate:
-                        msg = await client.answer(q, params, timeout=600)
-                    if not isinstance(msg, Answer):
-                        raise RuntimeError(f"a request failed: {msg.error}")
-                    progress.advance(task)
-
-                start = time.perf_counter()
-                await asyncio.gather(*(one(q) for q in items))
-                return 60 * len(items) / (time.perf_counter() - start)
+            return await answers_per_min(spec, params, n_clients, items, task, progress)
 
         async def stage_memory() -> dict:
             async with Client(spec.client_address) as client:
@@ -131,6 +164,14 @@ def main(argv=None) -> dict:
     for n, apm in results.items():
         table.add_row("pipeline", str(n), f"{apm:.1f}", f"{apm / inproc_apm:.2f}x")
     Console().print(table)
+    split = measure_split(args, questions, params, sot, progress) if args.split_devices else None
+    if split:
+        cmp = Table(title=f"split by layers over {args.split_devices} against whole on {args.devices}")
+        for col in ("clients", "whole answers/min", "split answers/min", "split / whole"):
+            cmp.add_column(col, justify="right")
+        for n, apm in split.items():
+            cmp.add_row(str(n), f"{results[n]:.1f}", f"{apm:.1f}", f"{apm / results[n]:.2f}x")
+        Console().print(cmp)
     mem = Table(title="stage memory (MB)")
     marks = [f"after {args.soak * q // 4}" for q in range(5)] if soak else []
     for col in ("stage", "now", "peak", *(f"soak {m}" for m in marks)):
@@ -141,7 +182,8 @@ def main(argv=None) -> dict:
     summary = {"inproc_answers_per_min": round(inproc_apm, 2),
                **{f"pipeline_answers_per_min_{n}": round(a, 2) for n, a in results.items()},
                **{f"pipeline_vs_inproc_{n}": round(a / inproc_apm, 3) for n, a in results.items()},
-               "peak_rss_mb": {name: round(peak) for name, (_, peak) in memory.items()}, "soak_rss_mb": soak}  # fmt: skip
+               "peak_rss_mb": {name: round(peak) for name, (_, peak) in memory.items()}, "soak_rss_mb": soak,
+               **({f"split_vs_whole_{n}": round(a / results[n], 3) for n, a in split.items()} if split else {})}  # fmt: skip
     print(json.dumps(summary))
     return summary
 

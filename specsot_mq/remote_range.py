@@ -1,22 +1,25 @@
 """A range of a model's layers in another process (issue 44: a model larger than one device).
 
 `RangeServer` holds layers [first, last) of a model (loaded alone: `load_model(..., layers=)`) and
-the KV caches its caller asked for (one per cache the caller holds), and answers requests on a ZeroMQ socket: each forward's hidden state comes in as a
-frame and what the range computes goes back (the next hidden state, or the logits where the range
-ends the model), and the slot manager's cache operations (copy a prefix, compact an accepted draft
-path, snapshot and restore for the prefix store) are carried out on its own cache, so its entries
-stay those of the whole model's cache.
+the KV caches its callers asked for (one per cache a caller holds, named by the caller), and
+answers requests on a ZeroMQ socket: each forward's hidden state comes in as a frame and what the
+range computes goes back (the next hidden state, or the logits where the range ends the model),
+and the slot manager's cache operations (copy a prefix, compact an accepted draft path, snapshot
+and restore for the prefix store) are carried out on its own cache, so its entries stay those of
+the whole model's cache.
 
 `RemoteRange` stands for such a range in split.py's SplitModel: the process runs its own ranges
 and sends the hidden state on, so the generation loop and the SoT engine run over the split model
 unchanged and greedy output equals the whole model's, token for token. An EAGLE head needs the
 output layer where it drafts; over a remote last range it is refused for now (SplitModel.lm_head).
+A range may have replicas (several servers of the same layers): see RemoteRange.
 
     python -m specsot_mq.remote_range --model NAME --layers 15:30 --bind tcp://127.0.0.1:5700
 
 The messages are messages.py's Range* (tensors as raw bytes). A request that fails answers with
-its error, which the caller raises naming the server; a server that does not answer within the
-timeout is named too.
+its error, which the caller raises naming the server; a server that goes away while a request is
+pending (its socket is watched), or that does not answer within the timeout, is named too, and
+every reply carries the server process's epoch, so a restart is seen.
 """
 
 from __future__ import annotations
