@@ -110,8 +110,9 @@ def split_ranges(devices: list[Device], profiles: dict[str, DeviceProfile], fold
                            f"({len(devices)} in --devices)")  # fmt: skip
     n = len(devices) // replicas
     if n < 2:
-        raise SpecSotError(f"--split layers needs two devices or more per replica in --devices ({len(devices)} for "
-                           f"{replicas} replicas), e.g. 127.0.0.1#cpu0,127.0.0.1#cpu1")  # fmt: skip
+        raise SpecSotError(f"--split layers needs at least {2 * replicas} devices in --devices (two ranges"
+                           f"{f', each on {replicas} devices' if replicas > 1 else ''}), got {len(devices)}: "
+                           "e.g. 127.0.0.1#cpu0,127.0.0.1#cpu1")  # fmt: skip
     if not all(is_local(d.host) for d in devices):
         raise SpecSotError("--split layers runs over the devices of this host for now: its range links are not "
                            "authenticated yet; use --split none across hosts")  # fmt: skip

@@ -367,3 +367,24 @@ def test_a_layer_range_with_a_replica_loses_nothing_when_either_dies(tmp_path):
         for server in servers:
             server.kill()
             server.wait(timeout=60)
+
+
+def test_split_ranges_size_the_ranges_by_memory_and_check_every_replica(tmp_path):
+    from specsot_mq.devices import parse_devices
+    from specsot_mq.sot.scheduler import DeviceProfile
+    from specsot_mq.stages.launch import split_ranges
+
+    folder = tiny_folder(tmp_path / "m")  # 4 layers
+    big, small = DeviceProfile("big", 1, 3e-3, 1, 1), DeviceProfile("small", 1, 1e-3, 1, 1)
+    devices = parse_devices("127.0.0.1#cpu0,127.0.0.1#cpu1,127.0.0.1#cpu2,127.0.0.1#cpu3")
+    profiles = {d.name: p for d, p in zip(devices, [big, small, big, small])}
+    assert split_ranges(devices[:2], profiles, folder, "auto") == [(0, 3), (3, 4)]  # by memory
+    assert split_ranges(devices, profiles, folder, "none", replicas=2) == [(0, 3), (3, 4), (0, 3), (3, 4)]
+    with pytest.raises(SpecSotError, match="127.0.0.1#cpu2's layers 0:3 \\(a replica\\) need"):
+        split_ranges(devices, profiles | {"127.0.0.1#cpu2": DeviceProfile("tiny", 1, 1e-5, 1, 1)}, folder, "none", 2)
+    with pytest.raises(SpecSotError, match="--replicas 3: give a number of devices that it divides"):
+        split_ranges(devices, profiles, folder, "none", replicas=3)
+    with pytest.raises(SpecSotError, match="needs at least 2 devices"):
+        split_ranges(devices[:1], profiles, folder, "none")
+    with pytest.raises(SpecSotError, match="use --draft none"):
+        split_ranges(devices[:2], profiles, folder, "my-head.safetensors")
