@@ -286,7 +286,7 @@ class LlamaModel(NativeForm):
         super().__init__()
         self.cfg = cfg
         # given its weight, nn.Embedding skips its random init: on the meta device that init imports
-        # torch._dynamo, about 145 MB resident in every process that loads a model
+        # torch._dynamo (torch's compiler stack, resident from then on in every process that loads a model)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
