@@ -81,6 +81,8 @@ class TopologyOptions:
              "sized by their memory in devices.json (a model larger than one device).")] = "none"
     replicas: Annotated[int, typer.Option("--replicas", envvar="SPECSOT_REPLICAS",
         help="With --split layers: devices serving each layer range; when one dies the next answers in its place.")] = 1
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", envvar="SPECSOT_PREFILL_CHUNK",
+        help="With --split layers: tokens per piece of a long prompt's prefill, pipelined through the ranges (0: one piece).")] = 128
 
 
 @dataclasses.dataclass(slots=True)

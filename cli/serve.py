@@ -31,7 +31,7 @@ def _launch_options(topo: TopologyOptions, model: ModelOptions, launch: LaunchFl
     """The LaunchOptions of these flags (the tree checked now); `launch`: launch's own flags."""
     from specsot_mq.stages.launch import LaunchOptions
 
-    return LaunchOptions(devices=topo.devices, topology=topo.topology, split=topo.split, replicas=topo.replicas, model=model.model, dtype=model.dtype, quantize=model.quantize,
+    return LaunchOptions(devices=topo.devices, topology=topo.topology, split=topo.split, replicas=topo.replicas, prefill_chunk=topo.prefill_chunk, model=model.model, dtype=model.dtype, quantize=model.quantize,
                          draft=model.draft, tree=model.tree(), **(launch.options() if launch else {}))  # fmt: skip
 
 

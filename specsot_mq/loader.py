@@ -307,6 +307,7 @@ def load_generator(
     quantize: str = "auto",
     prefix_cache_mb: int = 256,
     ranges: list[dict[str, str]] | None = None,
+    prefill_chunk: int = 128,
 ):
     """The model named or given by path (pulled if it is a known name not yet cached), its
     tokenizer, its EAGLE draft head (see resolve_draft), and a Generator with caches of
@@ -315,7 +316,8 @@ def load_generator(
     prompt lookup also drafts for a model without a head; TreeParams(lookup=0) there decodes
     plainly). `ranges`: the range servers (remote_range.py) that hold the model's layers: for each
     range in order, its servers (replicas) as {name: address}. This process then holds no layer
-    and runs the model through them, with no draft head."""
+    and runs the model through them, with no draft head, a prompt longer than `prefill_chunk`
+    tokens prefilled in pieces of that many, pipelined (split.SplitModel)."""
     from specsot_mq.draft import DraftHead
     from specsot_mq.generate import Generator
     from specsot_mq.pull import resolve_model
@@ -335,7 +337,7 @@ def load_generator(
         # a long prefill over a slow range takes minutes; a range that dies is seen at once (RemoteRange)
         parts = [RemoteRange(list(servers.values()), cfg, activations, dev, timeout_s=600, name=list(servers))
                  for servers in ranges]  # fmt: skip
-        net, draft = SplitModel(parts), "none"
+        net, draft = SplitModel(parts, prefill_chunk), "none"
     else:
         net = load_model(folder, dtype=activations, device=dev, quantize=quantize)
     draft_path = resolve_draft(draft, folder)

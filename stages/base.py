@@ -59,6 +59,7 @@ class RunSpec:
     # --split layers: range server name -> {"layers": [first, last], "address", "device"}, in layer
     # order; the device stages then hold no layers and run the model through these (remote_range.py)
     ranges: dict[str, dict] = field(default_factory=dict)
+    prefill_chunk: int = 128  # over ranges: tokens per piece of a pipelined prefill (0: one piece)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -62,6 +62,7 @@ class LaunchOptions:
     max_len: int = 2048  # each device stage's KV cache length (prompt + answer)
     split: str = "none"  # or "layers": the model's layers in ranges over the devices, sized by their memory
     replicas: int = 1  # --split layers: devices serving each range (the ranges are sized over the first 1/replicas)
+    prefill_chunk: int = 128  # --split layers: tokens per piece of a pipelined prefill (0: one piece)
 
 
 def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
@@ -83,6 +84,8 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
     # schedule and merge run on this host and read its tokenizer) rather than by the first of them;
     # a bad model name fails now. Remote hosts resolve it themselves.
     folder = resolve_model(options.model)
+    if options.prefill_chunk < 0:
+        raise SpecSotError(f"--prefill-chunk must be 0 (one piece) or more tokens, got {options.prefill_chunk}")
     if options.replicas != 1 and options.split != "layers":
         raise SpecSotError("--replicas serves each layer range on several devices: it needs --split layers")
     ranges = split_ranges(devices, profiles, folder, options.draft, options.replicas) if options.split == "layers" else None
@@ -91,7 +94,7 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
                     model=options.model, dtype=options.dtype, quantize=options.quantize,
                     draft="none" if ranges else options.draft, tree=options.tree, sot=sot,
                     overrides=parse_overrides(options.stages), prefix_cache_mb=options.prefix_cache_mb,
-                    max_len=options.max_len)  # fmt: skip
+                    max_len=options.max_len, prefill_chunk=options.prefill_chunk)  # fmt: skip
     launcher = Launcher(spec, run_dir, remote=options.remote, restart=options.restart)
     launcher.start()
     return launcher, spec

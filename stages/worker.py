@@ -254,7 +254,7 @@ class DeviceStage(Stage):
             torch.cuda.set_per_process_memory_fraction(gpu_share(self.spec, self.name), torch.device(self.device))
         return load_generator(self.spec.model, self.spec.dtype, self.device, self.spec.max_len, self.slots,
                               self.spec.draft, TreeParams(**self.spec.tree), self.spec.quantize,
-                              self.spec.prefix_cache_mb, replica_groups(self.spec.ranges))  # fmt: skip
+                              self.spec.prefix_cache_mb, replica_groups(self.spec.ranges), self.spec.prefill_chunk)  # fmt: skip
 
     async def _drain(self) -> None:
         while True:

@@ -286,12 +286,13 @@ def test_a_branch_killed_with_no_way_around_fails_its_request_by_name_and_the_re
 @pytest.mark.parametrize("topology", ["p2p", "ring"])
 def test_a_model_split_by_layers_answers_as_the_whole_and_a_dead_range_fails_by_name(tiny_model, reference, topology):
     """--split layers over two CPU devices: a range server on each holds its layers (sized by
-    their memory), the skeleton and one branch stage run the model through them. The skeleton and
-    a direct answer are the in-process engine's (greedy, so with or without its draft head); a
-    range server killed while points decode fails the request naming it, and once restarted the
-    next request is answered."""
+    their memory), the skeleton and one branch stage run the model through them, prefilling in
+    pipelined pieces. The skeleton and a direct answer are the in-process engine's (greedy, so
+    with or without its draft head); a range server killed while points decode fails the request
+    naming it, and once restarted the next request is answered."""
     skeleton, _, direct = reference
     spec, run_dir = tiny_spec(tiny_model, topology, point_tokens=360, split=True)
+    spec.prefill_chunk = 16  # every prompt's prefill pipelined through the ranges in pieces (--prefill-chunk)
     victim = "range@127.0.0.1#cpu1"
     assert spec.named("branch") == ["branch@127.0.0.1#cpu0"] and list(spec.ranges) == ["range@127.0.0.1#cpu0", victim]
     assert [r["layers"] for r in spec.ranges.values()] == [[0, 1], [1, 2]]  # equal memory: half the layers each
