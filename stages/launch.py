@@ -78,16 +78,16 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
         raise SpecSotError(f"--max-len must be at least 1 token, got {options.max_len}")
     if options.split not in SPLITS:
         raise SpecSotError(f"--split must be one of {', '.join(SPLITS)}, not {options.split!r}")
+    if options.replicas != 1 and options.split != "layers":
+        raise SpecSotError("--replicas serves each layer range on several devices: it needs --split layers")
+    if options.prefill_chunk < 0:
+        raise SpecSotError(f"--prefill-chunk must be 0 (one piece) or more tokens, got {options.prefill_chunk}")
     profiles = load_profiles(options.devices_file or default_profiles_path())
     devices = parse_devices(options.devices)
     # pulled, or converted from a .gguf, once here before the stages start (the gateway, parse,
     # schedule and merge run on this host and read its tokenizer) rather than by the first of them;
     # a bad model name fails now. Remote hosts resolve it themselves.
     folder = resolve_model(options.model)
-    if options.prefill_chunk < 0:
-        raise SpecSotError(f"--prefill-chunk must be 0 (one piece) or more tokens, got {options.prefill_chunk}")
-    if options.replicas != 1 and options.split != "layers":
-        raise SpecSotError("--replicas serves each layer range on several devices: it needs --split layers")
     ranges = split_ranges(devices, profiles, folder, options.draft, options.replicas) if options.split == "layers" else None
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
     spec = plan_run(devices, profiles, options.topology, run_dir, options.base_port, options.threads, ranges,
