@@ -15,6 +15,8 @@ auto) and directly (--sot never, EAGLE alone). From the texts alone it reports:
   distinct3  distinct word 3-grams over all 3-grams, of each answer (planned / direct)
   coverage   the direct answer's content words that the planned answer holds too
   count      on questions that name a number of points: whether the plan has exactly that many
+  route      planned, routed direct (the router's way) or skeleton said direct (a skeleton that was
+             no usable list): the median time, direct over planned, of each, in the summary
   tokens     tokens decoded for each answer (all phases), and words in it
   seconds    time to the complete answer, each way
 
@@ -184,6 +186,9 @@ def measure(question: str, planned, direct) -> dict:
     reason = planned.reason
     return {
         "question": question, "mode": planned.mode, "points": len(points),
+        # which way the planned engine went: a plan, the router's direct way, or a skeleton that said direct
+        "route": "planned" if planned.mode == "sot" else "skeleton said direct" if reason.startswith("skeleton says direct")
+        else "routed direct",
         "empty": sum(not re.search(r"\w", text) for _, text in points),
         "dup": sum(same_point(points[a][0], points[b][0]) for a, b in pairs),
         "restate": sum(restates(title, question) or says_nothing(text, question, title) for title, text in points),
@@ -236,6 +241,10 @@ def summarize(rows: list[dict], out: Console) -> dict:
         "seconds_median": [med("planned_s"), med("direct_s")],
         "direct_over_planned_seconds_median": round(statistics.median(r["direct_s"] / r["planned_s"] for r in rows), 3)
         if rows else None,
+        # the same median over the questions of each route, and how many took it
+        "by_route": {route: [sum(r["route"] == route for r in rows),
+                             round(statistics.median(r["direct_s"] / r["planned_s"] for r in rows if r["route"] == route), 3)]
+                     for route in ("planned", "routed direct", "skeleton said direct") if any(r["route"] == route for r in rows)},
     }  # fmt: skip
     verdicts = [r["judge"] for r in rows if "judge" in r]
     if verdicts:
