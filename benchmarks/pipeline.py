@@ -40,19 +40,14 @@ from specsot_mq.sampling import SamplingParams  # noqa: E402
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles  # noqa: E402
 
 
-def measure_split(args, questions, params, sot, progress) -> dict[int, float]:
+def measure_split(args, questions, params, progress) -> dict[int, float]:
     """Answers per minute at each client count of a launch with the model's layers over
-    --split-devices."""
-    from specsot_mq.pull import resolve_model
-    from specsot_mq.stages.launch import split_ranges
+    --split-devices (as `specsot launch --split layers` starts it)."""
+    from specsot_mq.stages.launch import LaunchOptions, start_topology
 
-    devices, profiles = parse_devices(args.split_devices), load_profiles(default_profiles_path())
-    ranges = split_ranges(devices, profiles, resolve_model(args.model), "none")
-    run_dir = Path(tempfile.mkdtemp(prefix="specsot-bench-"))
-    spec = plan_run(devices, profiles, args.topology, run_dir, stage_threads=args.threads, ranges=ranges,
-                    model=args.model, dtype=args.dtype, draft="none", sot=sot)  # fmt: skip
-    launcher = Launcher(spec, run_dir)
-    launcher.start()
+    launcher, spec = start_topology(LaunchOptions(
+        devices=args.split_devices, topology=args.topology, split="layers", model=args.model, dtype=args.dtype,
+        draft="none", threads=args.threads, point_tokens=args.max_tokens, skeleton_tokens=args.max_tokens))  # fmt: skip
     try:
         asyncio.run(wait_ready(launcher))
         with progress:
@@ -164,7 +159,7 @@ def main(argv=None) -> dict:
     for n, apm in results.items():
         table.add_row("pipeline", str(n), f"{apm:.1f}", f"{apm / inproc_apm:.2f}x")
     Console().print(table)
-    split = measure_split(args, questions, params, sot, progress) if args.split_devices else None
+    split = measure_split(args, questions, params, progress) if args.split_devices else None
     if split:
         cmp = Table(title=f"split by layers over {args.split_devices} against whole on {args.devices}")
         for col in ("clients", "whole answers/min", "split answers/min", "split / whole"):

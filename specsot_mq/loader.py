@@ -19,6 +19,7 @@ from specsot_mq.gguf_convert import PACKED_METADATA
 from specsot_mq.model import LlamaModel
 from specsot_mq import quant
 from specsot_mq.quant import FORMATS, KINDS, QWeight, fuse
+from specsot_mq.split import PREFILL_CHUNK
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -307,7 +308,7 @@ def load_generator(
     quantize: str = "auto",
     prefix_cache_mb: int = 256,
     ranges: list[dict[str, str]] | None = None,
-    prefill_chunk: int = 128,
+    prefill_chunk: int = PREFILL_CHUNK,
 ):
     """The model named or given by path (pulled if it is a known name not yet cached), its
     tokenizer, its EAGLE draft head (see resolve_draft), and a Generator with caches of

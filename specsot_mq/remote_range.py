@@ -160,11 +160,14 @@ class _Peer:
         self.owed = 0  # of those, the first ones whose replies are dropped (another peer answered them)
         self.gone = self.back = False  # it disconnected; it connected (again) since
 
-    def reset(self) -> None:
-        """A new socket: a reply still on its way never answers a later request."""
+    def close(self) -> None:
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
+
+    def reset(self) -> None:
+        """A new socket: a reply still on its way never answers a later request."""
+        self.close()
         self.connect()
 
     def send(self, raw: bytes) -> None:
@@ -219,7 +222,7 @@ class RemoteRange(nn.Module):
         """name: how errors name each server, beside its address (a launch's range stages)."""
         super().__init__()
         addresses = [address] if isinstance(address, str) else list(address)
-        self.address, self.cfg, self.timeout_ms = addresses[0], cfg, int(timeout_s * 1000)
+        self.cfg, self.timeout_ms = cfg, int(timeout_s * 1000)
         self._dtype, self._device = dtype, torch.device(device)
         self._freed: list[int] = []  # the names of caches no longer held here
         self._caches: weakref.WeakSet[RemoteCache] = weakref.WeakSet()  # the live ones
@@ -234,7 +237,7 @@ class RemoteRange(nn.Module):
             hellos = [self._ask(peer, RangeHello()) for peer in self.peers]
         except SpecSotError:
             for peer in self.peers:
-                peer.reset()
+                peer.close()
             raise
         layers = {(h.first_layer, h.last_layer) for h in hellos}
         if len(layers) > 1:
@@ -301,8 +304,7 @@ class RemoteRange(nn.Module):
             self._rejoin()
         if cache is not None and cache.lost:
             cache.lost = False
-            raise SpecSotError(f"the layer range {self.label} restarted, losing the KV cache entries of the "
-                               "requests running here: they fail, later ones run")  # fmt: skip
+            raise _restart_lost(self.label)
 
     def _drop(self, peer: _Peer) -> None:
         log.warning("the layer range %s went away: its replica %s goes on", peer.label,
@@ -322,9 +324,15 @@ class RemoteRange(nn.Module):
     def _restarted(self, peer: _Peer) -> None:
         """The server is a new process: this side's caches are made again there, and those whose
         entries were in use fail their next request (the slot manager's claims are on them)."""
-        for cache in list(self._caches):
-            self._ask(peer, RangeNewCache(cache.name, cache.num_slots, cache.capacity))
+        self._remake(peer)
+        for cache in self._caches:
             cache.lost, cache.used = bool(cache.used), {}
+
+    def _remake(self, peer: _Peer, stale: Sequence[int] = ()) -> None:
+        """This side's live caches made again at `peer`, empty (`stale`: names to drop there first)."""
+        for cache in list(self._caches):
+            self._ask(peer, RangeNewCache(cache.name, cache.num_slots, cache.capacity, list(stale)))
+            stale = ()
 
     def receive(self) -> RangeReply:
         """The reply to the oldest request not yet received, from the first replica in sync (the
@@ -346,8 +354,7 @@ class RemoteRange(nn.Module):
                 if restarted:
                     peer.epoch = got.epoch
                     self._restarted(peer)
-                    raise SpecSotError(f"the layer range {peer.label} restarted, losing the KV cache entries of the "
-                                       "requests running here: they fail, later ones run")  # fmt: skip
+                    raise _restart_lost(peer.label)
                 peer.reset()
                 peer.lost = True
                 raise SpecSotError(f"the layer range {peer.label} {got}")
@@ -381,9 +388,8 @@ class RemoteRange(nn.Module):
                 # this side's caches it still holds from before (it went away without dying), the
                 # others' left alone: other processes use it too
                 stale = [n for n in self._ask(peer, RangeHello()).caches if n >> 20 == self._prefix and n not in live]
+                self._remake(peer, stale)
                 for cache in list(self._caches):
-                    self._ask(peer, RangeNewCache(cache.name, cache.num_slots, cache.capacity, stale))
-                    stale = []
                     for slot, length in cache.used.items():
                         kv = self._ask(source, RangeCacheOp(cache.name, "snapshot", slot, at=length)).kv
                         self._ask(peer, RangeCacheOp(cache.name, "restore", slot, kv=kv))
@@ -451,32 +457,37 @@ class RemoteCache:
     def forget(self) -> None:
         self.used, self.lost = {}, False
 
+    def _op(self, op: str, slot: int, **fields) -> RangeReply:
+        self.part.prepare(self)  # (before its name goes in the request: a restart may make it again)
+        return self.part.call(RangeCacheOp(self.name, op, slot, **fields))
+
     def copy(self, src_slot: int, dst_slots, length: int) -> None:
-        self.part.prepare(self)
+        self._op("copy", src_slot, slots=list(dst_slots), at=length)
         for slot in dst_slots:
             self.wrote(slot, length)
-        self.part.call(RangeCacheOp(self.name, "copy", src_slot, slots=list(dst_slots), at=length))
 
     def move(self, slot: int, src, dst: int) -> None:
         positions = src.tolist() if torch.is_tensor(src) else list(src)
-        self.part.prepare(self)
+        self._op("move", slot, positions=positions, at=dst)
         self.wrote(slot, dst + len(positions))
-        self.part.call(RangeCacheOp(self.name, "move", slot, positions=positions, at=dst))
 
     def snapshot(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.part.prepare(self)
-        k, v = self.part.call(RangeCacheOp(self.name, "snapshot", slot, at=length)).kv
+        k, v = self._op("snapshot", slot, at=length).kv
         return from_wire(k), from_wire(v)
 
     def restore(self, slot: int, kv: tuple[torch.Tensor, torch.Tensor]) -> int:
-        self.part.prepare(self)
-        held = self.part.call(RangeCacheOp(self.name, "restore", slot, kv=[to_wire(kv[0]), to_wire(kv[1])])).held
+        held = self._op("restore", slot, kv=[to_wire(kv[0]), to_wire(kv[1])]).held
         self.wrote(slot, held)
         return held
 
     @property
     def num_layers(self) -> int:
         return self.part.last_layer - self.part.first_layer
+
+
+def _restart_lost(label: str) -> SpecSotError:
+    return SpecSotError(f"the layer range {label} restarted, losing the KV cache entries of the requests running "
+                        "here: they fail, later ones run")  # fmt: skip
 
 
 def main(argv=None) -> None:

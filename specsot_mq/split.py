@@ -16,7 +16,6 @@ goes with the first range, the final norm and output layer with the last.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -60,11 +59,10 @@ def layer_ranges(num_layers: int, layer_bytes: int, budgets: Sequence[float], em
 
 
 def weight_bytes(folder) -> tuple[float, int, int]:
-    """A model folder's stored weight bytes: per layer (the mean), of the embedding, and of the
-    output layer (the embedding's again where they are tied: each end holds it)."""
-    import re
-
-    from safetensors import safe_open
+    """A model folder's stored weight bytes (read off its safetensors headers): per layer (the
+    mean), of the embedding, and of the output layer (the embedding's again where they are tied:
+    each end holds it)."""
+    import json
 
     from specsot_mq.config import ModelConfig
     from specsot_mq.loader import weight_files
@@ -72,20 +70,19 @@ def weight_bytes(folder) -> tuple[float, int, int]:
     cfg = ModelConfig.from_folder(folder)
     layers = embed = head = 0
     for f in weight_files(folder):
-        with safe_open(f, framework="pt") as st:
-            for name in st.keys():
-                part = st.get_slice(name)
-                n = math.prod(part.get_shape()) * _ITEM_BYTES.get(part.get_dtype(), 4)
-                if re.match(r"model\.layers\.\d+\.", name):
-                    layers += n
-                elif name == "model.embed_tokens.weight":
-                    embed += n
-                elif name == "lm_head.weight":
-                    head += n
+        with open(f, "rb") as st:
+            header = json.loads(st.read(int.from_bytes(st.read(8), "little")))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            n = entry["data_offsets"][1] - entry["data_offsets"][0]
+            if name.startswith("model.layers."):
+                layers += n
+            elif name == "model.embed_tokens.weight":
+                embed += n
+            elif name == "lm_head.weight":
+                head += n
     return layers / cfg.num_layers, embed, head or (embed if cfg.tie_embeddings else 0)
-
-
-_ITEM_BYTES = {"U8": 1, "I8": 1, "BOOL": 1, "F16": 2, "BF16": 2, "I16": 2, "F32": 4, "I32": 4, "F64": 8, "I64": 8}
 
 
 def split_layers(model: LlamaModel, bounds: Sequence[tuple[int, int]]) -> list[LlamaModel]:

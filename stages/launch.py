@@ -92,7 +92,7 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
     spec = plan_run(devices, profiles, options.topology, run_dir, options.base_port, options.threads, ranges,
                     model=options.model, dtype=options.dtype, quantize=options.quantize,
-                    draft="none" if ranges else options.draft, tree=options.tree, sot=sot,
+                    draft=options.draft, tree=options.tree, sot=sot,
                     overrides=parse_overrides(options.stages), prefix_cache_mb=options.prefix_cache_mb,
                     max_len=options.max_len, prefill_chunk=options.prefill_chunk)  # fmt: skip
     launcher = Launcher(spec, run_dir, remote=options.remote, restart=options.restart)

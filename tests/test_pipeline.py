@@ -231,6 +231,16 @@ def _kill_mid_request(spec, launcher, victim: str, params: SamplingParams):
     return asyncio.run(scenario())
 
 
+def _unfaulted_then_killed(spec, launcher, victim: str, params: SamplingParams):
+    """The answer to QUESTION without a fault, then _kill_mid_request's (messages, reports, after)."""
+
+    async def unfaulted():
+        async with Client(spec.client_address) as client:
+            return await client.answer(QUESTION, params, "always", timeout=120)
+
+    return asyncio.run(unfaulted()), *_kill_mid_request(spec, launcher, victim, params)
+
+
 # Points still decoding when a branch is killed, yet never past the 512-entry cache (a point
 # prompt is ~116 tokens).
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -246,13 +256,7 @@ def test_a_branch_killed_mid_request_has_its_work_redone_on_the_survivor(tiny_mo
     spec, run_dir = tiny_spec(tiny_model, topology, point_tokens=360)
     victim, survivor = spec.named("branch")
     with launched(spec, run_dir) as launcher:
-
-        async def unfaulted():
-            async with Client(spec.client_address) as client:
-                return await client.answer(QUESTION, LONG, "always", timeout=120)
-
-        want = asyncio.run(unfaulted())
-        messages, reports, after = _kill_mid_request(spec, launcher, victim, LONG)
+        want, messages, reports, after = _unfaulted_then_killed(spec, launcher, victim, LONG)
     last = messages[-1]
     assert isinstance(last, Answer), last
     assert last.answer == want.answer and [p[2] for p in last.points] == [p[2] for p in want.points]
@@ -322,13 +326,7 @@ def test_a_layer_range_with_a_replica_loses_nothing_when_it_dies_mid_request(tin
     assert [r["layers"] for r in spec.ranges.values()] == [[0, 1], [1, 2], [0, 1], [1, 2]]
     victim = "range@127.0.0.1#cpu1"  # the first server of layers 1:2 (cpu3 is its replica)
     with launched(spec, run_dir) as launcher:
-
-        async def unfaulted():
-            async with Client(spec.client_address) as client:
-                return await client.answer(QUESTION, LONG, "always", timeout=120)
-
-        want = asyncio.run(unfaulted())
-        messages, reports, after = _kill_mid_request(spec, launcher, victim, LONG)
+        want, messages, reports, after = _unfaulted_then_killed(spec, launcher, victim, LONG)
     last = messages[-1]
     assert isinstance(last, Answer) and last.answer == want.answer, last
     assert not any(isinstance(m, Failed) for m in messages)

@@ -3,6 +3,12 @@ and hidden states bit for bit (module by module, and in the native kernels' one 
 and greedy decoding, plain and with an EAGLE head reading layers from several ranges, token for
 token; layer_ranges sizes the ranges by memory."""
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -131,6 +137,32 @@ def tiny_folder(path):
     return path
 
 
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def serve_range(folder, address: str) -> subprocess.Popen:
+    """A range server of the tiny model's layers 2:4 (remote_range.py)."""
+    return subprocess.Popen([sys.executable, "-m", "specsot_mq.remote_range", "--model", str(folder), "--layers", "2:4",
+                             "--bind", address, "--dtype", "fp32"])  # fmt: skip
+
+
+def until(condition, what: str, seconds: float = 120) -> None:
+    """Poll condition() until it holds; the test fails naming `what` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds:.0f} s"
+        time.sleep(0.05)
+
+
+def gone(peer) -> bool:
+    """Whether a range server's going away has reached this side (its socket's monitor)."""
+    peer.events()
+    return peer.gone
+
+
 def test_a_range_loaded_alone_holds_that_range_of_the_whole_model(tmp_path):
     from specsot_mq.loader import load_model
 
@@ -149,20 +181,13 @@ def test_greedy_over_a_layer_range_in_another_process_equals_the_whole_model(tmp
     """Layers 2:4 served by another process (remote_range.py), their hidden states and the cache
     operations going over ZeroMQ: the same logits and greedy tokens as the whole model, also for
     prompts sharing a prefix, a prefix store's restore and an accepted path moved in the cache."""
-    import socket
-    import subprocess
-    import sys
-
     from specsot_mq.loader import load_model
     from specsot_mq.messages import RangeCacheOp
     from specsot_mq.remote_range import RemoteRange
 
     folder = tiny_folder(tmp_path / "m")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    server = subprocess.Popen([sys.executable, "-m", "specsot_mq.remote_range", "--model", str(folder), "--layers", "2:4",
-                               "--bind", address, "--dtype", "fp32"])  # fmt: skip
+    address = free_address()
+    server = serve_range(folder, address)
     remote = None
     try:
         whole, local = load_model(folder), load_model(folder, layers=(0, 2))
@@ -242,24 +267,11 @@ def test_a_layer_range_that_dies_fails_the_requests_it_held_and_serves_later_one
     """Its process killed with a forward pending there: that forward fails naming it; killed while
     idle with entries in use in its cache: the first request after its restart fails (they are
     lost); either way the next ones run on the restarted server, with the whole model's logits."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-
     from specsot_mq.loader import load_model
     from specsot_mq.remote_range import RemoteRange
 
     folder = tiny_folder(tmp_path / "m")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-    def serve():
-        return subprocess.Popen([sys.executable, "-m", "specsot_mq.remote_range", "--model", str(folder), "--layers",
-                                 "2:4", "--bind", address, "--dtype", "fp32"])  # fmt: skip
+    address = free_address()
 
     whole, local = load_model(folder), load_model(folder, layers=(0, 2))
     ids, step = torch.tensor([[1, 5, 6, 7]]), Step.fresh(torch.arange(4)[None])
@@ -268,7 +280,7 @@ def test_a_layer_range_that_dies_fails_the_requests_it_held_and_serves_later_one
         with torch.inference_mode():
             return m(ids, m.new_cache(1, 16) if m is whole else cache, step).logits
 
-    server, remote = serve(), None
+    server, remote = serve_range(folder, address), None
     try:
         remote = RemoteRange(address, local.cfg, torch.float32, timeout_s=120)
         split = SplitModel([local, remote])
@@ -283,12 +295,12 @@ def test_a_layer_range_that_dies_fails_the_requests_it_held_and_serves_later_one
         with pytest.raises(SpecSotError, match=f"layer range at {address} went away before it answered"):
             remote.result()
         cache.forget()  # as the slot manager does when a batch fails: no entry is in use
-        server = serve()
+        server = serve_range(folder, address)
         torch.testing.assert_close(logits(split), logits(whole))  # its cache made again there
         server.kill()  # and now while idle
         server.wait()
-        time.sleep(1)  # (its going away reaches this side)
-        server = serve()
+        until(lambda: gone(remote.peers[0]), "the server's going away")
+        server = serve_range(folder, address)
         with pytest.raises(SpecSotError, match=f"layer range at {address} restarted"):
             logits(split)
         torch.testing.assert_close(logits(split), logits(whole))
@@ -305,28 +317,12 @@ def test_a_layer_range_with_a_replica_loses_nothing_when_either_dies(tmp_path):
     whole model's logits and greedy tokens. Restarted, it rejoins between two steps of a sequence
     still decoding, the entries in use copied to it from the replica; then the replica dies and
     that sequence's next step, on the first alone, still has the whole model's logits."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-
     from specsot_mq.loader import load_model
     from specsot_mq.remote_range import RemoteRange
 
     folder = tiny_folder(tmp_path / "m")
-    addresses = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            addresses.append(f"tcp://127.0.0.1:{s.getsockname()[1]}")
-
-    def serve(address):
-        return subprocess.Popen([sys.executable, "-m", "specsot_mq.remote_range", "--model", str(folder), "--layers",
-                                 "2:4", "--bind", address, "--dtype", "fp32"])  # fmt: skip
-
-    servers = [serve(a) for a in addresses]
+    addresses = [free_address(), free_address()]
+    servers = [serve_range(folder, a) for a in addresses]
     remote = None
     try:
         whole, local = load_model(folder), load_model(folder, layers=(0, 2))
@@ -348,16 +344,13 @@ def test_a_layer_range_with_a_replica_loses_nothing_when_either_dies(tmp_path):
             gens = [Generator(m, CharTokenizer(), max_len=64, num_slots=2) for m in (whole, split)]
             want_tokens, got_tokens = ([c.token_ids for c in g.generate_many(prompts, GREEDY)] for g in gens)
             assert got_tokens == want_tokens
-            servers[0] = serve(addresses[0])
-            deadline = time.monotonic() + 120
-            while not remote.peers[0].back and time.monotonic() < deadline:  # (up and connected again)
-                remote.peers[0].events()
-                time.sleep(0.2)
+            servers[0] = serve_range(folder, addresses[0])
+            until(lambda: remote.peers[0].events() or remote.peers[0].back, "the first server connected again")
             got.append(split(steps[1][0], cache, steps[1][1]).logits)  # rejoins first, the cache's entries copied
             assert [p.state for p in remote.peers] == ["sync", "sync"]
             servers[1].kill()  # the replica
             servers[1].wait()
-            time.sleep(1)  # (its going away reaches this side)
+            until(lambda: gone(remote.peers[1]), "the replica's going away")
             got.append(split(steps[2][0], cache, steps[2][1]).logits)  # on the first alone
         torch.testing.assert_close(got, want)
         assert [p.state for p in remote.peers] == ["sync", "down"]
