@@ -136,7 +136,8 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in current))
         tmp.rename(path)
         rows = current
-    gen.keep_prefix(fmt.skeleton_head(tok))  # the instructions and worked examples, once
+    for head in fmt.skeleton_heads(tok):  # the instructions and worked examples, once
+        gen.keep_prefix(head)
     questions = [r["question"] for r in rows if r["kind"] == "answer"]
     done_answers = len(questions)
     with _progress() as bar, path.open("a") as out:

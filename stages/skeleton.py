@@ -31,7 +31,8 @@ class SkeletonStage(DeviceStage):
 
         gen = super().build()
         # Every skeleton prompt begins the same way: compute that once (before any request).
-        gen.keep_prefix(self.flow.format.skeleton_head(gen.tokenizer))
+        for head in self.flow.format.skeleton_heads(gen.tokenizer):
+            gen.keep_prefix(head)
         self.flow.router = LearnedRouter.for_model(gen.model, gen.tokenizer)
         return gen
 
@@ -72,6 +73,11 @@ class SkeletonStage(DeviceStage):
         if text := state.add(delta):
             self.post("gateway", text)
         if delta.finish_reason:
+            more = state.more(delta.finish_reason, self.gen.tokenizer) if delta.finish_reason != "abort" else None
+            if more is not None:  # a counted list short of points: asked for the rest
+                self.post("gateway", more[0])
+                self.worker.submit([more[1]], batch_key(key[0], state.ask.params))
+                return
             del self.running[key[0]]
             if delta.finish_reason != "abort":
                 self.post(self.parse, state.done(delta.finish_reason))

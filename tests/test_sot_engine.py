@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from conftest import ours_from_hf, tiny_hf
-from specsot_mq.generate import Generator
+from specsot_mq.generate import Delta, Generator
 from specsot_mq.sampling import SamplingParams
-from specsot_mq.messages import Answer, AnswerText, PointText, SkeletonText
+from specsot_mq.messages import Answer, AnswerText, Ask, PointText, SkeletonText
 from specsot_mq.sot.engine import SoTEngine
-from specsot_mq.sot.flow import SoTConfig, finished_lines, point_params, point_prompts, skeleton_params
-from specsot_mq.sot.parser import Plan, Point, parse_skeleton
+from specsot_mq.sot.flow import MORE_ROUNDS, Flow, SoTConfig, finished_lines, point_params, point_prompts, skeleton_params
+from specsot_mq.sot.parser import SPARE, Plan, Point, parse_skeleton
 from specsot_mq.sot.router import Route
 from specsot_mq.prompts import load_format
 from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
@@ -111,7 +111,7 @@ def test_a_kept_prefix_gives_the_same_tokens_and_computes_only_the_rest(tiny, ti
     fmt, params = load_format("sot"), SamplingParams(max_tokens=12, ignore_eos=True)
     prompt, other = (fmt.skeleton_ids(base.tokenizer, q) for q in ("How do I start running?", "Why is the sky blue?"))
     want = [fresh.generate(p, params).token_ids for p in (prompt, other, [5, 6, 7])]
-    head = fmt.skeleton_head(base.tokenizer)
+    head = fmt.skeleton_heads(base.tokenizer)[0]
     assert 100 < len(head) < len(prompt) and prompt[: len(head)] == head == other[: len(head)]
     fresh.keep_prefix(head)
     widths, forward = [], type(base.model).forward
@@ -127,17 +127,21 @@ def test_a_kept_prefix_gives_the_same_tokens_and_computes_only_the_rest(tiny, ti
 
 
 def test_the_engine_keeps_every_prompt_beginning_that_no_question_changes(tiny):
-    """The skeleton prompt's instructions, a point prompt's and a direct answer's system prompt and
-    instructions up to the question: each is in the prefix store once the engine is made, and
-    begins every such prompt."""
+    """The skeleton prompt's instructions (one for a question that names its number of points,
+    whose request differs, and one for the rest), a point prompt's and a direct answer's system
+    prompt and instructions up to the question: each is in the prefix store once the engine is
+    made, and begins every such prompt."""
     from specsot_mq.prompts import direct_ids
 
     gen = Generator(tiny.model, tiny.tokenizer, max_len=512, num_slots=2)
     fmt = load_format("sot")
     SoTEngine(gen, SoTConfig(max_parallel=2))
-    skeleton, (point, direct) = fmt.skeleton_head(tiny.tokenizer), fmt.answer_heads(tiny.tokenizer)
-    assert all(head in gen.prefixes for head in (skeleton, point, direct)) and len(gen.prefixes) == 3
+    (skeleton, counted), (point, direct) = fmt.skeleton_heads(tiny.tokenizer), fmt.answer_heads(tiny.tokenizer)
+    assert all(head in gen.prefixes for head in (skeleton, counted, point, direct)) and len(gen.prefixes) == 4
     q = "How do I start running?"
+    for question, count, head in ((q, None, skeleton), ("Give me four tips for running.", 6, counted)):
+        prompt = fmt.skeleton_ids(tiny.tokenizer, question, count=count)
+        assert prompt[: len(head)] == head and len(head) > 100  # the worked examples, not only a system prompt
     assert fmt.point_ids(tiny.tokenizer, q, "1. Shoes\n2. Pace", 2, "Pace")[: len(point)] == point
     assert direct_ids(tiny.tokenizer, q)[: len(direct)] == direct
     assert len(point) > 10 and len(direct) > 5  # instructions and a system prompt, not an empty match
@@ -322,3 +326,36 @@ def test_real_model_phases_equal_plain_greedy(default_model_dir):
         for index, suffix in suffixes.items():
             want = plain.generate(prefix + suffix, point_params(engine.config, params, plan)).token_ids
             assert done[index] == want, (question[:60], index)
+
+
+def test_a_counted_skeleton_short_of_points_is_asked_for_the_rest(tiny):
+    """Skeletoning.more: a counted list that ended with fewer distinct points than it asks for (the
+    count and SPARE) goes on from a second prompt: the first, the list so far (its repeat too) and
+    the next item's number, with its stop moved past the points still missing. The stream gets
+    that number, so its pieces still join to the skeleton the parser reads. A list with enough
+    points, a cut-off one, an uncounted one and one past its rounds are not asked again."""
+    tok, flow = tiny.tokenizer, Flow(SoTConfig(sot="always"), tiny.tokenizer)
+    ask = Ask("r", "Give me three tips for a hike.", SamplingParams(max_tokens=64), "always")
+    state = flow.route(ask)
+    first, want = list(state.job.ids), 3 + SPARE
+    state.add(Delta(" Water\n2. Map\n3. Water", [1, 2, 3], "stop"))
+    text, job = state.more("stop", tok)
+    assert text.text == "\n4." and job.key == ("r", 1) and job.params.max_tokens == 64 - 3
+    assert job.ids == first + tok.encode(" Water\n2. Map\n3. Water\n4.", add_special_tokens=False)
+    assert f"\n{4 + want - 2}." in job.params.stop and f"\n{want + 1}." not in job.params.stop  # 2 distinct so far
+    state.add(Delta(" Hat\n5. Boots\n6. Snacks", [4, 5, 6], "stop"))
+    assert state.more("stop", tok) is None  # five distinct now
+    skeleton = state.done("stop")
+    assert skeleton.text == "1. Water\n2. Map\n3. Water\n4. Hat\n5. Boots\n6. Snacks" and skeleton.stats["skeleton"]["more"] == 1
+    assert [t for _, t, _ in flow.parse(skeleton).points] == ["Water", "Map", "Hat", "Boots", "Snacks"]
+
+    def short(question: str, finish: str, rounds: int = 0) -> object:
+        state = flow.route(Ask("r", question, SamplingParams(max_tokens=64), "always"))
+        state.add(Delta(" Water\n2. Map", [1, 2], finish))
+        for _ in range(rounds):
+            assert state.more(finish, tok) is not None
+        return state.more(finish, tok)
+
+    assert short("Give me three tips for a hike.", "length") is None  # cut off by its cap
+    assert short("How do I plan a hike?", "stop") is None  # no count named
+    assert short("Give me three tips for a hike.", "stop", rounds=MORE_ROUNDS) is None

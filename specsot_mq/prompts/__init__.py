@@ -66,10 +66,13 @@ class PromptFormat:
         ids = chat_prompt_ids(tokenizer, turns)
         return ids + tokenizer.encode(self.skeleton_prefix, add_special_tokens=False)
 
-    def skeleton_head(self, tokenizer) -> list[int]:
+    def skeleton_heads(self, tokenizer) -> list[list[int]]:
         """The tokens every skeleton prompt begins with, whatever the question (system prompt,
-        instructions, worked examples): worth computing once (Generator.keep_prefix)."""
-        return fixed_beginning(lambda q: self.skeleton_ids(tokenizer, q))
+        instructions, worked examples, the request up to its number of points): one for a
+        question that names no number of points, one for a question that does (the request words
+        it differently): each worth computing once (Generator.keep_prefix)."""
+        counted = common_prefix([self.skeleton_ids(tokenizer, "Why?", count=count) for count in (2, 5, 10)])
+        return [fixed_beginning(lambda q: self.skeleton_ids(tokenizer, q)), counted]
 
     def answer_heads(self, tokenizer) -> list[list[int]]:
         """The tokens every point prompt, and every direct answer's prompt, begins with whatever

@@ -48,7 +48,7 @@ class SoTEngine:
         self.flow = Flow(self.config, gen.tokenizer, self._route)
         self.format = self.flow.format
         self.device = device or DeviceProfile("local", 1.0, 1.0, 1.0, self.config.max_parallel)
-        for head in (self.format.skeleton_head(gen.tokenizer), *self.format.answer_heads(gen.tokenizer)):
+        for head in (*self.format.skeleton_heads(gen.tokenizer), *self.format.answer_heads(gen.tokenizer)):
             gen.keep_prefix(head)  # the same for every question
 
     def stream(self, question: str, params: SamplingParams | None = None, history: list[dict] = ()) -> Iterator[ClientEvent]:
@@ -59,11 +59,16 @@ class SoTEngine:
         skeleton = self.flow.route(ask, capacity=self.gen.cache.capacity)
         if isinstance(skeleton, Skeletoning):
             yield skeleton.first()
-            finish = "stop"
-            for _, delta in self._run([skeleton.job]):
-                if text := skeleton.add(delta):
-                    yield text
-                finish = delta.finish_reason or finish
+            job, finish = skeleton.job, "stop"
+            while job is not None:
+                for _, delta in self._run([job]):
+                    if text := skeleton.add(delta):
+                        yield text
+                    finish = delta.finish_reason or finish
+                more = skeleton.more(finish, self.gen.tokenizer)
+                if more is not None:
+                    yield more[0]
+                job = more and more[1]
             skeleton = skeleton.done(finish)
         yield from self._points(self.flow.parse(skeleton), start)
 

@@ -23,6 +23,7 @@ only the jobs (generate.Job) a device decodes import the decoding side.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,9 @@ from specsot_mq.sot.scheduler import DeviceProfile, schedule
 
 if TYPE_CHECKING:
     from specsot_mq.generate import Delta, Job
+
+MORE_ROUNDS = 2  # times a counted skeleton that lists too few distinct points is asked for the rest
+NUMBER_STOP = re.compile(r"\n[0-9]+\.")  # skeleton_params' stop past the last point
 
 
 @dataclass(slots=True)
@@ -93,6 +97,11 @@ class Skeletoning:
     stats: dict  # the request's prompt size
     fmt: object
     progress: Progress = field(default_factory=Progress)
+    rounds: int = 0  # times a short counted list was asked for more (more())
+    prompt: int = field(init=False)  # the first prompt's length
+
+    def __post_init__(self):
+        self.prompt = len(self.job.ids)
 
     def first(self) -> SkeletonText:
         """The skeleton's prefilled beginning, for the client."""
@@ -105,10 +114,40 @@ class Skeletoning:
         self.text += text
         return SkeletonText(self.ask.rid, text, ids(delta.token_ids)) if text or delta.token_ids else None
 
+    def more(self, finish: str, tokenizer) -> tuple[SkeletonText, Job] | None:
+        """A counted skeleton whose list ended with fewer distinct points than it asks for (the
+        count and SPARE: a small model stops early, or lists a point again, which the parser
+        drops) is asked for the rest, up to MORE_ROUNDS times: a second prompt, the first one with
+        the skeleton so far and the next item's number after it, which the loop decodes greedily
+        as it does any prompt (so the skeleton's text is two greedy outputs, each lossless for its
+        prompt; no token of the first is changed). Returns the number for the client and the job,
+        or None where the list has enough, was cut off (a length cap, a loop) or had its rounds."""
+        count = asked_count(self.ask.question)
+        left = self.job.params.max_tokens - self.progress.tokens
+        if not count or finish != "stop" or self.rounds >= MORE_ROUNDS or left < 8:
+            return None
+        want = count + SPARE
+        plan = self.fmt.plan(self.text, want, self.ask.question)
+        starts = item_starts(self.text)
+        if plan.kind != "plan" or len(plan.points) >= want or not starts:
+            return None
+        self.rounds += 1
+        number = starts[-1][2] + 1
+        more = f"\n{number}."
+        written = self.text.removeprefix(self.fmt.skeleton_prefix).rstrip()
+        tokens = tokenizer.encode(written + more, add_special_tokens=False)
+        last = f"\n{number + want - len(plan.points)}."  # the stop past the points still missing
+        stops = (last, *(s for s in self.job.params.stop if not NUMBER_STOP.fullmatch(s)))
+        params = replace(self.job.params, max_tokens=left, stop=stops)
+        self.job = replace(self.job, key=(self.ask.rid, self.rounds), ids=self.job.ids[:self.prompt] + tokens,
+                           params=params)  # fmt: skip
+        self.text += more
+        return SkeletonText(self.ask.rid, more, ids(tokenizer.encode(more, add_special_tokens=False))), self.job
+
     def done(self, finish: str) -> Skeleton:
         ask = self.ask
-        return Skeleton(ask.rid, ask.question, ask.params, "sot", self.reason, self.text,
-                        self.stats | {"skeleton": self.progress.stats()}, finish, ask.history)  # fmt: skip
+        stats = self.stats | {"skeleton": self.progress.stats() | ({"more": self.rounds} if self.rounds else {})}
+        return Skeleton(ask.rid, ask.question, ask.params, "sot", self.reason, self.text, stats, finish, ask.history)
 
 
 class Flow:
