@@ -9,8 +9,7 @@ model step a stage marks itself busy, works out its share (`cores // busy stages
 once the others hold no more than the rest: a stage still running a step on every core gives
 them back at its next step, so a stage that turns busy waits at most one step of the other
 instead of running beside it on too few cores. A waiting stage takes no core: runner.py bounds
-how long idle OpenMP threads spin. Over --split layers the stages hold no layers and run on one
-thread; the range servers (remote_range.py), which compute, share the board instead.
+how long idle OpenMP threads spin.
 """
 
 from __future__ import annotations
@@ -70,24 +69,3 @@ class CoreShare:
         folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         digest = hashlib.sha1(f"{run_key}|{host}".encode()).hexdigest()[:16]
         return folder / f"specsot-cores-{digest}"
-
-
-def board_place(spec, name: str) -> tuple[Path, int, int]:
-    """Where `name` is on its host's core board: the board's path, its index there, and how many
-    share it. The processes that compute on the CPU share it: the device stages, or over --split
-    layers the range servers (whose callers, the device stages, then only send hidden states on)."""
-    members = sharing(spec, name)
-    return CoreShare.board_path(spec.client_address, spec.hosts[name]), members.index(name), len(members)
-
-
-def sharing(spec, name: str) -> list[str]:
-    """The device stages on `name`'s host on the same device as it (all CPU stages share the CPU),
-    or the range servers where `name` is one."""
-    from specsot_mq.devices import parse_devices
-
-    devices = {n: served["device"] for n, served in spec.ranges.items()} if name in spec.ranges else spec.devices
-
-    def device(n: str) -> str:
-        return parse_devices(devices[n], resolve=False)[0].torch_device
-
-    return [n for n in devices if spec.hosts[n] == spec.hosts[name] and device(n) == device(name)]

@@ -33,7 +33,6 @@ import time
 import uuid
 import weakref
 from collections.abc import Sequence
-from pathlib import Path
 
 # Before torch loads OpenMP: a server waiting for its next request takes no core (stages/runner.py).
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
@@ -119,15 +118,11 @@ class RangeServer:
         ends = model.last_layer == model.cfg.num_layers
         return RangeReply(logits=to_wire(out.logits) if ends else None, hidden=[to_wire(h) for h in out.hidden])
 
-    def serve(self, address: str, share=None) -> None:
-        """Answer requests on a ZeroMQ reply socket bound at `address` until a RangeStop; `share`:
-        this server's place on its host's core board (core_share.py), whose share of the cores
-        each forward runs on (the range servers of a host busy together split them; one busy
-        alone takes them all), given back when no request waits."""
+    def serve(self, address: str) -> None:
+        """Answer requests on a ZeroMQ reply socket bound at `address` until a RangeStop."""
         sock = zmq.Context.instance().socket(zmq.REP)
         sock.bind(address)
         print(f"serving layers {self.model.first_layer}:{self.model.last_layer} at {address}", file=sys.stderr, flush=True)
-        threads = torch.get_num_threads()
         try:
             while True:
                 raw = sock.recv()
@@ -136,16 +131,10 @@ class RangeServer:
                 except msgspec.MsgspecError as e:
                     sock.send(_ENCODER.encode(RangeReply(error=f"a malformed request ({e})")))
                     continue
-                if share is not None and isinstance(request, RangeForward) and (n := share.take()) != threads:
-                    torch.set_num_threads(threads := n)
                 sock.send(_ENCODER.encode(self.answer(request)))
-                if share is not None and not sock.poll(0):
-                    share.idle()
                 if isinstance(request, RangeStop):
                     return
         finally:
-            if share is not None:
-                share.idle()
             sock.close(linger=0)
 
 
@@ -513,17 +502,9 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--quantize", default="auto", help="the weights: as shipped (auto), int4, int8 or none")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    p.add_argument("--core-board", default=None, metavar="PATH:INDEX:COUNT",
-                   help="share the host's cores with the other range servers on this board (core_share.py; a launch passes it)")
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    share = None
-    if args.core_board:
-        from specsot_mq.core_share import CoreShare
-
-        path, index, count = args.core_board.rsplit(":", 2)
-        share = CoreShare(Path(path), int(index), int(count), os.cpu_count() or 1)
     try:
         first, last = (int(x) for x in args.layers.split(":"))
     except ValueError:
@@ -533,7 +514,7 @@ def main(argv=None) -> None:
         folder = resolve_model(args.model)
         dtype = resolve_dtype(args.dtype, dev, runs_quantized(folder, args.quantize, dev))
         model = load_model(folder, dtype=dtype, device=dev, quantize=args.quantize, layers=(first, last))
-        RangeServer(model).serve(args.bind, share)
+        RangeServer(model).serve(args.bind)
     except SpecSotError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

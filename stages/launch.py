@@ -21,7 +21,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specsot_mq.core_share import board_place
 from specsot_mq.devices import Device, device_profiles, is_local, parse_devices
 from specsot_mq.errors import SpecSotError
 from specsot_mq.pull import resolve_model, specsot_home
@@ -216,11 +215,7 @@ class Launcher:
                    served["address"], "--dtype", spec.dtype, "--quantize", spec.quantize, "--device",
                    parse_devices(served["device"], resolve=False)[0].torch_device]  # fmt: skip
             cmd += ["--model", spec.model] if spec.model else []
-            if name in spec.threads:
-                cmd += ["--threads", str(spec.threads[name])]
-            elif "#cpu" in served["device"]:  # the range servers of a host share its cores (core_share.py)
-                path, index, count = board_place(spec, name)
-                cmd += ["--core-board", f"{path}:{index}:{count}"]
+            cmd += ["--threads", str(spec.threads[name])] if name in spec.threads else []
         host = self.spec.hosts[name]
         if is_local(host):
             return cmd
@@ -289,8 +284,6 @@ class Launcher:
                 proc.wait()
         for stage in self.stages.values():
             stage.proc = None
-        for name in self.spec.ranges:  # the range servers' core board (a stage removes its own board as it stops)
-            board_place(self.spec, name)[0].unlink(missing_ok=True)
 
     def tail(self, name: str, lines: int = 15) -> str:
         try:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from specsot_mq.core_share import CoreShare, board_place, sharing
+from specsot_mq.core_share import CoreShare
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator, Job
 from specsot_mq.messages import Failed
@@ -235,8 +235,6 @@ class DeviceStage(Stage):
         self.running: dict[str, object] = {}  # rid -> what the subclass keeps about that request
         self.device = parse_devices(self.spec.devices[self.name], resolve=False)[0].torch_device
         threads = self.spec.threads.get(self.name) if self.device == "cpu" else None  # --threads fixed it
-        if self.device == "cpu" and self.spec.ranges:  # its model's layers are in the range servers, which
-            threads = threads or 1  # share the cores; here only the sampling runs
         # Otherwise a CPU stage takes its share of the host's cores, by how many of its stages are busy.
         self.share = host_share(self.spec, self.name) if self.device == "cpu" and threads is None else None
         self.outbox: asyncio.Queue = asyncio.Queue()
@@ -307,13 +305,25 @@ class DeviceStage(Stage):
 def host_share(spec, name: str) -> CoreShare:
     """The core board of the CPU device stages on `name`'s host (see core_share.py), with all of
     this host's cores counted here: a remote host may have more or fewer than the launcher's."""
-    return CoreShare(*board_place(spec, name), os.cpu_count() or 1)
+    members = _sharing(spec, name)
+    return CoreShare(CoreShare.board_path(spec.client_address, spec.hosts[name]), members.index(name), len(members),
+                     os.cpu_count() or 1)  # fmt: skip
 
 
 def gpu_share(spec, name: str) -> float:
     """The part of its GPU's memory a GPU device stage may take: an equal share between the device
     stages of its host on the same GPU (a skeleton and a branch stage on GPU 0 take half each)."""
-    return 1.0 / len(sharing(spec, name))
+    return 1.0 / len(_sharing(spec, name))
+
+
+def _sharing(spec, name: str) -> list[str]:
+    """The device stages on `name`'s host on the same device as it (all CPU stages share the CPU)."""
+    from specsot_mq.devices import parse_devices
+
+    def device(n: str) -> str:
+        return parse_devices(spec.devices[n], resolve=False)[0].torch_device
+
+    return [n for n in spec.devices if spec.hosts[n] == spec.hosts[name] and device(n) == device(name)]
 
 
 def batch_key(rid: str, params) -> object:

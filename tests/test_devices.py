@@ -104,36 +104,14 @@ import torch
 def test_device_stages_on_one_gpu_split_its_memory_and_cpu_stages_share_the_cores():
     from types import SimpleNamespace
 
-    from specsot_mq.core_share import sharing
-    from specsot_mq.stages.worker import gpu_share
+    from specsot_mq.stages.worker import _sharing, gpu_share
 
     spec = SimpleNamespace(
         devices={"skeleton": "10.0.0.1#0", "branch0": "10.0.0.1#0", "branch1": "10.0.0.1#1", "branch2": "10.0.0.2#0",
                  "branch3": "10.0.0.1#cpu", "branch4": "10.0.0.1#cpu1"},
         hosts={"skeleton": "10.0.0.1", "branch0": "10.0.0.1", "branch1": "10.0.0.1", "branch2": "10.0.0.2",
                "branch3": "10.0.0.1", "branch4": "10.0.0.1"},
-        ranges={},
     )  # fmt: skip
     assert gpu_share(spec, "skeleton") == gpu_share(spec, "branch0") == 0.5  # both on 10.0.0.1's GPU 0
     assert gpu_share(spec, "branch1") == 1.0 and gpu_share(spec, "branch2") == 1.0  # alone on theirs
-    assert sharing(spec, "branch3") == ["branch3", "branch4"]  # the host's CPU stages share its cores
-
-
-def test_over_a_layer_split_the_range_servers_share_the_cores_and_the_stages_take_one_thread(tmp_path):
-    """--split layers: the range servers of a host, which compute, get places on its core board
-    (a launch passes each its place); the device stages, which only send hidden states on, run on
-    one thread and take no place."""
-    from specsot_mq.core_share import CoreShare, sharing
-    from specsot_mq.devices import parse_devices
-    from specsot_mq.sot.scheduler import DeviceProfile
-    from specsot_mq.stages.launch import Launcher, plan_run
-
-    devices = parse_devices("127.0.0.1#cpu0,127.0.0.1#cpu1", resolve=False)
-    profiles = {"cpu": DeviceProfile("cpu", 1.0, 1.0, 1.0, 8)}
-    spec = plan_run(devices, profiles, "p2p", tmp_path, ranges=[(0, 12), (12, 24)])
-    assert sharing(spec, "range@127.0.0.1#cpu0") == ["range@127.0.0.1#cpu0", "range@127.0.0.1#cpu1"]
-    launcher = Launcher(spec, tmp_path)
-    boards = [launcher.stages[name].command[launcher.stages[name].command.index("--core-board") + 1] for name in spec.ranges]
-    path = str(CoreShare.board_path(spec.client_address, "127.0.0.1"))
-    assert boards == [f"{path}:0:2", f"{path}:1:2"]
-    assert all("--core-board" not in launcher.stages[name].command for name in spec.kinds)
+    assert _sharing(spec, "branch3") == ["branch3", "branch4"]  # the host's CPU stages share its cores

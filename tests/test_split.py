@@ -381,38 +381,3 @@ def test_split_ranges_size_the_ranges_by_memory_and_check_every_replica(tmp_path
         split_ranges(devices[:1], profiles, folder, "none")
     with pytest.raises(SpecSotError, match="use --draft none"):
         split_ranges(devices[:2], profiles, folder, "my-head.safetensors")
-
-
-def test_a_range_server_takes_its_share_of_the_cores_for_each_forward_and_gives_it_back_when_idle(tmp_path):
-    """RangeServer.serve with a place on its host's core board (a launch gives one to each range
-    server of a host): a forward runs on the share it takes, and the server gives its cores back
-    once no request waits; cache requests take none."""
-    import threading
-
-    from specsot_mq.loader import load_model
-    from specsot_mq.remote_range import RangeServer, RemoteRange
-
-    class Board:  # a core board's place that records its calls (and keeps this process's threads)
-        def __init__(self):
-            self.calls = []
-
-        def take(self) -> int:
-            self.calls.append("take")
-            return torch.get_num_threads()
-
-        def idle(self) -> None:
-            self.calls.append("idle")
-
-    folder, address, board = tiny_folder(tmp_path / "m"), free_address(), Board()
-    server = threading.Thread(target=RangeServer(load_model(folder, layers=(2, 4))).serve, args=(address, board), daemon=True)
-    server.start()
-    remote = RemoteRange(address, load_model(folder, layers=(0, 2)).cfg, torch.float32, timeout_s=60)
-    cache = remote.new_cache(1, 16)
-    assert "take" not in board.calls  # a hello and a new cache
-    x = torch.zeros(1, 3, remote.cfg.hidden_size)
-    board.calls.clear()
-    remote(x, cache, Step.fresh(torch.arange(3)[None]))
-    assert board.calls == ["take", "idle"]
-    remote.stop()
-    server.join(timeout=30)
-    assert not server.is_alive()
