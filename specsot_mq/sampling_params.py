@@ -33,6 +33,9 @@ class SamplingParams:
     # With stop_repeated_line: a list item that runs on inside a line ("1. a 2. b") starts a line
     # of its own, so a skeleton that lists its points again on one line ends too.
     stop_repeated_item: bool = False
+    # End the output (finish "length") once one line of it runs past this many characters; 0 = off:
+    # a SoT skeleton whose first "point" is a paragraph is no plan of short points.
+    max_line_chars: int = 0
 
     def __post_init__(self):
         checks = [
@@ -41,6 +44,7 @@ class SamplingParams:
             (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.repeat_stop >= 0, f"repeat_stop must be >= 0 (0 = off), got {self.repeat_stop}"),
+            (self.max_line_chars >= 0, f"max_line_chars must be >= 0 (0 = off), got {self.max_line_chars}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -54,6 +54,7 @@ class Output:
         self.tokens: list[int] = []  # what it accepted (the generator's History gets it at the end)
         self.loop = LoopWatch(params.repeat_stop) if params.repeat_stop else None
         self.lines = LineWatch(params.stop_repeated_item) if params.stop_repeated_line else None
+        self.line = 0  # characters of its last line so far (SamplingParams.max_line_chars)
 
     def take(self, new: list[int]) -> Delta:
         """Accept proposed tokens up to the first stopping point; return the resulting delta.
@@ -73,6 +74,10 @@ class Output:
             piece = "" if eos else self.detok.add([tok])  # EOS has no text
             if not finish and self.lines is not None and self.lines.add(piece):
                 finish = "repeat"
+            if self.params.max_line_chars:
+                self.line = len(piece) - piece.rfind("\n") - 1 if "\n" in piece else self.line + len(piece)
+                if not finish and self.line > self.params.max_line_chars:
+                    finish = "length"
             if finish:
                 piece += self.detok.flush()
             text, hit = self.stop.feed(piece, final=finish is not None)

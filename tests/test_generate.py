@@ -11,7 +11,7 @@ from conftest import ours_from_hf, tiny_hf
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Generator
 from specsot_mq.model import Step
-from specsot_mq.sequence import Output
+from specsot_mq.sequence import Delta, Output
 from specsot_mq.sampling import Sampler, SamplingParams, greedy_tokens
 from specsot_mq.stopping import LineWatch, StopStrings
 
@@ -408,6 +408,20 @@ def test_stop_repeated_line_ends_the_output_with_the_line_that_repeats_an_earlie
         assert delta.finish_reason == "repeat" and delta.text == "1. Sleep well\n2. Less coffee\n3. sleep WELL!\n"
     else:
         assert delta.finish_reason is None and delta.text == text
+
+
+def test_max_line_chars_ends_the_output_once_one_line_runs_past_it():
+    """A line longer than max_line_chars ends the output (finish "length", the way a cap does),
+    counted from the line's own start: earlier lines, however many, never add up."""
+    tok = CharTokenizer()
+    short = "1. Sleep well\n2. Less coffee\n3. Walk daily"
+    params = SamplingParams(max_tokens=200, max_line_chars=16)
+    assert Output(tok, params, frozenset([0])).take(tok.encode(short)) == Delta(short, tok.encode(short), None, None)
+    long = "1. Sleep\n2. Sleep is when the body repairs itself"
+    delta = Output(tok, params, frozenset([0])).take(tok.encode(long))
+    assert delta.finish_reason == "length" and delta.text == long[: len("1. Sleep\n") + 17]
+    with pytest.raises(SpecSotError, match="max_line_chars"):
+        SamplingParams(max_line_chars=-1)
 
 
 def test_line_watch_reads_lines_over_pieces_and_ignores_numbers_case_and_marks():

@@ -14,7 +14,8 @@ from specsot_mq.generate import Delta
 from specsot_mq.prompts import load_format
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.messages import Ask, Skeleton
-from specsot_mq.sot.flow import Flow, SoTConfig, finished_lines, point_params, points_asked, skeleton_params, skeleton_text
+from specsot_mq.sot.flow import (SKELETON_LINE_CHARS, Flow, SoTConfig, finished_lines, point_params, points_asked,
+                                 skeleton_params, skeleton_text)  # fmt: skip
 from specsot_mq.sot.ordered import OrderedAnswer, dropped_points
 from specsot_mq.sot.overlap import content_words, restates, same_point, says_nothing
 from specsot_mq.sot.parser import SPARE, Plan, Point, asked_count, parse_plan_direct, parse_skeleton
@@ -279,6 +280,8 @@ def test_a_skeleton_that_lists_its_point_again_inside_one_line_goes_direct():
 def test_phases_keep_the_request_s_repeat_stop():
     params = SamplingParams(max_tokens=300, repeat_stop=16)
     assert skeleton_params(SoTConfig(), params).repeat_stop == 16
+    assert skeleton_params(SoTConfig(), params).max_line_chars == SKELETON_LINE_CHARS  # a paragraph is no point
+    assert point_params(SoTConfig(), params, Plan("plan", [Point(1, "a"), Point(2, "b")])).max_line_chars == 0
     assert point_params(SoTConfig(), params, Plan("plan", [Point(1, "a"), Point(2, "b")])).repeat_stop == 16
 
 

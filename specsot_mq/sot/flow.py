@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 MORE_ROUNDS = 2  # times a counted skeleton that lists too few distinct points is asked for the rest
 NUMBER_STOP = re.compile(r"\n[0-9]+\.")  # skeleton_params' stop past the last point
+# A skeleton line this long is a paragraph, not a point (a title is at most parser.MAX_TITLE_WORDS
+# words; with a short explanation after it, as SmolLM2 sometimes writes, about half this)
+SKELETON_LINE_CHARS = 200
 
 
 @dataclass(slots=True)
@@ -393,9 +396,12 @@ def skeleton_params(config: SoTConfig, params: SamplingParams, count: int | None
     max_points), the prompt format's own stops
     ("DIRECT]" in the plan format), and an end at a point listed again, on a line of its own or
     run on inside a line (the parser would drop it, and a small model that repeats one point
-    tends to repeat them all), but for a counted list, which needs its count of distinct items."""
+    tends to repeat them all), but for a counted list, which needs its count of distinct items.
+    A line past SKELETON_LINE_CHARS ends it too, cut off: a "point" that is a paragraph means the
+    model is answering, not planning (its unfinished line is left out; with it the first, the
+    plan has too few points and the question goes direct, without decoding the rest)."""
     stops = (f"\n{(count or config.max_points) + 1}.", *load_format(config.prompt_format).skeleton_stop)
-    bounded = _bounded(params, config.skeleton_tokens, stops)
+    bounded = replace(_bounded(params, config.skeleton_tokens, stops), max_line_chars=SKELETON_LINE_CHARS)
     # A counted list goes on past a repeat (the parser drops it; the items after it may be new),
     # bounded by the count's stop; an open one ends there.
     return bounded if count else replace(bounded, stop_repeated_line=True, stop_repeated_item=True)
