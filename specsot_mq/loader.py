@@ -90,13 +90,13 @@ def hf_to_ours(state: dict[str, torch.Tensor | QWeight], cfg: ModelConfig,
     scale 1/sqrt(head_dim) into the q projection (or the q norm, which comes after it).
     Quantized weights (QWeight) stay quantized; a fused projection is a list of parts. `layers`
     [first, last): only those layers' weights (the embedding with the first, the output layer with
-    the last; the final norm always)."""
+    the last; the final norm always); (0, 0): no layer, the embedding and the output layer alone."""
     scale = 1.0 / math.sqrt(cfg.head_dim)
     first, last = layers or (0, cfg.num_layers)
     out = {"norm.weight": state["model.norm.weight"]}
     if first == 0:
         out["embed.weight"] = state["model.embed_tokens.weight"]
-    if last == cfg.num_layers:
+    if last in (cfg.num_layers, 0):
         out["lm_head.weight"] = state["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
     for i in range(first, last):
         p, q = f"model.layers.{i}.", f"layers.{i}."
@@ -179,11 +179,13 @@ def load_model(
 ) -> LlamaModel:
     """Build the model of a Hugging Face-format folder, activations in `dtype` on `device`, ready
     for inference; `quantize` as in _quantized_as_asked (quantized weights run in QLinear).
-    `layers` [first, last): only that range of its layers (split.py), the others never loaded."""
+    `layers` [first, last): only that range of its layers (split.py), the others never loaded;
+    (0, 0): no layer, only the embedding and the output layer, which an EAGLE head reads where the
+    layers run in range servers (split.SplitModel's edges)."""
     folder = Path(folder)
     device = torch.device(device)
     cfg = ModelConfig.from_folder(folder)
-    if layers is not None and not 0 <= layers[0] < layers[1] <= cfg.num_layers:
+    if layers is not None and layers != (0, 0) and not 0 <= layers[0] < layers[1] <= cfg.num_layers:
         raise SpecSotError(f"layers {layers[0]}:{layers[1]} are not a range of the model's {cfg.num_layers} layers")
     try:
         weights = hf_to_ours(read_state_dict(folder), cfg, layers)
@@ -196,7 +198,9 @@ def load_model(
     if cfg.tie_embeddings and torch.is_tensor(weights.get("lm_head.weight")) and "embed.weight" in weights:
         model.lm_head.weight = model.embed.weight
     model.use_quantized({k.removesuffix(".weight"): v for k, v in weights.items() if _is_quantized(v)}, dtype)
-    if layers is not None:  # the range alone (the other layers were never given weights)
+    if layers == (0, 0):  # the edges alone
+        model.layers = torch.nn.ModuleList()
+    elif layers is not None:  # the range alone (the other layers were never given weights)
         from specsot_mq.split import split_layers
 
         bounds = [b for b in ((0, layers[0]), layers, (layers[1], cfg.num_layers)) if b[0] < b[1]]
@@ -317,8 +321,9 @@ def load_generator(
     prompt lookup also drafts for a model without a head; TreeParams(lookup=0) there decodes
     plainly). `ranges`: the range servers (remote_range.py) that hold the model's layers: for each
     range in order, its servers (replicas) as {name: address}. This process then holds no layer
-    and runs the model through them, with no draft head, a prompt longer than `prefill_chunk`
-    tokens prefilled in pieces of that many, pipelined (split.SplitModel)."""
+    and runs the model through them (a prompt longer than `prefill_chunk` tokens prefilled in
+    pieces of that many, pipelined: split.SplitModel); with a draft head it holds a copy of the
+    embedding and the output layer, which the head reads, and the features come from the ranges."""
     from specsot_mq.draft import DraftHead
     from specsot_mq.generate import Generator
     from specsot_mq.pull import resolve_model
@@ -338,10 +343,13 @@ def load_generator(
         # a long prefill over a slow range takes minutes; a range that dies is seen at once (RemoteRange)
         parts = [RemoteRange(list(servers.values()), cfg, activations, dev, timeout_s=600, name=list(servers))
                  for servers in ranges]  # fmt: skip
-        net, draft = SplitModel(parts, prefill_chunk), "none"
+        draft_path = resolve_draft(draft, folder)
+        # an EAGLE head reads the embedding and the output layer: a copy of them here (the edges)
+        edges = load_model(folder, dtype=activations, device=dev, quantize=quantize, layers=(0, 0)) if draft_path else None
+        net = SplitModel(parts, prefill_chunk, edges)
     else:
         net = load_model(folder, dtype=activations, device=dev, quantize=quantize)
-    draft_path = resolve_draft(draft, folder)
+        draft_path = resolve_draft(draft, folder)
     head = DraftHead.load(draft_path, net).prepack() if draft_path else None
     return Generator(net, load_tokenizer(folder), max_len=max_len, num_slots=num_slots, draft=head,
                      tree=tree or TreeParams(), prefix_cache_mb=prefix_cache_mb)  # fmt: skip

@@ -10,8 +10,9 @@ the whole model's cache.
 
 `RemoteRange` stands for such a range in split.py's SplitModel: the process runs its own ranges
 and sends the hidden state on, so the generation loop and the SoT engine run over the split model
-unchanged and greedy output equals the whole model's, token for token. An EAGLE head needs the
-output layer where it drafts; over a remote last range it is refused for now (SplitModel.lm_head).
+unchanged and greedy output equals the whole model's, token for token. An EAGLE head reads the
+embedding and the output layer: where those ranges are remote, the process holds a copy of them
+(SplitModel's edges), and the head's features come back from the ranges that hold those layers.
 A range may have replicas (several servers of the same layers): see RemoteRange.
 
     python -m specsot_mq.remote_range --model NAME --layers 15:30 --bind tcp://127.0.0.1:5700
@@ -406,9 +407,14 @@ class RemoteRange(nn.Module):
         freed, self._freed = self._freed, []
         cache = RemoteCache(self, next(self._names), num_slots, capacity)
         self.call(RangeNewCache(cache.name, num_slots, capacity, freed))
-        weakref.finalize(cache, self._freed.append, cache.name)
+        weakref.finalize(cache, self._free, cache.name)
         self._caches.add(cache)
         return cache
+
+    def _free(self, name: int) -> None:
+        """A cache of this process's went: the servers drop theirs with the next new cache's
+        request (appended to the list of the moment, not to the one there was when it was made)."""
+        self._freed.append(name)
 
     def attends_in_place(self, cache) -> bool:
         return False

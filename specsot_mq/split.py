@@ -150,24 +150,34 @@ class SplitCache:
 class SplitModel(nn.Module):
     """The ranges chained behind LlamaModel's interface (see the module docstring)."""
 
-    def __init__(self, parts: list[LlamaModel], prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, parts: list[LlamaModel], prefill_chunk: int = PREFILL_CHUNK, edges: LlamaModel | None = None):
         """prefill_chunk: a longer prompt's prefill goes through ranges in other processes in
-        chunks of this many tokens, pipelined (0: in one piece)."""
+        chunks of this many tokens, pipelined (0: in one piece); edges: the embedding and the
+        output layer here (load_model(layers=(0, 0))), for an EAGLE head, where the first or the
+        last range is in another process."""
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.cfg = parts[0].cfg
         self.prefill_chunk = prefill_chunk
+        self.edges = edges
 
     @property
     def embed(self) -> nn.Module:
-        return self.parts[0].embed
+        return self._edge("embed", self.parts[0])
 
     @property
     def lm_head(self) -> nn.Module:
-        if not hasattr(self.parts[-1], "lm_head"):  # a remote last range (remote_range.py)
-            raise SpecSotError("an EAGLE head needs the output layer where it drafts, and the last layer range is "
-                               "in another process: pass --draft none over this split (for now)")  # fmt: skip
-        return self.parts[-1].lm_head
+        return self._edge("lm_head", self.parts[-1])
+
+    def _edge(self, name: str, part: nn.Module) -> nn.Module:
+        """The embedding or the output layer: the range's that holds it where that range is here,
+        else the edges' (a range in another process, remote_range.py, keeps its own)."""
+        for holder in (part, self.edges):
+            if holder is not None and hasattr(holder, name):
+                return getattr(holder, name)
+        raise SpecSotError(f"an EAGLE head reads the model's {'embedding' if name == 'embed' else 'output layer'}, "
+                           "which is in another process here: give SplitModel its edges "
+                           "(load_model(..., layers=(0, 0))), or pass --draft none")  # fmt: skip
 
     @property
     def dtype(self) -> torch.dtype:

@@ -88,7 +88,7 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
     # schedule and merge run on this host and read its tokenizer) rather than by the first of them;
     # a bad model name fails now. Remote hosts resolve it themselves.
     folder = resolve_model(options.model)
-    ranges = split_ranges(devices, profiles, folder, options.draft, options.replicas) if options.split == "layers" else None
+    ranges = split_ranges(devices, profiles, folder, options.replicas) if options.split == "layers" else None
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-run-"))  # short: ipc socket paths have a length limit
     spec = plan_run(devices, profiles, options.topology, run_dir, options.base_port, options.threads, ranges,
                     model=options.model, dtype=options.dtype, quantize=options.quantize,
@@ -101,7 +101,7 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
 
 
 def split_ranges(devices: list[Device], profiles: dict[str, DeviceProfile], folder: Path,
-                 draft: str | None, replicas: int = 1) -> list[tuple[int, int]]:  # fmt: skip
+                 replicas: int = 1) -> list[tuple[int, int]]:  # fmt: skip
     """--split layers: each device's [first, last) layers, sized by memory in devices.json: the
     first len(devices) / replicas devices take the ranges in order, and each later one serves the
     same range as the device that many places before it (its replica)."""
@@ -119,9 +119,6 @@ def split_ranges(devices: list[Device], profiles: dict[str, DeviceProfile], fold
     if not all(is_local(d.host) for d in devices):
         raise SpecSotError("--split layers runs over the devices of this host for now: its range links are not "
                            "authenticated yet; use --split none across hosts")  # fmt: skip
-    if draft not in (None, "auto", "none"):
-        raise SpecSotError("an EAGLE head over --split layers is not built yet (the output layer is in another "
-                           "process): use --draft none")  # fmt: skip
     layer, embed, head = weight_bytes(folder)
     budgets = [p.memory_gb * 1e9 for p in device_profiles(devices, profiles)]
     bounds = layer_ranges(ModelConfig.from_folder(folder).num_layers, int(layer), budgets[:n], embed, head,

@@ -101,7 +101,7 @@ def tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu0,127.0.0.1#cpu1", poi
     model, draft = tiny_model
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-test-"))
     profiles = load_profiles(default_profiles_path())
-    ranges = split_ranges(parse_devices(devices), profiles, Path(model), "none", replicas) if split else None
+    ranges = split_ranges(parse_devices(devices), profiles, Path(model), replicas) if split else None
     spec = plan_run(parse_devices(devices), profiles, topology, run_dir, ranges=ranges,
                     model=str(model), dtype="fp32", draft="none" if split else str(draft), max_len=512,
                     sot={"point_tokens": point_tokens, "skeleton_tokens": 16}, heartbeat_s=0.25, dead_after_s=dead_after_s,

@@ -180,7 +180,8 @@ def test_a_range_loaded_alone_holds_that_range_of_the_whole_model(tmp_path):
 def test_greedy_over_a_layer_range_in_another_process_equals_the_whole_model(tmp_path):
     """Layers 2:4 served by another process (remote_range.py), their hidden states and the cache
     operations going over ZeroMQ: the same logits and greedy tokens as the whole model, also for
-    prompts sharing a prefix, a prefix store's restore and an accepted path moved in the cache."""
+    prompts sharing a prefix, a prefix store's restore, an accepted path moved in the cache, and
+    an EAGLE head drafting over it with a copy of the output layer here."""
     from specsot_mq.loader import load_model
     from specsot_mq.messages import RangeCacheOp
     from specsot_mq.remote_range import RemoteRange
@@ -226,9 +227,23 @@ def test_greedy_over_a_layer_range_in_another_process_equals_the_whole_model(tmp
                 c.move(0, [3, 5], 3)
                 outs.append(m(torch.tensor([[11]]), c, Step([0], [5], torch.tensor([[5]]))).logits)
         assert torch.equal(outs[0], outs[1])
-        with pytest.raises(SpecSotError, match="--draft none"):
+        with pytest.raises(SpecSotError, match="give SplitModel its edges"):
             DraftHead(DraftConfig.for_base(whole.cfg, 50)).attach(split)
-        # each cache here has its own there; one this process dropped is dropped there with the next new one
+        # with a copy of the embedding and the output layer here (the edges), an EAGLE head whose
+        # features come from both processes drafts over the remote range: the whole model's tokens
+        edges = load_model(folder, layers=(0, 0))
+        assert len(edges.layers) == 0 and torch.equal(edges.lm_head.weight, whole.lm_head.weight)
+        edged = SplitModel([local, remote], edges=edges)
+        assert edged.embed is local.embed and edged.lm_head is edges.lm_head
+        torch.manual_seed(0)
+        head = DraftHead(DraftConfig.for_base(whole.cfg, 50, (1, 3, 4)))
+        head.d2t.copy_(torch.randperm(whole.cfg.vocab_size)[:50])
+        head = head.attach(edged).eval().requires_grad_(False)
+        eagle = Generator(edged, CharTokenizer(), max_len=64, num_slots=3, draft=head, tree=TreeParams(4, 2, 2))
+        want = [c.token_ids for c in Generator(whole, CharTokenizer(), max_len=64, num_slots=3).generate_many(prompts, GREEDY)]
+        assert [c.token_ids for c in eagle.generate_many(prompts, GREEDY)] == want
+        # each cache here has its own there; one this process dropped is dropped there with the next
+        # new one (also after other caches were made since it was: the EAGLE generator's above)
         named = caches[1].parts[1].name
         del caches[1], c, gens, split
         remote.new_cache(1, 8)
@@ -371,13 +386,11 @@ def test_split_ranges_size_the_ranges_by_memory_and_check_every_replica(tmp_path
     big, small = DeviceProfile("big", 1, 3e-3, 1, 1), DeviceProfile("small", 1, 1e-3, 1, 1)
     devices = parse_devices("127.0.0.1#cpu0,127.0.0.1#cpu1,127.0.0.1#cpu2,127.0.0.1#cpu3")
     profiles = {d.name: p for d, p in zip(devices, [big, small, big, small])}
-    assert split_ranges(devices[:2], profiles, folder, "auto") == [(0, 3), (3, 4)]  # by memory
-    assert split_ranges(devices, profiles, folder, "none", replicas=2) == [(0, 3), (3, 4), (0, 3), (3, 4)]
+    assert split_ranges(devices[:2], profiles, folder) == [(0, 3), (3, 4)]  # by memory
+    assert split_ranges(devices, profiles, folder, replicas=2) == [(0, 3), (3, 4), (0, 3), (3, 4)]
     with pytest.raises(SpecSotError, match="127.0.0.1#cpu2's layers 0:3 \\(a replica\\) need"):
-        split_ranges(devices, profiles | {"127.0.0.1#cpu2": DeviceProfile("tiny", 1, 1e-5, 1, 1)}, folder, "none", 2)
+        split_ranges(devices, profiles | {"127.0.0.1#cpu2": DeviceProfile("tiny", 1, 1e-5, 1, 1)}, folder, 2)
     with pytest.raises(SpecSotError, match="--replicas 3: give a number of devices that it divides"):
-        split_ranges(devices, profiles, folder, "none", replicas=3)
+        split_ranges(devices, profiles, folder, replicas=3)
     with pytest.raises(SpecSotError, match="needs at least 2 devices"):
-        split_ranges(devices[:1], profiles, folder, "none")
-    with pytest.raises(SpecSotError, match="use --draft none"):
-        split_ranges(devices[:2], profiles, folder, "my-head.safetensors")
+        split_ranges(devices[:1], profiles, folder)
