@@ -155,8 +155,6 @@ def test_a_cpu_device_stage_runs_on_its_own_hosts_cores_unless_the_launch_fixes_
     """The stage counts the cores of the host it runs on (a remote host may have other than the
     launcher's) and, busy alone, takes all of them; `specsot launch --threads N` (plan_run's
     stage_threads) fixes the count instead. Counted on the worker thread, where the model runs."""
-    import torch
-
     from specsot_mq.stages.base import RunSpec
     from specsot_mq.stages.skeleton import SkeletonStage
 
