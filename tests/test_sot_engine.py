@@ -343,10 +343,14 @@ def test_a_counted_skeleton_short_of_points_is_asked_for_the_rest(tiny):
     assert text.text == "\n4." and job.key == ("r", 1) and job.params.max_tokens == 64 - 3
     assert job.ids == first + tok.encode(" Water\n2. Map\n3. Water\n4.", add_special_tokens=False)
     assert f"\n{4 + want - 2}." in job.params.stop and f"\n{want + 1}." not in job.params.stop  # 2 distinct so far
-    state.add(Delta(" Hat\n5. Boots\n6. Snacks", [4, 5, 6], "stop"))
+    state.add(Delta(" Map\n5. Hat", [4, 5], "stop"))  # a second round, its cap what the first two left
+    text, job = state.more("stop", tok)
+    assert text.text == "\n6." and job.key == ("r", 2) and job.params.max_tokens == 64 - 5
+    state.add(Delta(" Boots\n7. Snacks", [6, 7], "stop"))
     assert state.more("stop", tok) is None  # five distinct now
     skeleton = state.done("stop")
-    assert skeleton.text == "1. Water\n2. Map\n3. Water\n4. Hat\n5. Boots\n6. Snacks" and skeleton.stats["skeleton"]["more"] == 1
+    assert skeleton.text == "1. Water\n2. Map\n3. Water\n4. Map\n5. Hat\n6. Boots\n7. Snacks"
+    assert skeleton.stats["skeleton"]["more"] == 2
     assert [t for _, t, _ in flow.parse(skeleton).points] == ["Water", "Map", "Hat", "Boots", "Snacks"]
 
     def short(question: str, finish: str, rounds: int = 0) -> object:

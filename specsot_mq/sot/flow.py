@@ -101,10 +101,11 @@ class Skeletoning:
     fmt: object
     progress: Progress = field(default_factory=Progress)
     rounds: int = 0  # times a short counted list was asked for more (more())
-    prompt: int = field(init=False)  # the first prompt's length
+    prompt: int = field(init=False)  # the first job's prompt length
+    budget: int = field(init=False)  # and its token cap, which every round's tokens count against
 
     def __post_init__(self):
-        self.prompt = len(self.job.ids)
+        self.prompt, self.budget = len(self.job.ids), self.job.params.max_tokens
 
     def first(self) -> SkeletonText:
         """The skeleton's prefilled beginning, for the client."""
@@ -126,7 +127,7 @@ class Skeletoning:
         prompt; no token of the first is changed). Returns the number for the client and the job,
         or None where the list has enough, was cut off (a length cap, a loop) or had its rounds."""
         count = asked_count(self.ask.question)
-        left = self.job.params.max_tokens - self.progress.tokens
+        left = self.budget - self.progress.tokens
         if not count or finish != "stop" or self.rounds >= MORE_ROUNDS or left < 8:
             return None
         want = count + SPARE
