@@ -181,8 +181,10 @@ class _Peer:
 
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
-            self.gone |= event == zmq.EVENT_DISCONNECTED
-            self.back |= event == zmq.EVENT_CONNECTED
+            if event == zmq.EVENT_DISCONNECTED:
+                self.gone, self.back = True, False  # back: connected again since it last went away
+            elif event == zmq.EVENT_CONNECTED:
+                self.back = True
 
     def wait(self, timeout_ms: int) -> RangeReply | str:
         """The next reply, or why none came: "went away ..." or "did not answer ..."."""
@@ -300,7 +302,12 @@ class RemoteRange(nn.Module):
                         peer.gone, peer.lost = False, True
         only = self._in_sync()
         if len(only) == 1 and only[0].lost:
-            self._recover(only[0])
+            peer = only[0]
+            peer.events()
+            if not peer.back and cache is not None and cache.used:  # its entries died with it: say so now,
+                raise SpecSotError(f"the layer range {peer.label} went away (its process died?) while this "
+                                   "request's entries were there")  # fmt: skip
+            self._recover(peer)  # (a request holding nothing there waits for the restart)
         if len(only) < len(self.peers) and not any(p.pending for p in only):
             self._rejoin()
         if cache is not None and cache.lost:

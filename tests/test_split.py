@@ -163,6 +163,12 @@ def gone(peer) -> bool:
     return peer.gone
 
 
+def back(peer) -> bool:
+    """Whether this side has connected to a range server again since it went away."""
+    peer.events()
+    return peer.back
+
+
 def test_a_range_loaded_alone_holds_that_range_of_the_whole_model(tmp_path):
     from specsot_mq.loader import load_model
 
@@ -280,8 +286,9 @@ def test_the_routers_forward_over_a_split_model_reads_what_the_whole_model_gives
 
 def test_a_layer_range_that_dies_fails_the_requests_it_held_and_serves_later_ones_once_restarted(tmp_path):
     """Its process killed with a forward pending there: that forward fails naming it; killed while
-    idle with entries in use in its cache: the first request after its restart fails (they are
-    lost); either way the next ones run on the restarted server, with the whole model's logits."""
+    idle with entries in use in its cache: the next request holding them fails at once, or, where
+    the server restarted before it, the first one after the restart (they are lost); either way
+    the next ones run on the restarted server, with the whole model's logits."""
     from specsot_mq.loader import load_model
     from specsot_mq.remote_range import RemoteRange
 
@@ -312,10 +319,19 @@ def test_a_layer_range_that_dies_fails_the_requests_it_held_and_serves_later_one
         cache.forget()  # as the slot manager does when a batch fails: no entry is in use
         server = serve_range(folder, address)
         torch.testing.assert_close(logits(split), logits(whole))  # its cache made again there
-        server.kill()  # and now while idle
+        server.kill()  # and now while idle, entries in use in its cache: the next forward fails at
+        server.wait()  # once, not waiting for a restart that may never come
+        until(lambda: gone(remote.peers[0]), "the server's going away")
+        with pytest.raises(SpecSotError, match=f"layer range at {address} went away"):
+            logits(split)
+        cache.forget()
+        server = serve_range(folder, address)  # a request holding nothing there waits for the restart
+        torch.testing.assert_close(logits(split), logits(whole))
+        server.kill()  # idle again, and restarted before the next request: that one's entries are lost
         server.wait()
         until(lambda: gone(remote.peers[0]), "the server's going away")
         server = serve_range(folder, address)
+        until(lambda: back(remote.peers[0]), "the restarted server's connection")
         with pytest.raises(SpecSotError, match=f"layer range at {address} restarted"):
             logits(split)
         torch.testing.assert_close(logits(split), logits(whole))
