@@ -73,7 +73,7 @@ class SkeletonStage(DeviceStage):
         if text := state.add(delta):
             self.post("gateway", text)
         if delta.finish_reason:
-            more = state.more(delta.finish_reason, self.gen.tokenizer) if delta.finish_reason != "abort" else None
+            more = state.more(delta.finish_reason, self.gen.tokenizer)  # (None for an abort: not a "stop")
             if more is not None:  # a counted list short of points: asked for the rest
                 self.post("gateway", more[0])
                 self.worker.submit([more[1]], batch_key(key[0], state.ask.params))

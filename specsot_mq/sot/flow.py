@@ -123,8 +123,8 @@ class Skeletoning:
         count and SPARE: a small model stops early, or lists a point again, which the parser
         drops) is asked for the rest, up to MORE_ROUNDS times: a second prompt, the first one with
         the skeleton so far and the next item's number after it, which the loop decodes greedily
-        as it does any prompt (so the skeleton's text is two greedy outputs, each lossless for its
-        prompt; no token of the first is changed). Returns the number for the client and the job,
+        as it does any prompt (so the skeleton's text is one greedy output per round, each lossless
+        for its prompt; no token of an earlier one is changed). Returns the number for the client and the job,
         or None where the list has enough, was cut off (a length cap, a loop) or had its rounds."""
         count = asked_count(self.ask.question)
         left = self.budget - self.progress.tokens
