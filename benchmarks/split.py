@@ -13,8 +13,14 @@ process on core 0, the range server on core 1, one thread each), the split's pre
 --prefill-tokens prompt in one piece against pipelined in chunks of --prefill-chunk tokens
 (split.py: the range here computes chunk i + 1 while the server computes chunk i).
 
+Then KV shipping (specsot_mq/kv_ship.py): the same model whole on two CPU devices of one host
+(`specsot launch --devices 127.0.0.1#cpu0,127.0.0.1#cpu1`), --conversations conversations of two
+turns, direct: turn 1 a --turn-tokens prompt, turn 2 a short question after it, which the scheduler
+sends to the other device. Time to turn 2's first answer text with --kv-ship auto (the rule's
+choice, logged: it shipped where stats say kv_shipped_tokens) and --kv-ship never (recomputed).
+
     python benchmarks/split.py [--model FILE.gguf] [--new-tokens 32] [--batch 8] [--prompt-tokens 512] \
-        [--prefill-tokens 2000] [--prefill-chunk 128] [--runs 3]
+        [--prefill-tokens 2000] [--prefill-chunk 128] [--runs 3] [--turn-tokens 1000] [--conversations 3]
 
 Ends with one JSON line: both sides' figures, the ratios split / whole and the pipelined prefill's.
 """
@@ -155,6 +161,66 @@ def range_server(args, n: int, core: int | None = None):
         server.wait(timeout=60)
 
 
+def measure_turns(args) -> dict:
+    """Turn 2's time to first answer text on the device that did not decode turn 1, per --kv-ship
+    mode (module docstring)."""
+    import asyncio
+    import statistics
+
+    from specsot_mq.client import Client
+    from specsot_mq.messages import Answer, AnswerText
+    from specsot_mq.sampling import SamplingParams
+    from specsot_mq.stages.launch import LaunchOptions, start_topology, wait_ready
+    from specsot_mq.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model(args.model, auto_pull=False))
+    questions, _ = load_prompts(None, 200)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def first_turn(c: int) -> str:  # a long message of its own per conversation: no stored beginning is shared
+        lines, n = [], 0
+        for q in questions[c::2] + questions:
+            lines.append(f"- {q}")
+            n += len(tok.encode(q)) + 2
+            if n >= args.turn_tokens:
+                break
+        return "Here are some questions:\n" + "\n".join(lines) + "\nWhich of them is the hardest to answer?"
+
+    async def conversation(client, c: int) -> tuple[float, int]:
+        q1 = first_turn(c)
+        first = await client.answer(q1, params, "never", timeout=900)
+        history = [{"role": "user", "content": q1}, {"role": "assistant", "content": first.answer}]
+        began, ttft = time.perf_counter(), None
+        async for msg in client.ask("Why?", params, "never", timeout=900, history=history):
+            if ttft is None and isinstance(msg, AnswerText) and msg.text:
+                ttft = time.perf_counter() - began
+            if isinstance(msg, Answer):
+                return ttft, msg.stats.get("kv_shipped_tokens", 0)
+        raise RuntimeError(f"turn 2 of conversation {c} failed")
+
+    out = {}
+    for mode in ("auto", "never"):
+        launcher, spec = start_topology(LaunchOptions(devices="127.0.0.1#cpu0,127.0.0.1#cpu1", model=args.model,
+                                                      draft="none", kv_ship=mode))  # fmt: skip
+        try:
+            asyncio.run(wait_ready(launcher))
+
+            async def talk():
+                async with Client(spec.client_address) as client:
+                    return [await conversation(client, c) for c in range(args.conversations)]
+
+            turns = asyncio.run(talk())
+        finally:
+            launcher.stop()
+        out[mode] = {"ttft_s": round(statistics.median(t for t, _ in turns), 3), "ttfts_s": [round(t, 3) for t, _ in turns],
+                     "shipped_tokens": [s for _, s in turns]}  # fmt: skip
+        print(f"--kv-ship {mode}: turn 2's first text after {out[mode]['ttfts_s']} s; KV shipped for "
+              f"{out[mode]['shipped_tokens']} tokens", flush=True)  # fmt: skip
+    out["turn_tokens"] = args.turn_tokens
+    out["shipped_vs_recomputed"] = round(out["never"]["ttft_s"] / out["auto"]["ttft_s"], 2)
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a model name, folder or .gguf (default: see above)")
@@ -165,6 +231,9 @@ def main(argv=None) -> dict:
     p.add_argument("--prefill-tokens", type=int, default=2000, help="the pipelined prefill's prompt")
     p.add_argument("--prefill-chunk", type=int, default=128, help="its chunks' tokens")
     p.add_argument("--runs", type=int, default=3, help="prefills each way (the median counts)")
+    p.add_argument("--turn-tokens", type=int, default=1000, help="KV shipping: turn 1's prompt")
+    p.add_argument("--conversations", type=int, default=3, help="KV shipping: conversations each way (the median counts)")
+    p.add_argument("--only-turns", action="store_true", help="measure KV shipping alone")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--address", default=None, help=argparse.SUPPRESS)
@@ -182,6 +251,10 @@ def main(argv=None) -> dict:
     args.cut = args.cut or n // 2
     if not 0 < args.cut < n:
         p.error(f"--cut {args.cut}: give a layer between 1 and {n - 1}")
+    if args.only_turns:
+        turns = measure_turns(args)
+        print(json.dumps({"model": Path(args.model).name, "cpu": cpu_name(), "kv_shipping": turns}), flush=True)
+        return turns
     whole = child(args)
     with range_server(args, n) as (address, server):
         split = child(args, address)
@@ -192,6 +265,7 @@ def main(argv=None) -> dict:
     else:
         pipelined = None
     ratios = {k: round(split[k] / whole[k], 3) for k in ("decode_tok_s", "batch_tok_s", "prefill_tok_s")}
+    turns = measure_turns(args)
     print(f"{Path(args.model).name} | {cpu_name()} | layers 0:{args.cut} here, {args.cut}:{n} in a range server")
     print(f"{'':26}{'whole':>10}{'split':>10}{'split/whole':>13}")
     for key, label in (("decode_tok_s", "decode tok/s, 1 sequence"), ("batch_tok_s", f"decode tok/s, {args.batch} together"),
@@ -202,8 +276,11 @@ def main(argv=None) -> dict:
         print(f"prefill of {pipelined['prefill_tokens']} tokens over the split, one core each side: one piece "
               f"{pipelined['one_piece_s']} s, pipelined in chunks of {pipelined['chunk']} {pipelined['pipelined_s']} s, "
               f"{pipelined['pipelined_speedup']}x")  # fmt: skip
+    print(f"a conversation's turn 2 on the other device, after a {args.turn_tokens}-token turn 1: first text after "
+          f"{turns['auto']['ttft_s']} s with --kv-ship auto (KV shipped for {turns['auto']['shipped_tokens']} tokens), "
+          f"{turns['never']['ttft_s']} s recomputed, {turns['shipped_vs_recomputed']}x")  # fmt: skip
     result = {"model": Path(args.model).name, "cpu": cpu_name(), "cut": args.cut, "layers": n, "whole": whole,
-              "split": split, "ratios": ratios, "pipelined_prefill": pipelined}  # fmt: skip
+              "split": split, "ratios": ratios, "pipelined_prefill": pipelined, "kv_shipping": turns}  # fmt: skip
     print(json.dumps(result), flush=True)
     return result
 

@@ -104,6 +104,9 @@ class LaunchFlags:
     prefix_cache_mb: Annotated[int, typer.Option(
         help="MB of each device stage's prefix store: a conversation's earlier turns are computed once and reused by its next turn (LRU; 0 = off).")] = 256
     max_len: Annotated[int, typer.Option(help="KV cache length of each device stage (prompt + answer); a longer prompt is refused.")] = 2048
+    kv_ship: Annotated[str, typer.Option(
+        help="A conversation's next turn on another device than its last: auto asks that device for the earlier turns' KV where "
+             "the link's measured bandwidth beats this device's measured prefill; always, never.")] = "auto"
 
     def options(self) -> dict:
         """As LaunchOptions fields."""

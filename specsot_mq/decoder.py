@@ -43,10 +43,10 @@ class Decoder:
         self.layout = SlotLayout(model, slots)
         self.max_sequences = slots.num_slots
 
-    def start(self, seqs: list[Sequence], shared: int = 0) -> None:
+    def start(self, seqs: list[Sequence], shared: int = 0) -> int:
         """Prefill new sequences (each gets its first token as `last`, and its state) from what is
         computed already (see the module docstring); `shared`: their prompts' first `shared` tokens
-        are the same (a group)."""
+        are the same (a group). Returns the prompt tokens it computed."""
         mgr = self.slots
         if shared:
             batches = {(): (mgr.find(seqs[0].job.ids[:shared], range(mgr.num_slots), True, self.drafts), seqs)}
@@ -57,9 +57,12 @@ class Decoder:
                 source = mgr.find(seq.job.ids[:-1], others, False, self.drafts)
                 key = tuple(source.ids) if isinstance(source, Entry) else source
                 batches.setdefault(key, (source, []))[1].append(seq)
+        computed = 0
         for source, group in sorted(batches.values(), key=lambda b: b[0] is None):  # the prompts from nothing last
             held = 0 if source is None else len(source.ids) if isinstance(source, Entry) else len(mgr[source].prefix)
             self.prefill(group, shared or held, source)
+            computed += sum(len(seq.job.ids) - (shared or held) for seq in group) + (shared or held) - held
+        return computed
 
     def prefill(self, seqs: list[Sequence], shared: int, source: int | Entry | None) -> None:
         """Prefill prompts whose first `shared` tokens are the same, from `source` (layout.py)."""

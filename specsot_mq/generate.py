@@ -60,11 +60,28 @@ def _by_group(jobs: list[Job]) -> list[tuple[object, list[Job]]]:
     return list(groups.items())
 
 
+class PrefillMeter:
+    """What computing a prompt token costs on this generator: seconds per token of its recent
+    prefills of at least MIN tokens (shorter ones are mostly fixed cost), the newer weighing more.
+    KV shipping weighs recomputing a prompt beginning by it (kv_ship.ShipRule)."""
+
+    MIN = 32
+
+    def __init__(self):
+        self.seconds_per_token: float | None = None  # None until a prefill of MIN tokens is timed
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens >= self.MIN:
+            rate, old = seconds / tokens, self.seconds_per_token
+            self.seconds_per_token = rate if old is None else 0.7 * old + 0.3 * rate
+
+
 class _Batch:
     """The generation loop's state over one decoder: the free slots and the running sequences."""
 
-    def __init__(self, decoder: Decoder, width: int, tokenizer, eos_ids: frozenset[int], history: History):
-        self.decoder, self.tokenizer, self.eos_ids, self.history = decoder, tokenizer, eos_ids, history
+    def __init__(self, decoder: Decoder, width: int, tokenizer, eos_ids: frozenset[int], history: History,
+                 meter: PrefillMeter):  # fmt: skip
+        self.decoder, self.tokenizer, self.eos_ids, self.history, self.meter = decoder, tokenizer, eos_ids, history, meter
         self.free = list(range(width - 1, -1, -1))  # a stack: slot 0 first
         self.running: dict[int, Sequence] = {}  # by slot
 
@@ -99,7 +116,8 @@ class _Batch:
             slots = [self.free.pop(self.free.index(holding[-1]))] if holding else []
             slots += [self.free.pop() for _ in members[len(slots) :]]
             seqs = [Sequence(s, job, Output(self.tokenizer, job.params, self.eos_ids)) for s, job in zip(slots, members)]
-            self.decoder.start(seqs, shared)
+            began = time.perf_counter()
+            self.meter.add(self.decoder.start(seqs, shared), time.perf_counter() - began)
             for seq in seqs:
                 self.running[seq.slot] = seq
                 new.append((seq, [seq.last]))
@@ -137,6 +155,7 @@ class Generator:
             self.chooser = SpeedChooser.for_tree(self.tree, greedy=True)
         self.lists = ListTokens.of(tokenizer) if tokenizer is not None else None  # prompt lookup's list guesses
         self.history = History()  # what it wrote lately: prompt lookup's guesses where a sequence holds none
+        self.prefill = PrefillMeter()  # what a prompt token costs to compute here, measured
         self._model_thread: ThreadPoolExecutor | None = None  # the async APIs' steps run here (on_model_thread)
         eos = set(model.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -191,8 +210,21 @@ class Generator:
         decoder = self.new_decoder(SamplingParams(max_tokens=1))  # greedy: draws nothing
         seq = Sequence(0, Job(None, ids + ids[-1:], decoder.sampler.params))  # one token past them, as a prompt needs
         with torch.inference_mode():
-            decoder.start([seq], len(ids))
+            began = time.perf_counter()
+            self.prefill.add(decoder.start([seq], len(ids)), time.perf_counter() - began)
             self.prefixes.add(ids, decoder.kept(0, len(ids), self.slots[0].feature), pinned=True)
+
+    def time_prefill(self, tokens: int = 64) -> None:
+        """Time one prefill of a made-up prompt of this many tokens (into the PrefillMeter), where
+        none is timed yet. Call it while the generator is idle (it uses slot 0)."""
+        if self.prefill.seconds_per_token is not None:
+            return
+        tokens = min(max(tokens, PrefillMeter.MIN), self.cache.capacity)
+        ids = [(7 + 31 * i) % self.model.cfg.vocab_size for i in range(tokens)]
+        decoder = self.new_decoder(SamplingParams(max_tokens=1))
+        with torch.inference_mode():
+            began = time.perf_counter()
+            self.prefill.add(decoder.start([Sequence(0, Job(None, ids, decoder.sampler.params))]), time.perf_counter() - began)
 
     def stream_many(
         self,
@@ -243,7 +275,7 @@ class Generator:
         thread: a serving stage sets its thread count there."""
         width = min(max_parallel or decoder.max_sequences, decoder.max_sequences)
         self.slots.forget_claims()
-        batch = _Batch(decoder, width, self.tokenizer, self.eos_ids, self.history)
+        batch = _Batch(decoder, width, self.tokenizer, self.eos_ids, self.history, self.prefill)
         new: list[tuple[Sequence, list[int]]] = []
         while True:
             yield from batch.emit(new)

@@ -40,6 +40,14 @@ class WireError(ValueError):
     """A frame that is not a message of this protocol."""
 
 
+class Tensor(msgspec.Struct, forbid_unknown_fields=True):
+    """A tensor's bytes: `dtype` names torch's (float32, bfloat16, int64, bool, ...)."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
 class Message(msgspec.Struct, forbid_unknown_fields=True):
     """A wire message: a body with exactly its fields, each of its declared type."""
 
@@ -75,6 +83,7 @@ class Heartbeat(Message):
     prefix_hits: int = 0  # of those, found a stored beginning
     prefix_tokens: int = 0  # prompt tokens those hits did not compute
     prefix_bytes: int = 0  # the store's size now
+    shipped_tokens: int = 0  # since start: prompt tokens whose KV another branch stage sent instead (KV shipping)
 
 
 class Membership(Message):
@@ -157,6 +166,36 @@ class BranchTask(Message):
     indices: list[int]  # the points (0 for a direct answer), longest predicted first
     suffixes: list[TokenIds]  # one per index
     keep: int = 0  # the prompts' first tokens worth keeping for the conversation's next turn (Job.keep)
+    # Another branch stage that holds the computed state of these prompts' first kv_tokens tokens (it
+    # decoded the conversation's last turn): the receiver may ask it for that KV instead of recomputing
+    kv_from: str = ""
+    kv_tokens: int = 0
+
+
+class KvAsk(Message):
+    """Send me the computed state (KV) of your longest stored beginning of `ids` (branch -> branch,
+    straight). `probe`: instead, that many bytes of padding, which time the link."""
+
+    rid: str
+    ids: TokenIds
+    probe: int = 0
+
+
+class KvPart(Message):
+    """A piece of the answer to a KvAsk, each under the link's message cap: keys and values of
+    layers [first_layer, first_layer + len) of the stored beginning's `tokens` tokens; the last
+    piece (part == parts - 1) also carries the draft head's keys, values and feature. tokens 0:
+    nothing is held (or a probe's answer, its padding in `pad`)."""
+
+    rid: str
+    tokens: int
+    part: int
+    parts: int
+    first_layer: int = 0
+    keys: Tensor | None = None
+    values: Tensor | None = None
+    draft: list[Tensor] = []
+    pad: bytes = b""
 
 
 class MergePlan(Message):
@@ -209,6 +248,7 @@ class PointEnd(Message):
     tokens: int
     steps: int  # decoder steps that produced them (tokens / steps is the point's tau)
     seconds: float
+    kv_shipped: int = 0  # prompt tokens whose KV another branch stage sent for this task (counted at its first end)
 
 
 class AnswerText(Message):
@@ -267,8 +307,8 @@ class Status(Message):
 
 
 KINDS: dict[str, type[Message]] = {cls.__name__: cls for cls in (
-    Ready, Heartbeat, Membership, Down, Abort, Ask, SkeletonText, Skeleton, Planned, BranchTask, MergePlan, Reroute,
-    Reassign, PointText, PointEnd, AnswerText, Answer, Failed, Cancel, StatusQuery, Status)}  # fmt: skip
+    Ready, Heartbeat, Membership, Down, Abort, Ask, SkeletonText, Skeleton, Planned, BranchTask, KvAsk, KvPart, MergePlan,
+    Reroute, Reassign, PointText, PointEnd, AnswerText, Answer, Failed, Cancel, StatusQuery, Status)}  # fmt: skip
 
 
 class Envelope(msgspec.Struct):
@@ -367,14 +407,6 @@ def _bytes(frame):
 # These travel on a socket of their own, a request and its reply, between the process that runs a
 # model's first layers and the one that holds a later range: a tagged msgpack body, tensors as raw
 # bytes (no pickle, and no torch needed to read one).
-
-
-class Tensor(msgspec.Struct, forbid_unknown_fields=True):
-    """A tensor's bytes: `dtype` names torch's (float32, bfloat16, int64, bool, ...)."""
-
-    dtype: str
-    shape: list[int]
-    data: bytes
 
 
 class RangeHello(msgspec.Struct, tag=True, forbid_unknown_fields=True):

@@ -60,6 +60,7 @@ class RunSpec:
     # order; the device stages then hold no layers and run the model through these (remote_range.py)
     ranges: dict[str, dict] = field(default_factory=dict)
     prefill_chunk: int = 128  # over ranges: tokens per piece of a pipelined prefill (0: one piece)
+    kv_ship: str = "auto"  # branch stages ask each other for a prompt beginning's KV: auto (where that beats recomputing), always, never
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

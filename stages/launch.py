@@ -30,6 +30,7 @@ from specsot_mq.transports import TOPOLOGIES
 
 
 SPLITS = ("none", "layers")  # --split: the whole model on every device, or its layers over the devices
+KV_SHIP = ("auto", "always", "never")  # --kv-ship: by the measured rule (kv_ship.py), or forced
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 120.0  # a stage that dies this often within the window is not restarted again
 
 
@@ -63,6 +64,7 @@ class LaunchOptions:
     split: str = "none"  # or "layers": the model's layers in ranges over the devices, sized by their memory
     replicas: int = 1  # --split layers: devices serving each range (the ranges are sized over the first 1/replicas)
     prefill_chunk: int = 128  # --split layers: tokens per piece of a pipelined prefill (0: one piece)
+    kv_ship: str = "auto"  # branch stages ask each other for a conversation's earlier turns' KV (kv_ship.py): auto, always, never
 
 
 def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
@@ -80,6 +82,8 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
         raise SpecSotError(f"--split must be one of {', '.join(SPLITS)}, not {options.split!r}")
     if options.replicas != 1 and options.split != "layers":
         raise SpecSotError("--replicas serves each layer range on several devices: it needs --split layers")
+    if options.kv_ship not in KV_SHIP:
+        raise SpecSotError(f"--kv-ship must be one of {', '.join(KV_SHIP)}, not {options.kv_ship!r}")
     if options.prefill_chunk < 0:
         raise SpecSotError(f"--prefill-chunk must be 0 (one piece) or more tokens, got {options.prefill_chunk}")
     profiles = load_profiles(options.devices_file or default_profiles_path())
@@ -94,7 +98,7 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
                     model=options.model, dtype=options.dtype, quantize=options.quantize,
                     draft=options.draft, tree=options.tree, sot=sot,
                     overrides=parse_overrides(options.stages), prefix_cache_mb=options.prefix_cache_mb,
-                    max_len=options.max_len, prefill_chunk=options.prefill_chunk)  # fmt: skip
+                    max_len=options.max_len, prefill_chunk=options.prefill_chunk, kv_ship=options.kv_ship)  # fmt: skip
     launcher = Launcher(spec, run_dir, remote=options.remote, restart=options.restart)
     launcher.start()
     return launcher, spec

@@ -1,7 +1,9 @@
 """The schedule stage: spreads a plan's points over the live branch stages (sot/flow.py's assign
 step: longest predicted first by each device's profile, one shared prefix and a short suffix per
 point), tells the merge stage what to wait for, and keeps the tasks it sent to reroute a dead
-stage's. A direct answer goes whole to one branch stage, in turn."""
+stage's. A direct answer goes whole to one branch stage, in turn. Each task names the branch stage
+that kept the longest beginning of its prompts (a conversation's last turn), where that is another
+one: the receiver may have that KV shipped instead of recomputing it (kv_ship.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,35 @@ from specsot_mq.messages import BranchTask, Failed, Membership, Planned, Reassig
 from specsot_mq.sot.flow import Flow, SoTConfig
 from specsot_mq.sot.scheduler import DeviceProfile
 from specsot_mq.stages.base import Stage
+
+
+class Holders:
+    """Which branch stage last kept which prompt beginning (a task's first `keep` tokens, which it
+    puts in its prefix store), the newest `limit` of them."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self.kept: OrderedDict[tuple[int, ...], str] = OrderedDict()
+        self.lengths: dict[int, int] = {}  # length -> how many kept beginnings have it
+
+    def add(self, ids: list[int], stage: str) -> None:
+        key = tuple(ids)
+        if key not in self.kept:
+            self.lengths[len(key)] = self.lengths.get(len(key), 0) + 1
+        self.kept[key] = stage
+        self.kept.move_to_end(key)
+        while len(self.kept) > self.limit:
+            old, _ = self.kept.popitem(last=False)
+            self.lengths[len(old)] -= 1
+            if not self.lengths[len(old)]:
+                del self.lengths[len(old)]
+
+    def longest(self, ids: list[int]) -> tuple[str, int] | None:
+        """(stage, length) of the longest kept beginning of `ids` shorter than it; None if none."""
+        for n in sorted((n for n in self.lengths if n < len(ids)), reverse=True):
+            if (stage := self.kept.get(tuple(ids[:n]))) is not None:
+                return stage, n
+        return None
 
 
 class ScheduleStage(Stage):
@@ -25,6 +56,7 @@ class ScheduleStage(Stage):
         self.turn = 0  # rotates the device order, so equal points spread over requests
         # rid -> branch stage -> the tasks sent to it, for rerouting when it dies (the newest requests)
         self.sent: OrderedDict[str, dict[str, list[BranchTask]]] = OrderedDict()
+        self.holders = Holders()
 
     async def handle(self, env) -> None:
         msg = env.msg
@@ -48,7 +80,18 @@ class ScheduleStage(Stage):
         plan, prompts = self.flow.assign(msg, [DeviceProfile(name, **self.spec.profiles[name]) for name in order])
         await self.send(self.merge, plan)
         for branch, indices in plan.branches.items():
-            await self._task(branch, prompts.task(indices))
+            await self._task(branch, self._held_elsewhere(branch, prompts.task(indices)))
+
+    def _held_elsewhere(self, branch: str, task: BranchTask) -> BranchTask:
+        """The task, naming the live branch stage other than `branch` that kept the longest
+        beginning of its prompts, if one did; `branch` will keep the task's own."""
+        prompt = [*task.prefix.tolist(), *task.suffixes[0].tolist()]
+        held = self.holders.longest(prompt)
+        if self.spec.kv_ship != "never" and held is not None and held[0] != branch and held[0] in self.alive:
+            task.kv_from, task.kv_tokens = held
+        if task.keep >= 2:
+            self.holders.add(prompt[: task.keep], branch)
+        return task
 
     async def _task(self, branch: str, task: BranchTask) -> None:
         """Send a task, and remember it while its request may still need it again."""

@@ -11,7 +11,7 @@ import zmq
 
 from specsot_mq.messages import (
     KINDS, PROTOCOL, Answer, Ask, BranchTask, Heartbeat, MergePlan, PointText, Status, StatusQuery, WireError, decode,
-    encode, ids, peek,
+    Tensor, encode, ids, peek,
 )  # fmt: skip
 from specsot_mq.sampling_params import SamplingParams
 
@@ -94,7 +94,9 @@ SAMPLES = {str: "x", int: 3, float: 1.5, bool: True, dict: {"a": [1, "b"]}, list
            dict[str, list[int]]: {"branch@a": [1, 2]}, list[tuple[int, str]]: [(1, "t")],
            list[tuple[int, str, int]]: [(1, "t", 40)], list[tuple[int, str, str]]: [(1, "t", "text")],
            np.ndarray: ids([1, 2]), list[np.ndarray]: [ids([4]), ids([])],
-           SamplingParams: SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=3, stop=("\n\n", "2."))}  # fmt: skip
+           SamplingParams: SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=3, stop=("\n\n", "2.")),
+           bytes: b"\x00\x01", Tensor | None: Tensor("float16", [1, 2], b"\x00\x3c\x00\x40"),
+           list[Tensor]: [Tensor("float32", [1], b"\x00\x00\x80\x3f")]}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)

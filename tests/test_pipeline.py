@@ -203,6 +203,38 @@ def test_topologies_answer_exactly_as_the_in_process_engine(tiny_model, referenc
     assert direct_got.mode == "direct" and direct_got.answer == direct.answer
 
 
+@pytest.mark.parametrize("ship", ["always", "never"])
+def test_a_conversations_next_turn_on_another_device_decodes_the_same_from_shipped_kv(tiny_model, ship):
+    """Turn 1 of a conversation goes to one branch stage, turn 2 to the other (direct answers go
+    to the branch stages in turn); with --kv-ship always that stage has the KV of turn 1's prompt
+    sent by the first instead of recomputing it, and answers what the in-process engine answers."""
+    from specsot_mq.loader import load_generator
+    from specsot_mq.sot.engine import SoTEngine
+    from specsot_mq.sot.flow import SoTConfig
+
+    spec, run_dir = tiny_spec(tiny_model, "p2p")
+    spec.kv_ship = ship
+    first_q, second_q = "Tell me about Rome, its history and its people.", "Name two colors."
+    with launched(spec, run_dir):
+
+        async def talk():
+            async with Client(spec.client_address) as client:
+                first = await client.answer(first_q, PARAMS, "never", timeout=120)
+                history = [{"role": "user", "content": first_q}, {"role": "assistant", "content": first.answer}]
+                return first, history, await client.answer(second_q, PARAMS, "never", timeout=120, history=history)
+
+        first, history, second = asyncio.run(talk())
+    assert isinstance(second, Answer), second
+    model, draft = tiny_model
+    engine = SoTEngine(load_generator(str(model), "fp32", "cpu", 512, 8, str(draft)), SoTConfig(sot="never"))
+    assert second.answer == engine.generate(second_q, PARAMS, history=history).answer
+    assert "kv_shipped_tokens" not in first.stats
+    if ship == "always":  # turn 1's whole prompt: the default system prompt and the question
+        assert second.stats["kv_shipped_tokens"] > 16
+    else:
+        assert "kv_shipped_tokens" not in second.stats
+
+
 def _kill_mid_request(spec, launcher, victim: str, params: SamplingParams):
     """Ask, kill `victim` once point text arrives, and wait: (the request's messages, the
     launcher's reports, an answer asked after the restart)."""

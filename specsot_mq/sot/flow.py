@@ -346,6 +346,8 @@ class Merging:
         stats["points" if plan.mode == "sot" else "direct"] = {
             "tokens": sum(e.tokens for e in ends), "steps": sum(e.steps for e in ends),
             "seconds": max((e.seconds for e in ends), default=0.0)}  # fmt: skip
+        if shipped := sum(e.kv_shipped for e in ends):
+            stats["kv_shipped_tokens"] = shipped  # prompt tokens not recomputed: their KV came from another device
         points = [(i, title, texts.get(i, "")) for i, title in plan.points] if plan.mode == "sot" else []
         finish = "length" if any(e.finish == "length" for e in ends) else "stop"
         cut = {i for i, e in self.ends.items() if e.finish in CUT_OFF}
