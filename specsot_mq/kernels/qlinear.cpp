@@ -761,21 +761,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::arg("k"))
         .def_readonly("n", &Weights::N)
         .def_readonly("k", &Weights::K);
+    // The heavy calls let go of the GIL: a device stage's event loop (heartbeats, KV shipping) runs
+    // on another thread beside them, and a long prefill must not silence it.
     m.def("qlinear", &qlinear, "quantized linear: float32 [M, K] x quantized weights -> float32 [M, N]",
-          py::arg("x"), py::arg("w"), py::arg("norm_weight") = py::none(), py::arg("eps") = 0.0, py::arg("glu") = false,
+          py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"), py::arg("norm_weight") = py::none(), py::arg("eps") = 0.0, py::arg("glu") = false,
           py::arg("residual") = py::none());
     m.def("greedy", &greedy, "each row's first largest value's index (torch.max over the last dimension)");
     m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as the kernels compute it inside a layer");
-    m.def("dequantize_rows", &dequantize_rows, "rows of quantized weights, dequantized to float32");
-    m.def("attention", &attention, "grouped-query attention, each query row's sums in cache order");
-    m.def("attend_cached", &attend_cached, "rope, KV-cache write and attention of one decoder layer");
+    m.def("dequantize_rows", &dequantize_rows, "rows of quantized weights, dequantized to float32",
+          py::call_guard<py::gil_scoped_release>());
+    m.def("attention", &attention, "grouped-query attention, each query row's sums in cache order",
+          py::call_guard<py::gil_scoped_release>());
+    m.def("attend_cached", &attend_cached, "rope, KV-cache write and attention of one decoder layer",
+          py::call_guard<py::gil_scoped_release>());
     py::class_<Layer, std::shared_ptr<Layer>>(m, "Layer", "a decoder layer's quantized weights, as decoder_layers runs them")
         .def(py::init<torch::Tensor, double, std::shared_ptr<Weights>, std::shared_ptr<Weights>, torch::Tensor, double,
                       std::shared_ptr<Weights>, std::shared_ptr<Weights>, int64_t, int64_t, std::optional<torch::Tensor>>());
     py::class_<Head, std::shared_ptr<Head>>(m, "Head", "the final norm and output layer, as decoder_layers runs them")
         .def(py::init<torch::Tensor, double, std::shared_ptr<Weights>>());
     m.def("decoder_layers", &decoder_layers, "decoder layers on quantized weights in one call, one team of threads",
-          py::arg("x"), py::arg("layers"), py::arg("first"), py::arg("cos"), py::arg("sin"), py::arg("kcache"),
+          py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("layers"), py::arg("first"), py::arg("cos"), py::arg("sin"), py::arg("kcache"),
           py::arg("vcache"), py::arg("slots"), py::arg("starts"), py::arg("bias"), py::arg("save"),
           py::arg("head") = py::none(), py::arg("logit_rows") = std::vector<int64_t>{},
           py::arg("prefix_src") = std::vector<int64_t>{}, py::arg("prefix_len") = std::vector<int64_t>{});
