@@ -189,6 +189,8 @@ def measure_turns(args) -> dict:
     async def conversation(client, c: int) -> tuple[float, int]:
         q1 = first_turn(c)
         first = await client.answer(q1, params, "never", timeout=900)
+        if not isinstance(first, Answer):
+            raise RuntimeError(f"turn 1 of conversation {c} failed: {first.error}")
         history = [{"role": "user", "content": q1}, {"role": "assistant", "content": first.answer}]
         began, ttft = time.perf_counter(), None
         async for msg in client.ask("Why?", params, "never", timeout=900, history=history):

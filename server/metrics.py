@@ -32,6 +32,7 @@ class StageCollector:
             "prefix_lookups": ("specsot_prefix_cache_lookups", "Prompts looked up in the prefix store"),
             "prefix_hits": ("specsot_prefix_cache_hits", "Prompts that started from a stored beginning"),
             "prefix_tokens": ("specsot_prefix_cache_reused_tokens", "Prompt tokens taken from the prefix store"),
+            "shipped_tokens": ("specsot_kv_shipped_tokens", "Prompt tokens whose KV another device sent instead of recomputing"),
         }
         for key, (name, doc) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=["stage", "kind"])

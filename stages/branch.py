@@ -102,11 +102,11 @@ class BranchStage(DeviceStage):
             if not ship:
                 return
             parts = await self._ask(peer, KvAsk(msg.rid, ids(prompt), 0), timeout=2.0 + 4 * ship_s)
-            if parts[0].tokens:
-                state = from_parts(parts, self.shape)
-                self.gen.prefixes.add(prompt[: parts[0].tokens], state)
-                self.shipped += parts[0].tokens
-                self.shipped_for[msg.rid] = parts[0].tokens
+            if n := parts[0].tokens:
+                self.gen.prefixes.add(prompt[:n], from_parts(parts, self.shape))
+                if prompt[:n] in self.gen.prefixes:  # (a store too small for it keeps nothing)
+                    self.shipped += n
+                    self.shipped_for[msg.rid] = n
         except (SpecSotError, asyncio.TimeoutError, ValueError, RuntimeError) as exc:
             log.warning("%s: no KV from %s (%s): recomputing", msg.rid, msg.kv_from, exc or type(exc).__name__)
         finally:
