@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from msgspec.structs import replace
+
 from specsot_mq.errors import SpecSotError
 from specsot_mq.messages import BranchTask, Failed, Membership, Planned, Reassign, Reroute
 from specsot_mq.sot.flow import Flow, SoTConfig
@@ -114,4 +116,4 @@ class ScheduleStage(Stage):
         target = survivors[self.turn % len(survivors)]
         for task in tasks:
             await self.send(self.merge, Reassign(msg.rid, task.indices, target, msg.dead))
-            await self._task(target, task)
+            await self._task(target, replace(task, kv_from="", kv_tokens=0))  # (a redo recomputes: the keeper may be the dead one)
