@@ -124,3 +124,28 @@ def test_the_scheduler_knows_which_stage_kept_the_longest_beginning():
     holders.add([9, 9], "branch@a")
     holders.add([8, 8], "branch@a")  # past the limit the oldest goes
     assert holders.longest([1, 2, 3, 4, 5, 6]) == ("branch@a", 5) and holders.longest([1, 2, 3, 4]) is None
+
+
+def test_a_generator_times_its_prefills_per_token_computed(pair):
+    """The receiver's side of the rule: Decoder.start counts the prompt tokens it computed (a
+    stored beginning's not among them, a group's shared prefix once), and the generator's meter
+    turns timed prefills of 32 tokens or more into seconds per token."""
+    from specsot_mq.sequence import Sequence
+
+    a = pair[False][0]
+    gen = Generator(a.model, a.tokenizer, max_len=512, num_slots=3)
+    assert gen.prefill.seconds_per_token is None
+    gen.time_prefill(64)
+    assert gen.prefill.seconds_per_token > 0
+    gen.keep_prefix(list(range(100, 120)))  # 20 tokens stored
+    decoder = gen.new_decoder(PARAMS)
+    alone = Sequence(0, Job(None, list(range(100, 150)), PARAMS))
+    assert decoder.start([alone]) == 30  # past the stored 20
+    group = [Sequence(s, Job(None, list(range(200, 240)) + [s] * 5, PARAMS)) for s in (1, 2)]
+    assert decoder.start(group, shared=40) == 40 + 2 * 5  # the shared 40 once, then each one's own
+    meter = type(gen.prefill)()
+    meter.add(10, 1.0)  # too short to say what a token costs
+    assert meter.seconds_per_token is None
+    meter.add(100, 1.0)
+    meter.add(100, 2.0)
+    assert meter.seconds_per_token == pytest.approx(0.7 * 0.01 + 0.3 * 0.02)
