@@ -13,7 +13,6 @@ as from any stored beginning, so its tokens are those recomputing gives (tests/t
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -138,7 +137,3 @@ class ShipRule:
         ship = self.latency.get(peer, 0.0) + nbytes / self.bandwidth[peer]
         recompute = gain * seconds_per_token if seconds_per_token is not None else float("inf")
         return ship < recompute, ship, recompute
-
-
-def elapsed(since: float) -> float:
-    return time.perf_counter() - since
