@@ -335,6 +335,7 @@ def load_generator(
     check_quantize(quantize)
     folder = resolve_model(model)
     activations = resolve_dtype(dtype, dev, runs_quantized(folder, quantize, dev))
+    draft_path = resolve_draft(draft, folder)
     if ranges:
         from specsot_mq.remote_range import RemoteRange
         from specsot_mq.split import SplitModel
@@ -343,13 +344,11 @@ def load_generator(
         # a long prefill over a slow range takes minutes; a range that dies is seen at once (RemoteRange)
         parts = [RemoteRange(list(servers.values()), cfg, activations, dev, timeout_s=600, name=list(servers))
                  for servers in ranges]  # fmt: skip
-        draft_path = resolve_draft(draft, folder)
         # an EAGLE head reads the embedding and the output layer: a copy of them here (the edges)
         edges = load_model(folder, dtype=activations, device=dev, quantize=quantize, layers=(0, 0)) if draft_path else None
         net = SplitModel(parts, prefill_chunk, edges)
     else:
         net = load_model(folder, dtype=activations, device=dev, quantize=quantize)
-        draft_path = resolve_draft(draft, folder)
     head = DraftHead.load(draft_path, net).prepack() if draft_path else None
     return Generator(net, load_tokenizer(folder), max_len=max_len, num_slots=num_slots, draft=head,
                      tree=tree or TreeParams(), prefix_cache_mb=prefix_cache_mb)  # fmt: skip

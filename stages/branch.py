@@ -86,7 +86,7 @@ class BranchStage(DeviceStage):
         from specsot_mq.kv_ship import MIN_TOKENS, from_parts
 
         try:
-            peer, prompt = msg.kv_from, [*msg.prefix.tolist(), *msg.suffixes[0].tolist()]
+            peer, prompt = msg.kv_from, AnswerPrompts.of(msg).prompt(msg.indices[0])
             own = self.gen.prefixes.longest(prompt[:-1], whole=True, count=False)
             gain = msg.kv_tokens - (len(own.ids) if own is not None else 0)
             if gain < MIN_TOKENS:

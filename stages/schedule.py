@@ -25,23 +25,17 @@ class Holders:
     def __init__(self, limit: int = 4096):
         self.limit = limit
         self.kept: OrderedDict[tuple[int, ...], str] = OrderedDict()
-        self.lengths: dict[int, int] = {}  # length -> how many kept beginnings have it
 
     def add(self, ids: list[int], stage: str) -> None:
         key = tuple(ids)
-        if key not in self.kept:
-            self.lengths[len(key)] = self.lengths.get(len(key), 0) + 1
         self.kept[key] = stage
         self.kept.move_to_end(key)
         while len(self.kept) > self.limit:
-            old, _ = self.kept.popitem(last=False)
-            self.lengths[len(old)] -= 1
-            if not self.lengths[len(old)]:
-                del self.lengths[len(old)]
+            self.kept.popitem(last=False)
 
     def longest(self, ids: list[int]) -> tuple[str, int] | None:
         """(stage, length) of the longest kept beginning of `ids` shorter than it; None if none."""
-        for n in sorted((n for n in self.lengths if n < len(ids)), reverse=True):
+        for n in sorted({len(k) for k in self.kept if len(k) < len(ids)}, reverse=True):
             if (stage := self.kept.get(tuple(ids[:n]))) is not None:
                 return stage, n
         return None
@@ -82,12 +76,11 @@ class ScheduleStage(Stage):
         plan, prompts = self.flow.assign(msg, [DeviceProfile(name, **self.spec.profiles[name]) for name in order])
         await self.send(self.merge, plan)
         for branch, indices in plan.branches.items():
-            await self._task(branch, self._held_elsewhere(branch, prompts.task(indices)))
+            await self._task(branch, self._held_elsewhere(branch, prompts.task(indices), prompts.prompt(indices[0])))
 
-    def _held_elsewhere(self, branch: str, task: BranchTask) -> BranchTask:
-        """The task, naming the live branch stage other than `branch` that kept the longest
-        beginning of its prompts, if one did; `branch` will keep the task's own."""
-        prompt = [*task.prefix.tolist(), *task.suffixes[0].tolist()]
+    def _held_elsewhere(self, branch: str, task: BranchTask, prompt: list[int]) -> BranchTask:
+        """The task (its first prompt `prompt`), naming the live branch stage other than `branch`
+        that kept the longest beginning of its prompts, if one did; `branch` will keep the task's own."""
         held = self.holders.longest(prompt)
         if self.spec.kv_ship != "never" and held is not None and held[0] != branch and held[0] in self.alive:
             task.kv_from, task.kv_tokens = held

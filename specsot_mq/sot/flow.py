@@ -248,13 +248,16 @@ class AnswerPrompts:
     suffixes: dict[int, list[int]]  # point index -> the rest of its prompt
     keep: int
 
+    def prompt(self, index: int) -> list[int]:
+        """A point's whole prompt: the prefix, then its suffix."""
+        return self.prefix + self.suffixes[index]
+
     def jobs(self, indices: list[int]) -> list[Job]:
         """These points' prompts, in this order, as jobs of one prefix group (the prefix computed
         once), for a device to decode."""
         from specsot_mq.generate import Job
 
-        return [Job((self.rid, i), self.prefix + self.suffixes[i], self.params, len(self.prefix), self.rid, self.keep)
-                for i in indices]  # fmt: skip
+        return [Job((self.rid, i), self.prompt(i), self.params, len(self.prefix), self.rid, self.keep) for i in indices]
 
     def task(self, indices: list[int]) -> BranchTask:
         """These points' prompts as the message for the branch stage that decodes them."""
