@@ -14,7 +14,9 @@ auto) and directly (--sot never, EAGLE alone). From the texts alone it reports:
   overlap    the most-overlapping pair of points: content-word Jaccard of their texts
   distinct3  distinct word 3-grams over all 3-grams, of each answer (planned / direct)
   coverage   the direct answer's content words that the planned answer holds too
-  count      on questions that name a number of points: whether the plan has exactly that many
+  count      on questions that name a number of points: whether the answer shows exactly that many
+             (a planned answer's points; a direct one's numbered items, parser.item_starts), for the
+             planned engine's answers and for the direct ones (count_following, ..._direct)
   route      planned, routed direct (the router's way) or skeleton said direct (a skeleton that was
              no usable list): the median time, direct over planned, of each, in the summary
   tokens     tokens decoded for each answer (all phases), and words in it
@@ -52,7 +54,7 @@ from specsot_mq.lookup import History  # noqa: E402
 from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
 from specsot_mq.sot.flow import SoTConfig, answer_tokens  # noqa: E402
 from specsot_mq.sot.overlap import content_words, jaccard, restates, same_point, says_nothing  # noqa: E402
-from specsot_mq.sot.parser import asked_count  # noqa: E402
+from specsot_mq.sot.parser import asked_count, item_starts  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_FILES = [HERE / "general_questions.jsonl", HERE / "count_questions.jsonl"]
@@ -197,7 +199,9 @@ def measure(question: str, planned, direct) -> dict:
         "overlap": max((jaccard(texts[a], texts[b]) for a, b in pairs), default=0.0),
         "distinct3": [distinct3(planned.answer), distinct3(direct.answer)],
         "coverage": len(direct_words & content_words(planned.answer)) / len(direct_words) if direct_words else 1.0,
-        "asked": asked, "count_ok": None if asked is None or planned.mode != "sot" else len(points) == asked,
+        "asked": asked, "items": len(points) if planned.mode == "sot" else len(item_starts(planned.answer)),
+        "count_ok": None if asked is None else (len(points) if planned.mode == "sot" else len(item_starts(planned.answer))) == asked,
+        "count_ok_direct": None if asked is None else len(item_starts(direct.answer)) == asked,
         "tokens": [answer_tokens(planned), answer_tokens(direct)],
         "words": [len(planned.answer.split()), len(direct.answer.split())],
     }  # fmt: skip
@@ -217,14 +221,14 @@ def summarize(rows: list[dict], out: Console) -> dict:
         table.add_column(col, justify="left" if col == "question" else "right", max_width=28 if col == "question" else None,
                          no_wrap=col == "question", overflow="ellipsis")  # fmt: skip
     for r in rows:
-        count = "-" if r["count_ok"] is None else f"{r['points']}/{r['asked']}"
+        count = "-" if r["count_ok"] is None else f"{r['items']}/{r['asked']}"
         table.add_row(r["question"], r["mode"], str(r["points"]), str(r["empty"]), str(r["dup"]), str(r["restate"]),
                       f"{r['dropped_parser']}+{r['dropped_merge']}", f"{r['overlap']:.2f}",
                       f"{r['distinct3'][0]:.2f}/{r['distinct3'][1]:.2f}", f"{r['coverage']:.2f}", count,
                       f"{r['tokens'][0]}/{r['tokens'][1]}", f"{r['planned_s']:.1f}/{r['direct_s']:.1f}")  # fmt: skip
     out.print(table)
     planned = [r for r in rows if r["mode"] == "sot"]
-    counted = [r for r in planned if r["count_ok"] is not None]
+    counted = [r for r in rows if r["count_ok"] is not None]
     med = lambda key, i=None: round(statistics.median(r[key] if i is None else r[key][i] for r in rows), 3) if rows else None  # noqa: E731
     result = {
         "planned_answers": len(planned), "points": sum(r["points"] for r in planned),
@@ -236,7 +240,11 @@ def summarize(rows: list[dict], out: Console) -> dict:
         "overlap_max": round(max((r["overlap"] for r in planned), default=0.0), 3),
         "distinct3_median": [med("distinct3", 0), med("distinct3", 1)],
         "coverage_median": med("coverage"),
+        # every counted question's answer (planned or gone direct); the same questions' direct answers
         "count_following": f"{sum(r['count_ok'] for r in counted)}/{len(counted)}",
+        "count_following_planned_only": f"{sum(r['count_ok'] for r in counted if r['mode'] == 'sot')}/"
+                                        f"{sum(r['mode'] == 'sot' for r in counted)}",
+        "count_following_direct": f"{sum(r['count_ok_direct'] for r in counted)}/{len(counted)}",
         "tokens_median": [med("tokens", 0), med("tokens", 1)], "words_median": [med("words", 0), med("words", 1)],
         "seconds_median": [med("planned_s"), med("direct_s")],
         "direct_over_planned_seconds_median": round(statistics.median(r["direct_s"] / r["planned_s"] for r in rows), 3)

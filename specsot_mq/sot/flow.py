@@ -202,12 +202,19 @@ class Flow:
         """The skeleton's plan of points, or the direct way when it is not a usable list; `plan`:
         a replacement parser (text -> Plan). As many points as the question names, where it
         names a number (and SPARE more, where the skeleton lists them: merge shows the first of
-        them that say something); else at most max_points."""
+        them that say something); else at most max_points. A counted question whose skeleton
+        has fewer distinct points than it names, after its rounds of more(), goes direct too: a
+        plan would show too few points, and the model's direct answer, which writes each item
+        with its explanation before the next, lists the count far more often (benchmarks/
+        quality.py: docs/design.md has the figures)."""
         mode, reason, points = msg.mode, msg.reason, []
         if mode == "sot":
             text = finished_lines(msg.text, msg.finish)
-            most = points_asked(msg.question) or self.config.max_points
+            count = asked_count(msg.question)
+            most = count + SPARE if count else self.config.max_points
             parsed = plan(text) if plan is not None else self.format.plan(text, most, msg.question)
+            if parsed.kind == "plan" and count and len(parsed.points) < count:
+                parsed = Plan("direct", reason=f"{len(parsed.points)} distinct points of the {count} asked")
             if parsed.kind == "plan":
                 points = [(p.index, p.title, p.predicted_tokens or 0) for p in parsed.points]
                 reason = parsed.reason or "planned"
