@@ -154,6 +154,7 @@ class Planned(Message):
     points: list[tuple[int, str, int]]  # (index, title, predicted tokens or 0) per point
     stats: dict  # phase name -> {"tokens", "steps", "seconds"}
     history: list[dict[str, str]] = []  # Ask.history
+    count: int = 0  # a direct answer to a question that names its count of points: asked for that many
 
 
 class BranchTask(Message):

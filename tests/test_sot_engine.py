@@ -7,12 +7,13 @@ import torch
 from conftest import ours_from_hf, tiny_hf
 from specsot_mq.generate import Delta, Generator
 from specsot_mq.sampling import SamplingParams
-from specsot_mq.messages import Answer, AnswerText, Ask, PointText, SkeletonText
+from specsot_mq.messages import Answer, AnswerText, Ask, PointText, Skeleton, SkeletonText
 from specsot_mq.sot.engine import SoTEngine
 from specsot_mq.sot.flow import MORE_ROUNDS, Flow, SoTConfig, finished_lines, point_params, point_prompts, skeleton_params
 from specsot_mq.sot.parser import SPARE, Plan, Point, parse_skeleton
 from specsot_mq.sot.router import Route
-from specsot_mq.prompts import load_format
+from specsot_mq.sot.scheduler import DeviceProfile
+from specsot_mq.prompts import direct_ids, load_format
 from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
 
 pytestmark = pytest.mark.slow  # the real tokenizer comes with the default model
@@ -359,6 +360,13 @@ def test_a_counted_skeleton_short_of_points_is_asked_for_the_rest(tiny):
         for _ in range(rounds):
             assert state.more(finish, tok) is not None
         return state.more(finish, tok)
+
+    # Still short of distinct points after its rounds: the direct way, its prompt asking for the count.
+    planned = flow.parse(Skeleton("r", "Give me three tips for a hike.", SamplingParams(), "sot", "", "1. Water\n2. Water", {}))
+    assert planned.mode == "direct" and planned.count == 3
+    _, prompts = flow.assign(planned, [DeviceProfile("local", 1.0, 1.0, 1.0, 8)])
+    asked = flow.format.counted_direct.format(question="Give me three tips for a hike.", count=3)
+    assert "exactly 3" in asked and prompts.prompt(0) == direct_ids(tok, asked)
 
     assert short("Give me three tips for a hike.", "length") is None  # cut off by its cap
     assert short("How do I plan a hike?", "stop") is None  # no count named

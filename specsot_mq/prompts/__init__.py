@@ -35,6 +35,9 @@ class PromptFormat:
     examples: tuple[tuple[str, str], ...] = ()  # (question, skeleton) turns shown before the question
     points: str = "3 to 8"  # how many points the skeleton asks for ({points} in skeleton_user)
     points_counted: str = "exactly {count}"  # the same where the question names its number of points
+    # a direct answer's request where a question that names its number of points was not planned
+    # with that many (Flow.parse): the question, then that number asked for
+    counted_direct: str = "{question}"
 
     def plan(self, skeleton: str, max_points: int, question: str = "") -> Plan:
         """The skeleton's text (prefilled part included) read into a Plan; never raises on text.
@@ -165,4 +168,5 @@ def load_format(name: str = "sot") -> PromptFormat:
         tuple((e["question"], e["skeleton"]) for e in data["skeleton"].get("examples", ())),
         data["skeleton"].get("points", "3 to 8"),
         data["skeleton"].get("points_counted", "exactly {count}"),
+        data.get("counted_direct", "{question}"),
     )

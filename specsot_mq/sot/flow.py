@@ -203,11 +203,13 @@ class Flow:
         a replacement parser (text -> Plan). As many points as the question names, where it
         names a number (and SPARE more, where the skeleton lists them: merge shows the first of
         them that say something); else at most max_points. A counted question whose skeleton
-        has fewer distinct points than it names, after its rounds of more(), goes direct too: a
-        plan would show too few points, and the model's direct answer, which writes each item
-        with its explanation before the next, lists the count far more often (benchmarks/
-        quality.py: docs/design.md has the figures)."""
-        mode, reason, points = msg.mode, msg.reason, []
+        has fewer distinct points than it names, after its rounds of more(), goes direct too (a
+        plan would show too few points), and a counted question that goes direct is asked for
+        its count (Planned.count: the format's counted_direct request after the question). The
+        model's direct answer writes each item with its explanation before the next, and so lists
+        the count far more often than its terse skeleton (benchmarks/quality.py; figures in
+        docs/design.md)."""
+        mode, reason, points, asked = msg.mode, msg.reason, [], 0
         if mode == "sot":
             text = finished_lines(msg.text, msg.finish)
             count = asked_count(msg.question)
@@ -218,9 +220,9 @@ class Flow:
             if parsed.kind == "plan":
                 points = [(p.index, p.title, p.predicted_tokens or 0) for p in parsed.points]
                 reason = parsed.reason or "planned"
-            else:
-                mode, reason = "direct", f"skeleton says direct: {parsed.reason}"
-        return Planned(msg.rid, msg.question, msg.params, mode, reason, msg.text, points, msg.stats, msg.history)
+            else:  # a counted question's direct answer is asked for its count (assign)
+                mode, reason, asked = "direct", f"skeleton says direct: {parsed.reason}", count or 0
+        return Planned(msg.rid, msg.question, msg.params, mode, reason, msg.text, points, msg.stats, msg.history, asked)
 
     def assign(self, msg: Planned, devices: list[DeviceProfile]) -> tuple[MergePlan, AnswerPrompts]:
         """The points spread over the devices, longest predicted first (LPT; a direct answer goes
@@ -228,7 +230,8 @@ class Flow:
         with their prompts: one shared prefix, a short suffix each."""
         fmt, tok = self.format, self.tokenizer
         if msg.mode != "sot":
-            prompt = direct_ids(tok, msg.question, msg.history)
+            prompt = direct_ids(tok, fmt.counted_direct.format(question=msg.question, count=msg.count) if msg.count
+                                else msg.question, msg.history)  # fmt: skip
             plan = MergePlan(msg.rid, "direct", msg.reason, "", [(0, "")], {devices[0].name: [0]}, msg.stats,
                              msg.question)  # fmt: skip
             # The whole prompt is kept: the next turn's begins with it (this question, then its answer).
