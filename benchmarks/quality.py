@@ -1,7 +1,8 @@
 """Answer quality: the planned answer beside the same model's direct answer, per question, in one run.
 
 For each question (default: benchmarks/general_questions.jsonl and benchmarks/count_questions.jsonl,
-the second naming a number of points; or --questions FILE..., MT-bench lines or JSONL with
+the second naming a number of points; count_heldout.jsonl holds 40 more such questions, written
+apart and never tuned on; or --questions FILE..., MT-bench lines or JSONL with
 `question`), the SpecSoT engine answers twice on one generator: with a plan (--sot always, or
 auto) and directly (--sot never, EAGLE alone). From the texts alone it reports:
 
