@@ -149,6 +149,7 @@ COUNT_CASES = [
     ("What are the top 10 books of the century?", 10),
     ("Name four benefits of cycling to work.", 4),
     ("Imagine you are writing a blog post comparing two popular smartphone models.", None),  # two things, not points
+    ("Where do the two novels part ways?", None),  # "ways" two words on: the novels' own verb, not points
     ("David has three sisters. Each of them has one brother. How many brothers does David have?", None),
     ("Write a story in 200 words.", None),
     ("Duration: 3 class periods (each lasts for 45 minutes).", None),

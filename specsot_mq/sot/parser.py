@@ -147,14 +147,16 @@ _UNITS = frozenset("minutes minute hours hour days day weeks week months month y
 
 def asked_count(question: str) -> int | None:
     """The number of points the question asks for, where it names one (2 to MOST_ASKED): "Give
-    me three tips", "List 5 specific artworks", "a five-step workflow"; None otherwise ("two
-    popular smartphone models", "in 200 words")."""
+    me three tips", "List 5 specific artworks", "a five-step workflow" (a word that asks up to
+    three words before the number, or a noun that names points right after it or one word on);
+    None otherwise ("two popular smartphone models", "in 200 words", "where do the two novels
+    part ways")."""
     words = re.findall(r"[a-z0-9]+", question.lower())
     for i, word in enumerate(words):
         n = int(word) if word.isdigit() else NUMBER_WORDS.get(word)
         if n is None or not 2 <= n <= MOST_ASKED or i + 1 == len(words) or words[i + 1] in _UNITS:
             continue
-        if any(w in _ASKING for w in words[max(0, i - 3) : i]) or any(w in _POINT_NOUNS for w in words[i + 1 : i + 4]):
+        if any(w in _ASKING for w in words[max(0, i - 3) : i]) or any(w in _POINT_NOUNS for w in words[i + 1 : i + 3]):
             return n
     return None
 
