@@ -43,6 +43,7 @@ PARSE_CASES = [
      [("Pick 3. options", None), ("Compare them", None)]),
     ("decimals are not markers", "1. Python 3.12 features\n2. Migration", "plan",
      [("Python 3.12 features", None), ("Migration", None)]),
+    ("a doubled marker goes", "1. 1. Sleep\n2. 2) Diet\n3. **3.** Move", "plan", [("Sleep", None), ("Diet", None), ("Move", None)]),
     ("markdown and trailing colons go", "1. **Sleep:**\n2. __Diet__.\n3. `Exercise`:", "plan",
      [("Sleep", None), ("Diet", None), ("Exercise", None)]),
     ("bold markers and bullets", "1. Sleep\n**2.** Diet\n- 3. Exercise\n> 4. Rest", "plan",

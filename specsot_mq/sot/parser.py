@@ -5,8 +5,9 @@ The skeleton comes from a small model, so the parser forgives what such a model 
   mark, and in bold ("**2.** Body");
 - items run together on one line ("1. a 2. b 3. c"): a number inside a line starts an item only
   when it is the next number expected, so "1. Pick 3. options" stays one item;
-- titles lose markdown (** __ `), control characters, junk around them and trailing colons or
-  periods; a title longer than 12 words is cut to its first sentence or clause, then to 12 words;
+- titles lose a doubled marker ("1. 1. Title"), markdown (** __ `), control characters, junk
+  around them and trailing colons or periods; a title longer than 12 words is cut to its first
+  sentence or clause, then to 12 words;
 - a predicted length at the end of a title, "(~40 tokens)", "(40 tokens)" or "[40]", is read off;
 - a repeated number keeps its first item, and so does a title that says what an earlier one
   says (overlap.same_point: "Living room upgrades" after "Upgrade your living room");
@@ -50,6 +51,8 @@ LEADING_JUNK = " \t-–—*•#>:.)]|~=_"
 TRAILING_JUNK = " \t.:;,-–—*#|~=_"
 SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+")
 CLAUSE_BREAK = re.compile(r",\s+|\s+[-–—]\s+|\s+\(")
+# A title that starts with an item marker again ("1. 1. Start the job"): the model numbered it twice.
+DOUBLED = re.compile(r"^[ \t]*(?:\*\*|__)?[0-9]{1,3}[.)](?:\*\*|__)?[ \t]+")
 TAG = re.compile(r"^[\s*_#>`]*\[(?P<tag>PLAN|DIRECT)\][*_`]*", re.I)
 
 
@@ -184,6 +187,7 @@ def _items(text: str) -> list[tuple[int, str]]:
 def _clean_title(body: str) -> tuple[str, int | None]:
     """A short title and the predicted length from an item's raw body (its first non-empty line)."""
     line = next((ln for ln in body.splitlines() if ln.strip(LEADING_JUNK + TRAILING_JUNK)), "")
+    line = DOUBLED.sub("", line, count=1)
     title = "".join(c for c in line if c.isprintable()).replace("**", "").replace("__", "").replace("`", "")
     title = " ".join(title.split()).lstrip(LEADING_JUNK).rstrip(TRAILING_JUNK)
     predicted = None
