@@ -16,7 +16,8 @@ auto) and directly (--sot never, EAGLE alone). From the texts alone it reports:
   distinct3  distinct word 3-grams over all 3-grams, of each answer (planned / direct)
   coverage   the direct answer's content words that the planned answer holds too
   count      on questions that name a number of points: whether the answer shows exactly that many
-             (a planned answer's points; a direct one's numbered items, parser.item_starts), for the
+             (a planned answer's points; a direct one's distinct numbered items, read as the parser
+             reads a skeleton: a repeated or restating item does not count), for the
              planned engine's answers and for the direct ones (count_following, ..._direct)
   route      planned, routed direct (the router's way) or skeleton said direct (a skeleton that was
              no usable list): the median time, direct over planned, of each, in the summary
@@ -55,7 +56,7 @@ from specsot_mq.lookup import History  # noqa: E402
 from specsot_mq.sampling import REPEAT_STOP, SamplingParams  # noqa: E402
 from specsot_mq.sot.flow import SoTConfig, answer_tokens  # noqa: E402
 from specsot_mq.sot.overlap import content_words, jaccard, restates, same_point, says_nothing  # noqa: E402
-from specsot_mq.sot.parser import asked_count, item_starts  # noqa: E402
+from specsot_mq.sot.parser import MOST_ASKED, asked_count, item_starts, parse_skeleton  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_FILES = [HERE / "general_questions.jsonl", HERE / "count_questions.jsonl"]
@@ -179,6 +180,13 @@ def shown_points(answer) -> list[tuple[str, str]]:
     return points
 
 
+def distinct_items(answer: str, question: str) -> int:
+    """A direct answer's numbered items that say something of their own, read as the parser reads
+    a skeleton (an item repeating an earlier one, or restating the question, does not count)."""
+    plan = parse_skeleton(answer, 2 * MOST_ASKED, question)
+    return len(plan.points) if plan.kind == "plan" else min(len(item_starts(answer)), 1)
+
+
 def measure(question: str, planned, direct) -> dict:
     """The structural figures of one question's two answers."""
     points = shown_points(planned)
@@ -200,9 +208,10 @@ def measure(question: str, planned, direct) -> dict:
         "overlap": max((jaccard(texts[a], texts[b]) for a, b in pairs), default=0.0),
         "distinct3": [distinct3(planned.answer), distinct3(direct.answer)],
         "coverage": len(direct_words & content_words(planned.answer)) / len(direct_words) if direct_words else 1.0,
-        "asked": asked, "items": len(points) if planned.mode == "sot" else len(item_starts(planned.answer)),
-        "count_ok": None if asked is None else (len(points) if planned.mode == "sot" else len(item_starts(planned.answer))) == asked,
-        "count_ok_direct": None if asked is None else len(item_starts(direct.answer)) == asked,
+        "asked": asked, "items": len(points) if planned.mode == "sot" else distinct_items(planned.answer, question),
+        "count_ok": None if asked is None else (len(points) if planned.mode == "sot"
+                                                else distinct_items(planned.answer, question)) == asked,
+        "count_ok_direct": None if asked is None else distinct_items(direct.answer, question) == asked,
         "tokens": [answer_tokens(planned), answer_tokens(direct)],
         "words": [len(planned.answer.split()), len(direct.answer.split())],
     }  # fmt: skip

@@ -361,7 +361,7 @@ def test_a_counted_skeleton_short_of_points_is_asked_for_the_rest(tiny):
             assert state.more(finish, tok) is not None
         return state.more(finish, tok)
 
-    # Still short of distinct points after its rounds: the direct way, its prompt asking for the count.
+    # A counted question whose skeleton is no usable plan: the direct way, its prompt asking for the count.
     planned = flow.parse(Skeleton("r", "Give me three tips for a hike.", SamplingParams(), "sot", "", "1. Water\n2. Water", {}))
     assert planned.mode == "direct" and planned.count == 3
     _, prompts = flow.assign(planned, [DeviceProfile("local", 1.0, 1.0, 1.0, 8)])

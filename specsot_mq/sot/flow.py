@@ -202,21 +202,17 @@ class Flow:
         """The skeleton's plan of points, or the direct way when it is not a usable list; `plan`:
         a replacement parser (text -> Plan). As many points as the question names, where it
         names a number (and SPARE more, where the skeleton lists them: merge shows the first of
-        them that say something); else at most max_points. A counted question whose skeleton
-        has fewer distinct points than it names, after its rounds of more(), goes direct too (a
-        plan would show too few points), and a counted question that goes direct is asked for
-        its count (Planned.count: the format's counted_direct request after the question). The
-        model's direct answer writes each item with its explanation before the next, and so lists
-        the count far more often than its terse skeleton (benchmarks/quality.py; figures in
-        docs/design.md)."""
+        them that say something); else at most max_points. A counted question whose skeleton is
+        no usable plan goes direct asking for its count (Planned.count: the format's
+        counted_direct request after the question). One whose plan has fewer distinct points than
+        it names keeps them: sending those direct too gave few more answers with their count,
+        each slower (figures in docs/design.md)."""
         mode, reason, points, asked = msg.mode, msg.reason, [], 0
         if mode == "sot":
             text = finished_lines(msg.text, msg.finish)
             count = asked_count(msg.question)
             most = count + SPARE if count else self.config.max_points
             parsed = plan(text) if plan is not None else self.format.plan(text, most, msg.question)
-            if parsed.kind == "plan" and count and len(parsed.points) < count:
-                parsed = Plan("direct", reason=f"{len(parsed.points)} distinct points of the {count} asked")
             if parsed.kind == "plan":
                 points = [(p.index, p.title, p.predicted_tokens or 0) for p in parsed.points]
                 reason = parsed.reason or "planned"
