@@ -2,7 +2,8 @@
 
 For each question (default: benchmarks/general_questions.jsonl and benchmarks/count_questions.jsonl,
 the second naming a number of points; count_heldout.jsonl holds 40 more such questions, written
-apart and never tuned on; or --questions FILE..., MT-bench lines or JSONL with
+apart, and count_check.jsonl 30, written after the last change to counted plans; or
+--questions FILE..., MT-bench lines or JSONL with
 `question`), the SpecSoT engine answers twice on one generator: with a plan (--sot always, or
 auto) and directly (--sot never, EAGLE alone). From the texts alone it reports:
 
