@@ -366,7 +366,7 @@ def test_a_counted_skeleton_short_of_points_is_asked_for_the_rest(tiny):
     assert planned.mode == "direct" and planned.count == 3
     _, prompts = flow.assign(planned, [DeviceProfile("local", 1.0, 1.0, 1.0, 8)])
     asked = flow.format.counted_direct.format(question="Give me three tips for a hike.", count=3)
-    assert "exactly 3" in asked and prompts.prompt(0) == direct_ids(tok, asked)
+    assert "exactly 3" in asked and prompts.prompt(0) == direct_ids(tok, asked) and prompts.keep == 0
 
     assert short("Give me three tips for a hike.", "length") is None  # cut off by its cap
     assert short("How do I plan a hike?", "stop") is None  # no count named

@@ -35,8 +35,8 @@ class PromptFormat:
     examples: tuple[tuple[str, str], ...] = ()  # (question, skeleton) turns shown before the question
     points: str = "3 to 8"  # how many points the skeleton asks for ({points} in skeleton_user)
     points_counted: str = "exactly {count}"  # the same where the question names its number of points
-    # a direct answer's request where a question that names its number of points was not planned
-    # with that many (Flow.parse): the question, then that number asked for
+    # a direct answer's request where the skeleton of a question that names its number of points
+    # is no usable plan (Flow.parse): the question, then that number asked for
     counted_direct: str = "{question}"
 
     def plan(self, skeleton: str, max_points: int, question: str = "") -> Plan:

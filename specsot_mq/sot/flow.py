@@ -226,12 +226,14 @@ class Flow:
         with their prompts: one shared prefix, a short suffix each."""
         fmt, tok = self.format, self.tokenizer
         if msg.mode != "sot":
-            prompt = direct_ids(tok, fmt.counted_direct.format(question=msg.question, count=msg.count) if msg.count
-                                else msg.question, msg.history)  # fmt: skip
+            asked = fmt.counted_direct.format(question=msg.question, count=msg.count) if msg.count else msg.question
+            prompt = direct_ids(tok, asked, msg.history)
             plan = MergePlan(msg.rid, "direct", msg.reason, "", [(0, "")], {devices[0].name: [0]}, msg.stats,
                              msg.question)  # fmt: skip
-            # The whole prompt is kept: the next turn's begins with it (this question, then its answer).
-            return plan, AnswerPrompts(msg.rid, msg.params, [], {0: prompt}, len(prompt))
+            # The whole prompt is kept: the next turn's begins with it (this question, then its
+            # answer); not where the question was asked for its count (the history holds it as asked).
+            keep = history_end(lambda h: direct_ids(tok, asked, h), msg.history) if msg.count else len(prompt)
+            return plan, AnswerPrompts(msg.rid, msg.params, [], {0: prompt}, keep)
         plan = Plan("plan", [Point(i, title, predicted or None) for i, title, predicted in msg.points])
         prefix, suffixes = point_prompts(tok, fmt, msg.question, plan, msg.history)
         assignments = [a for a in schedule(plan.points, devices) if a.point_indices]
