@@ -19,7 +19,9 @@ auto) and directly (--sot never, EAGLE alone). From the texts alone it reports:
   count      on questions that name a number of points: whether the answer shows exactly that many
              (a planned answer's points; a direct one's distinct numbered items, read as the parser
              reads a skeleton: a repeated or restating item does not count), for the
-             planned engine's answers and for the direct ones (count_following, ..._direct)
+             planned engine's answers and for the direct ones (count_following, ..._direct;
+             --direct-asks-count: the direct engine asks a counted question for its count, with
+             the prompt format's counted_direct request)
   route      planned, routed direct (the router's way) or skeleton said direct (a skeleton that was
              no usable list): the median time, direct over planned, of each, in the summary
   tokens     tokens decoded for each answer (all phases), and words in it
@@ -93,6 +95,9 @@ def main(argv=None) -> dict:
     add_dtype_option(p)
     p.add_argument("--judge", default=None, help="a local model (folder or name) or an OpenAI-compatible base URL")
     p.add_argument("--judge-model", default="judge", help="the model name sent to a judge URL")
+    p.add_argument("--direct-asks-count", action="store_true",
+                   help="the direct engine asks a counted question for its count, as a counted question whose "
+                        "skeleton is no plan does (the prompt format's counted_direct)")
     p.add_argument("--json-only", action="store_true")
     args = p.parse_args(argv)
     out = Console(quiet=args.json_only, soft_wrap=True, width=200)
@@ -120,7 +125,11 @@ def main(argv=None) -> dict:
     earlier: list[list[int]] = []  # outputs of the questions answered so far, oldest first
     written: list[list[int]] = []  # this question's, from both answers
 
+    counted_direct = planned_engine.format.counted_direct
+
     def answer(engine, question: str):
+        if engine is direct_engine and args.direct_asks_count and (count := asked_count(question)):
+            question = counted_direct.format(question=question, count=count)
         gen.history = Recorded(earlier, written)
         start = time.perf_counter()
         return engine.generate(question, params), time.perf_counter() - start
@@ -147,7 +156,8 @@ def main(argv=None) -> dict:
 
     result = summarize(rows, out)
     result.update(questions=len(rows), sources=sources, cpu=cpu_name(), threads=torch.get_num_threads(),
-                  dtype=args.dtype, max_tokens=args.max_tokens, sot=args.sot, judge=args.judge, per_question=rows)  # fmt: skip
+                  dtype=args.dtype, max_tokens=args.max_tokens, sot=args.sot, judge=args.judge,
+                  direct_asks_count=args.direct_asks_count, per_question=rows)  # fmt: skip
     print(json.dumps(result), flush=True)
     return result
 
@@ -195,6 +205,7 @@ def measure(question: str, planned, direct) -> dict:
     pairs = [(a, b) for a in range(len(points)) for b in range(a + 1, len(points))]
     asked = asked_count(question)
     direct_words = content_words(direct.answer)
+    items = len(points) if planned.mode == "sot" else distinct_items(planned.answer, question)
     reason = planned.reason
     return {
         "question": question, "mode": planned.mode, "points": len(points),
@@ -209,9 +220,7 @@ def measure(question: str, planned, direct) -> dict:
         "overlap": max((jaccard(texts[a], texts[b]) for a, b in pairs), default=0.0),
         "distinct3": [distinct3(planned.answer), distinct3(direct.answer)],
         "coverage": len(direct_words & content_words(planned.answer)) / len(direct_words) if direct_words else 1.0,
-        "asked": asked, "items": len(points) if planned.mode == "sot" else distinct_items(planned.answer, question),
-        "count_ok": None if asked is None else (len(points) if planned.mode == "sot"
-                                                else distinct_items(planned.answer, question)) == asked,
+        "asked": asked, "items": items, "count_ok": None if asked is None else items == asked,
         "count_ok_direct": None if asked is None else distinct_items(direct.answer, question) == asked,
         "tokens": [answer_tokens(planned), answer_tokens(direct)],
         "words": [len(planned.answer.split()), len(direct.answer.split())],

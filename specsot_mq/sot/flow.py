@@ -210,14 +210,13 @@ class Flow:
         mode, reason, points, asked = msg.mode, msg.reason, [], 0
         if mode == "sot":
             text = finished_lines(msg.text, msg.finish)
-            count = asked_count(msg.question)
-            most = count + SPARE if count else self.config.max_points
+            most = points_asked(msg.question) or self.config.max_points
             parsed = plan(text) if plan is not None else self.format.plan(text, most, msg.question)
             if parsed.kind == "plan":
                 points = [(p.index, p.title, p.predicted_tokens or 0) for p in parsed.points]
                 reason = parsed.reason or "planned"
             else:  # a counted question's direct answer is asked for its count (assign)
-                mode, reason, asked = "direct", f"skeleton says direct: {parsed.reason}", count or 0
+                mode, reason, asked = "direct", f"skeleton says direct: {parsed.reason}", asked_count(msg.question) or 0
         return Planned(msg.rid, msg.question, msg.params, mode, reason, msg.text, points, msg.stats, msg.history, asked)
 
     def assign(self, msg: Planned, devices: list[DeviceProfile]) -> tuple[MergePlan, AnswerPrompts]:
