@@ -106,7 +106,7 @@ class PlainDecoder(Decoder):
         self.stats = SpecStats() if self.lookup else None  # what lookup drafted and got accepted (tau)
 
     def prefill(self, seqs: list[Sequence], shared: int, source: int | Entry | None) -> None:
-        pre = self.layout.prefill({seq.slot: seq.job.ids for seq in seqs}, shared, source)
+        pre = self.layout.prefill({seq.slot: seq.job.ids for seq in seqs}, shared, source, resume=seqs[0].job.resume)
         for seq, tok in zip(seqs, self.sampler(pre.last_logits).tolist()):
             seq.last = tok
             if self.lookup:

@@ -119,12 +119,13 @@ class KVCache:
         """A copy of the slot's first `length` entries (all layers), for restore()."""
         return self.k[:, slot, :, :length].clone(), self.v[:, slot, :, :length].clone()
 
-    def restore(self, slot: int, kv: tuple[torch.Tensor, torch.Tensor]) -> int:
-        """Make a snapshot() the slot's first entries; returns how many."""
-        n = kv[0].shape[2]
-        self.k[:, slot, :, :n].copy_(kv[0])
-        self.v[:, slot, :, :n].copy_(kv[1])
-        return n
+    def restore(self, slot: int, kv: tuple[torch.Tensor, torch.Tensor], start: int = 0) -> int:
+        """Make a snapshot() the slot's entries from `start` on (one of fewer layers: the first
+        ones'); returns where they end."""
+        layers, end = kv[0].shape[0], start + kv[0].shape[2]
+        self.k[:layers, slot, :, start:end].copy_(kv[0])
+        self.v[:layers, slot, :, start:end].copy_(kv[1])
+        return end
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 
 from specsot_mq.model import LlamaModel, Step
 from specsot_mq.prefix_store import Entry
+from specsot_mq.sequence import Resume
 from specsot_mq.slots import SlotManager
 
 
@@ -46,11 +47,13 @@ class SlotLayout:
         self.model, self.slots = model, slots
 
     def prefill(self, prompts: dict[int, list[int]], shared: int = 0, source: int | Entry | None = None,
-                hidden_layers=()) -> Prefilled:  # fmt: skip
+                hidden_layers=(), resume: Resume | None = None) -> Prefilled:  # fmt: skip
         """Put prompts into their cache slots with as little work as possible: their shared prefix
         from `source` (a slot that holds it, or a prefix store entry that begins it, restored into
         the first slot, the rest computed there once), copied to the others in place; then every
-        suffix in ONE forward: right-padded, or ragged where the lengths differ (_ragged)."""
+        suffix in ONE forward: right-padded, or ragged where the lengths differ (_ragged). One
+        prompt with its `resume` (sequence.Resume) from where its suffix begins runs only the
+        layers the resume has not (where the features asked for come from those layers)."""
         mgr, cache = self.slots, self.slots.cache
         slots = list(prompts)
         first = slots[0]
@@ -71,7 +74,17 @@ class SlotLayout:
         for s, n in zip(slots, lens):
             mgr[s].length = shared
             mgr.check(s, shared, n)
-        if self._ragged_pays(lens):
+        if resumes(resume, self.model, prompts, shared, hidden_layers):
+            cache.restore(first, resume.kv, shared)  # the resume's layers' entries; it runs the rest
+            positions = torch.arange(shared, shared + lens[0])[None]
+            later = tuple(layer for layer in hidden_layers if layer >= resume.layer)
+            step = Step([first], [shared], positions, logit_rows=[lens[0] - 1], hidden_layers=later,
+                        sources=mgr.prefix_sources(slots), from_layer=resume.layer)  # fmt: skip
+            out = self.model(resume.hidden[None], cache, step)
+            ran = {n: h for n, h in zip(later, out.hidden)} | {n: h[None] for n, h in resume.earlier.items()}
+            logits = out.logits
+            features = torch.cat([ran[n] for n in hidden_layers], -1) if hidden_layers else None
+        elif self._ragged_pays(lens):
             positions = [list(range(shared, shared + n)) for n in lens]
             logits, features = self._ragged(slots, suffixes, positions, hidden_layers, last_only=True)
         else:
@@ -156,6 +169,15 @@ class SlotLayout:
 def _check_shared(prompts: dict[int, list[int]], shared: int) -> None:
     if not 0 <= shared < min(len(p) for p in prompts.values()):
         raise ValueError(f"shared prefix {shared} must be shorter than every prompt")
+
+
+def resumes(resume: Resume | None, model, prompts: dict[int, list[int]], shared: int, hidden_layers) -> bool:
+    """Whether a prefill of `prompts` from their first `shared` tokens can start from `resume`: one
+    prompt, the resume's, begun where it is, every feature asked for from its later layers, on a
+    whole model in this process."""
+    return (resume is not None and isinstance(model, LlamaModel) and model.first_layer == 0 and len(prompts) == 1
+            and next(iter(prompts.values())) == resume.ids and resume.start == shared
+            and all(layer >= resume.layer or layer in resume.earlier for layer in hidden_layers))  # fmt: skip
 
 
 def _prefix(model: LlamaModel, slots: SlotManager, slot: int, ids: list[int], start: int, hidden_layers):

@@ -93,6 +93,10 @@ class Step:
     # where each row may read its slot's shared prefix from, and that prefix's length (0: only its
     # own slot; SlotManager.prefix_sources); None: every row reads its own slot
     sources: tuple[list[int], list[int]] | None = None
+    # > 0: the forward starts at this layer (the model's counting), its input the hidden state
+    # entering it [B, T, H], the earlier layers' cache entries written already (a prompt the router
+    # ran half way, sot/learned_router.py)
+    from_layer: int = 0
 
     @classmethod
     def fresh(cls, positions: torch.Tensor, **fields) -> "Step":
@@ -413,11 +417,12 @@ class LlamaModel(NativeForm):
         rows = step.logit_rows
 
         want = set(step.hidden_layers)
-        depth = len(self.layers)  # the layers to run
+        depth = len(self.layers)  # the layers to run: [skip, depth) of this range's
         if rows == [] and want and 0 < max(want) - first < depth:
             depth = max(want) - first
+        skip = max(step.from_layer - first, 0)
         saved = {}
-        x = (self.embed(input_ids) if first == 0 else input_ids).to(self.dtype)
+        x = (self.embed(input_ids) if first == 0 and not skip else input_ids).to(self.dtype)
         stack = self.native_stack(x, cache)
         window_ok = cfg.sliding_window is None or kv_len <= cfg.sliding_window
         if stack is not None and mask is None and window_ok:
@@ -429,19 +434,19 @@ class LlamaModel(NativeForm):
         if stack is not None:
             # every layer in one native call, with one team of threads (decoder_layers), and the
             # final norm and output layer in it too where the kernels run them
-            inner = sorted(i - first for i in want if first <= i < first + depth)
+            inner = sorted(i - first - skip for i in want if first + skip <= i < first + depth)
             head = self.native_head() if depth == len(self.layers) and self.last_layer == cfg.num_layers else None
             picked = (list(range(b * t)) if rows is None else rows) if head is not None else []
-            x, *kept = native().decoder_layers(x, stack[:depth], 0, cos, sin, cache.k, cache.v, slots, starts, bias,
-                                               inner, head, picked, *(step.sources or ([], [])))  # fmt: skip
+            x, *kept = native().decoder_layers(x, stack[skip:depth], skip, cos, sin, cache.k, cache.v, slots, starts,
+                                               bias, inner, head, picked, *(step.sources or ([], [])))  # fmt: skip
             logits = kept.pop(0) if head is not None else None  # with a head, its logits follow the state
-            saved.update(zip((first + i for i in inner), kept))
+            saved.update(zip((first + skip + i for i in inner), kept))
             if head is not None:
                 saved[self.cfg.num_layers] = x  # through the final norm
                 logits = logits.view(b, t, -1) if rows is None else logits  # [R, V] already
                 return ForwardOutput(logits, [saved[i] for i in step.hidden_layers])
         else:
-            x = self._layers(x, cos, sin, cache, slots, starts, kv_len, bias, want, depth, saved)
+            x = self._layers(x, cos, sin, cache, slots, starts, kv_len, bias, want, depth, saved, skip)
         if first + depth < cfg.num_layers:  # stopped early, or a range before the last: no logits
             saved[first + depth] = x
             return ForwardOutput(x.new_zeros(0, self.cfg.vocab_size), [saved[i] for i in step.hidden_layers])
@@ -468,9 +473,10 @@ class LlamaModel(NativeForm):
         cos = self.rope_cos.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
         return cos, self.rope_sin.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
 
-    def _layers(self, x, cos, sin, cache, slots, starts, kv_len, bias, want: set[int], depth: int, saved: dict):
-        """The first `depth` layers in torch ops (the hidden states in `want` kept in `saved`)."""
-        for i, layer in enumerate(self.layers[:depth]):
+    def _layers(self, x, cos, sin, cache, slots, starts, kv_len, bias, want: set[int], depth: int, saved: dict,
+                skip: int = 0):  # fmt: skip
+        """Layers [skip, depth) in torch ops (the hidden states in `want` kept in `saved`)."""
+        for i, layer in enumerate(self.layers[skip:depth], skip):
             if self.first_layer + i in want:
                 saved[self.first_layer + i] = x
             x = layer(x, cos, sin, cache, i, slots, starts, kv_len, bias)

@@ -42,6 +42,26 @@ class Job:
     group: object = None  # jobs of one group share that prefix (computed once); None: no sharing
     keep: int = 0  # its first `keep` tokens go to the prefix store after its prefill (a conversation's
     # earlier turns: the next turn's prompt begins with them)
+    resume: Resume | None = None  # its prompt's forward, run part of the way already (the router's)
+
+
+@dataclass(slots=True)
+class Resume:
+    """A prompt's forward run through its first `layer` layers already, over its tokens from
+    `start` on (the router's, sot/learned_router.py): those layers' keys and values there
+    ([layer, kv heads, len(ids) - start, head dim] each, as KVCache.snapshot lays them out) and
+    the hidden state entering layer `layer` ([len(ids) - start, hidden]), and those of earlier
+    layers a draft head reads (`earlier`, by layer, as transformers counts hidden states). A
+    prefill that finds the prompt's first `start` tokens computed runs only the later layers from
+    it (layout.py): the same cache entries, logits and features as running them all, for half a
+    prefill's work where the router read layer num_layers / 2."""
+
+    ids: list[int]  # the whole prompt
+    layer: int
+    start: int
+    kv: tuple[torch.Tensor, torch.Tensor]
+    hidden: torch.Tensor
+    earlier: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Output:

@@ -161,7 +161,7 @@ class EagleDecoder(Decoder):
         dev, mgr, draft = self.model.device, self.slots, self.slots.draft
         slots = [seq.slot for seq in seqs]
         prompts = {seq.slot: seq.job.ids for seq in seqs}
-        pre = self.layout.prefill(prompts, shared, source, self.layers)
+        pre = self.layout.prefill(prompts, shared, source, self.layers, seqs[0].job.resume)
         roots = self.sampler(pre.last_logits).tolist()
         start = time.perf_counter()
         first = slots[0]

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from specsot_mq import quant
-from specsot_mq.model import Step
+from specsot_mq.model import ForwardOutput, Step
 from specsot_mq.quant import FORMATS, QLinear, from_ggml, fuse
 from specsot_mq.slots import SlotManager
 
@@ -159,6 +159,42 @@ def test_one_native_call_for_all_layers_computes_what_the_modules_compute(isa, m
     monkeypatch.setattr(DecoderLayer, "native_weights", lambda self: None)
     for a, b in zip(fused, run()):
         assert torch.equal(a, b)
+
+
+def test_a_forward_from_a_middle_layer_finishes_what_the_lower_layers_began(isa, monkeypatch):
+    """Step.from_layer (a direct answer's prefill going on from the router's forward): the lower
+    layers run first (logit_rows=[]), then the rest from their hidden state over the same cache;
+    the logits, the hidden states and every cache entry are the full forward's, bit for bit, in
+    one native call and module by module."""
+    from conftest import ours_from_hf, tiny_hf
+
+    from specsot_mq.model import DecoderLayer
+
+    model = ours_from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128, vocab_size=112, num_hidden_layers=4))
+    names = [f"layers.{i}.{n}" for i in range(4) for n in ("qkv", "o", "gate_up", "down")] + ["lm_head"]
+    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "Q4_1") for n in names}, torch.float32)
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(3, 10)[None]  # after 3 entries already there (a fixed prompt beginning)
+
+    def run():
+        caches, outs = [model.new_cache(1, 16), model.new_cache(1, 16)], []
+        with torch.no_grad():
+            for cache in caches:
+                model(ids[:, :3], cache, Step.fresh(torch.arange(3)[None]))
+            outs.append(model(ids, caches[0], Step([0], [3], positions, logit_rows=[6], hidden_layers=(1, 3, 4))))
+            lower = model(ids, caches[1], Step([0], [3], positions, logit_rows=[], hidden_layers=(2, 1)))
+            upper = model(lower.hidden[0], caches[1], Step([0], [3], positions, logit_rows=[6], hidden_layers=(3, 4),
+                                                            from_layer=2))  # fmt: skip
+            outs.append(ForwardOutput(upper.logits, [lower.hidden[1], *upper.hidden]))
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+        return outs
+
+    native = run()
+    monkeypatch.setattr(DecoderLayer, "native_weights", lambda self: None)
+    modules = run()
+    for full, resumed in (native, modules):
+        assert torch.equal(full.logits, resumed.logits)
+        assert all(torch.equal(a, b) for a, b in zip(full.hidden, resumed.hidden))
 
 
 def test_the_greedy_scan_picks_what_torch_max_picks(isa):

@@ -101,7 +101,36 @@ def test_another_model_trains_its_own_and_falls_back_where_it_cannot_separate_th
 
 def test_a_question_it_would_plan_goes_direct_where_a_short_answer_is_asked(trained, monkeypatch):
     router, _ = trained
-    monkeypatch.setattr(router, "p_plan", lambda question: 0.9)
+    monkeypatch.setattr(router, "_p_plan", lambda feature: 0.9)
     assert router("How can I attract birds?").use_sot
     decision = router("In one sentence, how can I attract birds?")
     assert not decision.use_sot and decision.reason.startswith("direct, because planning would be slower")
+
+
+def test_a_question_routed_direct_is_answered_from_the_routers_forward(trained, real, monkeypatch):
+    """The router ran the direct prompt half way up: the answer's prefill runs only the layers
+    above (layout.resumes), with the draft head's features from both (the default model's head
+    reads layers 2, 15, 27 and 30), and answers with the same tokens as a prefill from the start.
+    A question cut for the router, whose direct prompt is not the one it ran, starts from the
+    start."""
+    from specsot_mq import layout
+    from specsot_mq.sot.engine import SoTEngine
+
+    router, _ = trained
+    used, resumes = [], layout.resumes
+
+    def spy(resume, *args):
+        if resume is not None:
+            used.append(resumes(resume, *args))
+        return resumes(resume, *args)
+
+    monkeypatch.setattr(layout, "resumes", spy)
+    params = SamplingParams(max_tokens=24)
+    auto = SoTEngine(real, SoTConfig(sot="auto", max_parallel=1), router=router)
+    never = SoTEngine(real, SoTConfig(sot="never", max_parallel=1))
+    long = "Translate into French: " + "the cat sat on the mat, " * 40
+    for question, resumed in (("What is 17 * 23?", [True]), (long, [])):
+        used.clear()
+        routed = auto.generate(question, params)
+        assert routed.mode == "direct" and used == resumed, routed.stats
+        assert routed.answer == never.generate(question, params).answer

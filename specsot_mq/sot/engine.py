@@ -12,7 +12,10 @@ copied into every point's cache slot; all points then decode in one batched forw
 with more points than `max_parallel` a waiting point takes the slot of the first to finish.
 
 --sot auto routes by the model's learned router (sot/learned_router.py), loaded from its cache or
-trained on the first question it routes.
+trained on the first question it routes. The router runs the question's direct prompt half way up
+the model; a question it sends direct (or whose skeleton turns out no plan) is prefilled from
+there, through the upper half only (sequence.Resume): routing costs next to nothing where the
+answer goes direct.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from collections.abc import Callable, Iterator
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator, Job
-from specsot_mq.messages import Answer, Ask, ClientEvent, Planned, PointEnd, PointText, ids
+from specsot_mq.messages import Answer, Ask, ClientEvent, Planned, PointEnd, PointText, Skeleton, ids
 from specsot_mq.sampling_params import SamplingParams
+from specsot_mq.sequence import Resume
 from specsot_mq.sot.flow import Flow, Merging, Progress, Skeletoning, SoTConfig
 from specsot_mq.sot.parser import Plan
 from specsot_mq.sot.router import Route
@@ -46,6 +50,9 @@ class SoTEngine:
                 f"{gen.cache.num_slots}: load it with num_slots={self.config.max_parallel}"
             )
         self.flow = Flow(self.config, gen.tokenizer, self._route)
+        # the router's forward of the question being answered (learned_router: its direct prompt,
+        # half way up), which its direct answer's prefill goes on from instead of starting again
+        self.routed: Resume | None = None
         self.format = self.flow.format
         self.device = device or DeviceProfile("local", 1.0, 1.0, 1.0, self.config.max_parallel)
         for head in (*self.format.skeleton_heads(gen.tokenizer), *self.format.answer_heads(gen.tokenizer)):
@@ -56,7 +63,15 @@ class SoTEngine:
         the conversation's earlier turns ({"role", "content"}), which every phase's prompt shows."""
         start = time.monotonic()
         ask = Ask(uuid.uuid4().hex[:12], question, params or SamplingParams(), self.config.sot, list(history))
-        skeleton = self.flow.route(ask, capacity=self.gen.cache.capacity)
+        self.routed = None
+        try:
+            skeleton = self.flow.route(ask, capacity=self.gen.cache.capacity)
+            yield from self._answer(skeleton, start)
+        finally:
+            self.routed = None
+
+    def _answer(self, skeleton: Skeleton | Skeletoning, start: float) -> Iterator[ClientEvent]:
+        """A routed request's skeleton (where it has one), then its points."""
         if isinstance(skeleton, Skeletoning):
             yield skeleton.first()
             job, finish = skeleton.job, "stop"
@@ -85,6 +100,8 @@ class SoTEngine:
         merging = Merging(self.format)
         yield from merging.feed(plan, self.device.name)
         jobs = prompts.jobs(plan.branches[self.device.name])
+        if plan.mode == "direct" and self.routed is not None and jobs[0].ids == self.routed.ids:
+            jobs[0].resume, self.routed = self.routed, None
         progress = {job.key: Progress() for job in jobs}
         # A counted plan's spares stop once the answer shows the question's count (the merged
         # answer is the same: they come after every point it shows).
@@ -108,7 +125,11 @@ class SoTEngine:
             from specsot_mq.sot.learned_router import LearnedRouter
 
             self.router = LearnedRouter.for_model(self.gen.model, self.gen.tokenizer)
-        return self.router(question)
+        if not hasattr(self.router, "route"):  # a plain question -> Route (no forward to go on from)
+            return self.router(question)
+        draft = self.gen.draft
+        decision, self.routed = self.router.route(question, tuple(draft.cfg.feature_layers) if draft else ())
+        return decision
 
     def _run(self, jobs: list[Job], cancelled: Callable[[object], bool] | None = None) -> Iterator[tuple[object, Delta]]:
         """Jobs of one phase (one sampling setting) through the generation loop (`cancelled`: a

@@ -6,7 +6,9 @@ stops there: half a prefill's cost), over the prompt's fixed beginning (system p
 the same for every question) computed once; at the layer half way up, the last token's hidden
 state beside the mean over the tokens after that beginning (the question and the template's end). A logistic regression
 (standardised features, L2) over them is trained on sot/labels/train.jsonl, full-batch L-BFGS,
-in seconds; its accuracy on sot/labels/valid.jsonl is measured then and kept with it.
+in seconds; its accuracy on sot/labels/valid.jsonl is measured then and kept with it. The
+in-process engine keeps the forward (`route(question, resume=...)`: the lower layers' keys and
+values, the hidden state half way up): a direct answer's prefill goes on from it (sequence.Resume).
 
 The trained router is cached under $SPECSOT_HOME/routers/, one file per (model, labels, feature
 recipe): the model is known by its config, its activation dtype, its weights' kinds and its greedy
@@ -33,8 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specsot_mq.model import Step
+from specsot_mq.model import LlamaModel, Step
 from specsot_mq.prompts import direct_ids, fixed_beginning
+from specsot_mq.sequence import Resume
 from specsot_mq.sot.router import Route, rule_route, short_answer
 
 LABELS = Path(__file__).parent / "labels"
@@ -112,38 +115,57 @@ class LearnedRouter:
 
     def features(self, questions: list[str]) -> torch.Tensor:
         """[N, 2 * hidden]: each question's last-token and mean hidden state at self.layer."""
-        return torch.stack([self._feature(q) for q in questions])
+        return torch.stack([self._forward(q)[0] for q in questions])
 
     def p_plan(self, question: str) -> float:
         """The classifier's probability that the question is answered better with a plan."""
-        w = self.weights
-        z = (self._feature(question) - w["mean"]) / w["std"]
-        return torch.sigmoid(z @ w["weight"] + w["bias"]).item()
+        return self._p_plan(self._forward(question)[0])
 
     def __call__(self, question: str) -> Route:
+        return self.route(question)[0]
+
+    def route(self, question: str, resume: tuple[int, ...] | None = None) -> tuple[Route, Resume | None]:
+        """The question's way, and with `resume` (the hidden states a draft head reads, () for
+        none) its direct prompt's forward as far as the router ran it (sequence.Resume: a direct
+        answer's prefill goes on from there), where it ran it."""
         if not self.usable:
             route = rule_route(question)
             return Route(route.use_sot, f"{route.reason} (the learned router is not used on this model: validation "
-                                        f"accuracy {self.info.get('valid_accuracy')})")  # fmt: skip
-        p = self.p_plan(question)
+                                        f"accuracy {self.info.get('valid_accuracy')})"), None  # fmt: skip
+        feature, ran = self._forward(question, resume)
+        p = self._p_plan(feature)
         if p < 0.5:
-            return Route(False, f"the router says direct (plan {p:.2f})")
+            return Route(False, f"the router says direct (plan {p:.2f})"), ran
         if why := short_answer(question):
-            return Route(False, why)
-        return Route(True, f"the router says plan (plan {p:.2f})")
+            return Route(False, why), ran
+        return Route(True, f"the router says plan (plan {p:.2f})"), ran
 
-    def _feature(self, question: str) -> torch.Tensor:
+    def _p_plan(self, feature: torch.Tensor) -> float:
+        w = self.weights
+        return torch.sigmoid((feature - w["mean"]) / w["std"] @ w["weight"] + w["bias"]).item()
+
+    def _forward(self, question: str, resume: tuple[int, ...] | None = None) -> tuple[torch.Tensor, Resume | None]:
+        """The question's feature, and with `resume` the forward it came from, keeping the hidden
+        states named there that it computes (a question cut to MAX_QUESTION_TOKENS, or a split
+        model, gives none: its direct answer's prompt is not the one run, or runs elsewhere)."""
         tok, model = self.tokenizer, self.model
         ids = tok.encode(question, add_special_tokens=False)
-        if len(ids) > MAX_QUESTION_TOKENS:
+        whole = len(ids) <= MAX_QUESTION_TOKENS
+        if not whole:
             question = tok.decode(ids[:MAX_QUESTION_TOKENS])
         ids = direct_ids(tok, question)
         if self.head_kv is None:
             self.head_kv = _kv(forward(model, self.head, (self.layer,), logits=False)[2])
         held = len(self.head) if ids[: len(self.head)] == self.head and len(ids) > len(self.head) else 0
-        (hidden,), _, _ = forward(model, ids, (self.layer,), logits=False, held=self.head_kv if held else None)
+        earlier = tuple(n for n in resume or () if n < self.layer)
+        (hidden, *kept), _, cache = forward(model, ids, (self.layer, *earlier), logits=False,
+                                            held=self.head_kv if held else None)  # fmt: skip
+        ran = None
+        if resume is not None and whole and held and isinstance(model, LlamaModel):
+            kv = (cache.k[: self.layer, 0, :, held:], cache.v[: self.layer, 0, :, held:])
+            ran = Resume(ids, self.layer, held, kv, hidden[0], {n: h[0] for n, h in zip(earlier, kept)})
         hidden = hidden[0].float()  # [T - held, H]: the tokens after the fixed beginning
-        return torch.cat([hidden[-1], hidden.mean(0)])
+        return torch.cat([hidden[-1], hidden.mean(0)]), ran
 
 
 def layer_for(model) -> int:
