@@ -10,8 +10,9 @@ ZeroMQ to the RangeServer that holds those layers) build on this. Over those, a 
 prefill is pipelined: cut into chunks of `prefill_chunk` tokens, so that the ranges here work on
 chunk i + 1 while the other processes work on chunk i.
 
-`layer_ranges` sizes the ranges by each device's memory budget (devices.json): the embedding
-goes with the first range, the final norm and output layer with the last.
+`layer_ranges` sizes the ranges: each within its device's memory budget (devices.json), the
+slowest as fast as can be; the embedding goes with the first range, the final norm and output
+layer with the last.
 """
 
 from __future__ import annotations
@@ -30,32 +31,54 @@ PREFILL_CHUNK = 128  # --prefill-chunk: tokens per piece of a pipelined prefill
 
 
 def layer_ranges(num_layers: int, layer_bytes: int, budgets: Sequence[float], embed_bytes: int = 0,
-                 head_bytes: int = 0, names: Sequence[str] | None = None) -> list[tuple[int, int]]:  # fmt: skip
-    """[first, last) of each device's layers, in device order: as many as its budget's share
-    (bytes, after the embedding on the first and the output layer on the last) allows, each at
-    least one; a device whose range does not fit its budget raises SpecSotError naming it."""
-    names = list(names or (f"device {i}" for i in range(len(budgets))))
-    if not 1 <= len(budgets) <= num_layers:
-        raise SpecSotError(f"a split needs 1 to {num_layers} devices (one layer each at least), got {len(budgets)}")
-    room = [b - (embed_bytes if i == 0 else 0) - (head_bytes if i == len(budgets) - 1 else 0)
-            for i, b in enumerate(budgets)]  # fmt: skip
-    total = sum(max(r, 0.0) for r in room) or 1.0
-    counts = [max(1, round(num_layers * max(r, 0.0) / total)) for r in room]
-    while sum(counts) != num_layers:  # rounding: take from (or give to) the range with most (least) room per layer
-        over = sum(counts) > num_layers
-        pick = (min if over else max)(
-            (i for i in range(len(counts)) if not over or counts[i] > 1), key=lambda i: room[i] / counts[i]
-        )
-        counts[pick] += -1 if over else 1
-    bounds, first = [], 0
-    for i, n in enumerate(counts):
-        if n * layer_bytes > room[i]:
-            need = n * layer_bytes + budgets[i] - room[i]
-            raise SpecSotError(f"{names[i]}'s {n} layers need {need / 2**20:.0f} MB, more than its memory budget "
-                               f"({budgets[i] / 2**20:.0f} MB): add a device or raise its memory in devices.json")
-        bounds.append((first, first + n))
-        first += n
-    return bounds
+                 head_bytes: int = 0, names: Sequence[str] | None = None,
+                 compute: Sequence[float] | None = None) -> list[tuple[int, int]]:  # fmt: skip
+    """[first, last) of each device's layers, in device order, each at least one: of the splits
+    whose every range fits its device's memory budget (bytes; the embedding counts against the
+    first, the output layer against the last), the one whose slowest range is fastest. A range's
+    time is its weights' bytes (its layers, and the output layer on the last: a decode step reads
+    each weight once and a batch of rows computes in proportion to them; the embedding is a
+    lookup) over its device's `compute` (devices.json; equal where not given): with ranges
+    working on different steps at once, the slowest one sets the pace. Raises SpecSotError naming
+    what does not fit."""
+    n = len(budgets)
+    names = list(names or (f"device {i}" for i in range(n)))
+    if not 1 <= n <= num_layers:
+        raise SpecSotError(f"a split needs 1 to {num_layers} devices (one layer each at least), got {n}")
+    compute = list(compute or [1.0] * n)
+    room = [b - (embed_bytes if i == 0 else 0) - (head_bytes if i == n - 1 else 0) for i, b in enumerate(budgets)]
+    fits = [max(0, min(num_layers, int(r // layer_bytes))) if layer_bytes else num_layers for r in room]
+    for i in range(n):
+        if fits[i] < 1:
+            raise SpecSotError(f"{names[i]}'s memory budget ({budgets[i] / 2**20:.0f} MB) holds none of the model's "
+                               f"layers ({layer_bytes / 2**20:.0f} MB each"
+                               f"{', beside the embedding' if i == 0 and embed_bytes else ''}"
+                               f"{', beside the output layer' if i == n - 1 and head_bytes else ''}): raise it in "
+                               "devices.json or leave the device out")  # fmt: skip
+    if sum(fits) < num_layers:
+        raise SpecSotError(f"the devices' memory budgets hold {sum(fits)} of the model's {num_layers} layers "
+                           f"({num_layers * layer_bytes / 2**20:.0f} MB): add a device or raise their memory in "
+                           "devices.json")  # fmt: skip
+
+    def time(i: int, layers: int) -> float:
+        return (layers * layer_bytes + (head_bytes if i == n - 1 else 0)) / compute[i]
+
+    # best[i][j]: the slowest range's time with the first j layers on the first i + 1 devices, and
+    # the first layer of device i's range then (a split over every contiguous cut, n * L^2 steps)
+    inf = float("inf")
+    best = [[(inf, 0)] * (num_layers + 1) for _ in range(n)]
+    for j in range(1, fits[0] + 1):
+        best[0][j] = (time(0, j), 0)
+    for i in range(1, n):
+        for j in range(i + 1, num_layers + 1):
+            best[i][j] = min(((max(best[i - 1][k][0], time(i, j - k)), k) for k in range(max(i, j - fits[i]), j)),
+                             default=(inf, 0))  # fmt: skip
+    bounds, last = [], num_layers
+    for i in range(n - 1, -1, -1):
+        first = best[i][last][1]
+        bounds.append((first, last))
+        last = first
+    return bounds[::-1]
 
 
 def weight_bytes(folder) -> tuple[float, int, int]:

@@ -106,9 +106,10 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
 
 def split_ranges(devices: list[Device], profiles: dict[str, DeviceProfile], folder: Path,
                  replicas: int = 1) -> list[tuple[int, int]]:  # fmt: skip
-    """--split layers: each device's [first, last) layers, sized by memory in devices.json: the
-    first len(devices) / replicas devices take the ranges in order, and each later one serves the
-    same range as the device that many places before it (its replica)."""
+    """--split layers: each device's [first, last) layers, within its memory and by its compute in
+    devices.json (split.layer_ranges): the first len(devices) / replicas devices take the ranges in
+    order, and each later one serves the same range as the device that many places before it (its
+    replica)."""
     from specsot_mq.config import ModelConfig
     from specsot_mq.split import layer_ranges, weight_bytes
 
@@ -124,9 +125,10 @@ def split_ranges(devices: list[Device], profiles: dict[str, DeviceProfile], fold
         raise SpecSotError("--split layers runs over the devices of this host for now: its range links are not "
                            "authenticated yet; use --split none across hosts")  # fmt: skip
     layer, embed, head = weight_bytes(folder)
-    budgets = [p.memory_gb * 1e9 for p in device_profiles(devices, profiles)]
+    kinds = device_profiles(devices, profiles)
+    budgets = [p.memory_gb * 1e9 for p in kinds]
     bounds = layer_ranges(ModelConfig.from_folder(folder).num_layers, int(layer), budgets[:n], embed, head,
-                          [d.name for d in devices[:n]])  # fmt: skip
+                          [d.name for d in devices[:n]], [p.compute for p in kinds[:n]])  # fmt: skip
     for i in range(n, len(devices)):  # a replica's memory holds its range too
         first, last = bounds[i % n]
         need = (last - first) * layer + (embed if first == 0 else 0) + (head if i % n == n - 1 else 0)

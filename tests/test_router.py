@@ -112,7 +112,7 @@ def test_a_question_routed_direct_is_answered_from_the_routers_forward(trained, 
     above (layout.resumes), with the draft head's features from both (the default model's head
     reads layers 2, 15, 27 and 30), and answers with the same tokens as a prefill from the start.
     A question cut for the router, whose direct prompt is not the one it ran, starts from the
-    start."""
+    start. (The classifier is held to "direct" here: what is checked is the prefill.)"""
     from specsot_mq import layout
     from specsot_mq.sot.engine import SoTEngine
 
@@ -125,6 +125,7 @@ def test_a_question_routed_direct_is_answered_from_the_routers_forward(trained, 
         return resumes(resume, *args)
 
     monkeypatch.setattr(layout, "resumes", spy)
+    monkeypatch.setattr(router, "_p_plan", lambda feature: 0.0)  # direct, whatever the question
     params = SamplingParams(max_tokens=24)
     auto = SoTEngine(real, SoTConfig(sot="auto", max_parallel=1), router=router)
     never = SoTEngine(real, SoTConfig(sot="never", max_parallel=1))
