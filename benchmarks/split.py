@@ -4,7 +4,8 @@ The model (default: SmolLM2-1.7B's shape with random weights in Q4_K_M, as bench
 builds it under $SPECSOT_HOME/bench-models, else the default model; --model any name or file) runs
   whole  in one process;
   split  layers [0, a) in one process and [a, n) in a range server (specsot_mq/remote_range.py),
-         their hidden states and cache operations over ZeroMQ, a = n / 2 (--cut).
+         their hidden states and cache operations over ZeroMQ, a where `specsot launch --split
+         layers` cuts over two like devices (split.layer_ranges; --cut).
 Each measures, greedy with EOS ignored: decode tok/s of one sequence and of --batch sequences
 together (all their tokens over the slowest one's decode time), the prefill of a --prompt-tokens
 prompt, and every process's resident memory after decoding (the split's two against the whole).
@@ -18,6 +19,10 @@ Then KV shipping (specsot_mq/kv_ship.py): the same model whole on two CPU device
 turns, direct: turn 1 a --turn-tokens prompt, turn 2 a short question after it, which the scheduler
 sends to the other device. Time to turn 2's first answer text with --kv-ship auto (the rule's
 choice, logged: it shipped where stats say kv_shipped_tokens) and --kv-ship never (recomputed).
+
+--only-ranges: each range's time for a decode step of 1 and of --batch rows on one thread, cut half
+way and where layer_ranges cuts (the last range also runs the output layer): the slower of two
+ranges sets the pace of a pipeline whose ranges work on different steps at once.
 
     python benchmarks/split.py [--model FILE.gguf] [--new-tokens 32] [--batch 8] [--prompt-tokens 512] \
         [--prefill-tokens 2000] [--prefill-chunk 128] [--runs 3] [--turn-tokens 1000] [--conversations 3]
@@ -223,6 +228,40 @@ def measure_turns(args) -> dict:
     return out
 
 
+def range_steps(folder: Path, cuts: dict[str, int], batch: int, runs: int = 25) -> dict:
+    """Each range's median time (ms) for a decode step of 1 and of `batch` rows, one thread, at
+    each named cut."""
+    import torch
+
+    from specsot_mq.config import ModelConfig
+    from specsot_mq.loader import load_model
+    from specsot_mq.model import Step
+
+    torch.set_num_threads(1)
+    n = ModelConfig.from_folder(folder).num_layers
+
+    def step_ms(model, rows: int) -> float:
+        cache = model.new_cache(rows, 256)
+        x = torch.randint(0, 100, (rows, 1)) if model.first_layer == 0 else torch.randn(rows, 1, model.cfg.hidden_size)
+        step, times = Step(list(range(rows)), [100] * rows, torch.full((rows, 1), 100)), []
+        with torch.inference_mode():
+            for _ in range(runs + 5):  # the first five warm up
+                start = time.perf_counter()
+                model(x, cache, step)
+                times.append(time.perf_counter() - start)
+        return round(sorted(times[5:])[runs // 2] * 1000, 2)
+
+    result = {}
+    for name, cut in cuts.items():
+        ranges = []
+        for bounds in ((0, cut), (cut, n)):
+            model = load_model(folder, layers=bounds)
+            ranges.append({"layers": list(bounds), "ms_1": step_ms(model, 1), f"ms_{batch}": step_ms(model, batch)})
+            del model
+        result[name] = ranges
+    return result
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a model name, folder or .gguf (default: see above)")
@@ -236,6 +275,7 @@ def main(argv=None) -> dict:
     p.add_argument("--turn-tokens", type=int, default=1000, help="KV shipping: turn 1's prompt")
     p.add_argument("--conversations", type=int, default=3, help="KV shipping: conversations each way (the median counts)")
     p.add_argument("--only-turns", action="store_true", help="measure KV shipping alone")
+    p.add_argument("--only-ranges", action="store_true", help="measure each range's step time alone")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--address", default=None, help=argparse.SUPPRESS)
@@ -245,14 +285,30 @@ def main(argv=None) -> dict:
         print(json.dumps(result), flush=True)
         return result
     from specsot_mq.config import ModelConfig
+    from specsot_mq.split import layer_ranges, weight_bytes
 
     args.model = args.model or default_model()
     folder = resolve_model(args.model)  # converted once, before anything is timed
     args.model = args.model or str(folder)
     n = ModelConfig.from_folder(folder).num_layers
-    args.cut = args.cut or n // 2
+    layer, embed, head = weight_bytes(folder)
+    balanced = layer_ranges(n, int(layer), [1e15, 1e15], embed, head)[0][1]  # two like devices, room to spare
+    args.cut = args.cut or balanced
     if not 0 < args.cut < n:
         p.error(f"--cut {args.cut}: give a layer between 1 and {n - 1}")
+    if args.only_ranges:
+        steps = range_steps(folder, {"half": n // 2, "layer_ranges": balanced}, args.batch)
+        print(f"{Path(args.model).name} | {cpu_name()} | one thread | a decode step's ms (1 row / {args.batch} rows)")
+        for name, ranges in steps.items():
+            cells = "   ".join(f"{a}:{b} {r['ms_1']} / {r[f'ms_{args.batch}']}" for r in ranges for a, b in [r["layers"]])
+            slowest = [max(r[key] for r in ranges) for key in ("ms_1", f"ms_{args.batch}")]
+            print(f"{name:>13}: {cells}   slower range {slowest[0]} / {slowest[1]}")
+        pace = [round(max(r[key] for r in steps["half"]) / max(r[key] for r in steps["layer_ranges"]), 3)
+                for key in ("ms_1", f"ms_{args.batch}")]  # fmt: skip
+        print(f"the slower range, half over layer_ranges' cut: {pace[0]}x (1 row), {pace[1]}x ({args.batch} rows)")
+        result = {"model": Path(args.model).name, "cpu": cpu_name(), "ranges": steps, "half_over_balanced": pace}
+        print(json.dumps(result), flush=True)
+        return result
     if args.only_turns:
         turns = measure_turns(args)
         print(json.dumps({"model": Path(args.model).name, "cpu": cpu_name(), "kv_shipping": turns}), flush=True)
