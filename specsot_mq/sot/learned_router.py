@@ -149,7 +149,10 @@ class LearnedRouter:
         states named there that it computes (a question cut to MAX_QUESTION_TOKENS, or a split
         model, gives none: its direct answer's prompt is not the one run, or runs elsewhere)."""
         tok, model = self.tokenizer, self.model
-        ids = tok.encode(question, add_special_tokens=False)
+        # (tokens of a text number its bytes at most, and a tokenizer's leading space: a question
+        # of fewer bytes than that is not counted)
+        long = len(question.encode()) >= MAX_QUESTION_TOKENS
+        ids = tok.encode(question, add_special_tokens=False) if long else []
         whole = len(ids) <= MAX_QUESTION_TOKENS
         if not whole:
             question = tok.decode(ids[:MAX_QUESTION_TOKENS])
