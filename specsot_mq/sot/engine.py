@@ -14,8 +14,8 @@ with more points than `max_parallel` a waiting point takes the slot of the first
 --sot auto routes by the model's learned router (sot/learned_router.py), loaded from its cache or
 trained on the first question it routes. The router runs the question's direct prompt half way up
 the model; a question it sends direct (or whose skeleton turns out no plan) is prefilled from
-there, through the upper half only (sequence.Resume): routing costs next to nothing where the
-answer goes direct.
+there, through the upper half only (sequence.Resume): routing adds little where the answer goes
+direct.
 """
 
 from __future__ import annotations
