@@ -81,7 +81,8 @@ class SlotLayout:
             step = Step([first], [shared], positions, logit_rows=[lens[0] - 1], hidden_layers=later,
                         sources=mgr.prefix_sources(slots), from_layer=resume.layer)  # fmt: skip
             out = self.model(resume.hidden[None], cache, step)
-            ran = {n: h for n, h in zip(later, out.hidden)} | {n: h[None] for n, h in resume.earlier.items()}
+            dev = out.logits.device  # (the router hands its hidden states back on the host)
+            ran = {n: h for n, h in zip(later, out.hidden)} | {n: h[None].to(dev) for n, h in resume.earlier.items()}
             logits = out.logits
             features = torch.cat([ran[n] for n in hidden_layers], -1) if hidden_layers else None
         elif self._ragged_pays(lens):
