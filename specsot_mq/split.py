@@ -60,7 +60,7 @@ def layer_ranges(num_layers: int, layer_bytes: int, budgets: Sequence[float], em
                            f"({num_layers * layer_bytes / 2**20:.0f} MB): add a device or raise their memory in "
                            "devices.json")  # fmt: skip
 
-    def time(i: int, layers: int) -> float:
+    def pace(i: int, layers: int) -> float:
         return (layers * layer_bytes + (head_bytes if i == n - 1 else 0)) / compute[i]
 
     # best[i][j]: the slowest range's time with the first j layers on the first i + 1 devices, and
@@ -68,10 +68,10 @@ def layer_ranges(num_layers: int, layer_bytes: int, budgets: Sequence[float], em
     inf = float("inf")
     best = [[(inf, 0)] * (num_layers + 1) for _ in range(n)]
     for j in range(1, fits[0] + 1):
-        best[0][j] = (time(0, j), 0)
+        best[0][j] = (pace(0, j), 0)
     for i in range(1, n):
         for j in range(i + 1, num_layers + 1):
-            best[i][j] = min(((max(best[i - 1][k][0], time(i, j - k)), k) for k in range(max(i, j - fits[i]), j)),
+            best[i][j] = min(((max(best[i - 1][k][0], pace(i, j - k)), k) for k in range(max(i, j - fits[i]), j)),
                              default=(inf, 0))  # fmt: skip
     bounds, last = [], num_layers
     for i in range(n - 1, -1, -1):
