@@ -300,7 +300,7 @@ def main(argv=None) -> dict:
         steps = range_steps(folder, {"half": n // 2, "layer_ranges": balanced}, args.batch)
         print(f"{Path(args.model).name} | {cpu_name()} | one thread | a decode step's ms (1 row / {args.batch} rows)")
         for name, ranges in steps.items():
-            cells = "   ".join(f"{a}:{b} {r['ms_1']} / {r[f'ms_{args.batch}']}" for r in ranges for a, b in [r["layers"]])
+            cells = "   ".join(f"{r['layers'][0]}:{r['layers'][1]} {r['ms_1']} / {r[f'ms_{args.batch}']}" for r in ranges)
             slowest = [max(r[key] for r in ranges) for key in ("ms_1", f"ms_{args.batch}")]
             print(f"{name:>13}: {cells}   slower range {slowest[0]} / {slowest[1]}")
         pace = [round(max(r[key] for r in steps["half"]) / max(r[key] for r in steps["layer_ranges"]), 3)
