@@ -100,7 +100,7 @@ class SoTEngine:
         merging = Merging(self.format)
         yield from merging.feed(plan, self.device.name)
         jobs = prompts.jobs(plan.branches[self.device.name])
-        if plan.mode == "direct" and self.routed is not None and jobs[0].ids == self.routed.ids:
+        if plan.mode == "direct":  # the prefill goes on from the router's forward where it ran this prompt (layout.resumes)
             jobs[0].resume, self.routed = self.routed, None
         progress = {job.key: Progress() for job in jobs}
         # A counted plan's spares stop once the answer shows the question's count (the merged
