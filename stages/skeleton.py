@@ -70,17 +70,18 @@ class SkeletonStage(DeviceStage):
         if state is None:
             return
         self.tokens += len(delta.token_ids)
-        if text := state.add(delta):
+        if text := state.add(key, delta):
             self.post("gateway", text)
-        if delta.finish_reason:
-            more = state.more(delta.finish_reason, self.gen.tokenizer)  # (None for an abort: not a "stop")
-            if more is not None:  # a counted list short of points: asked for the rest
-                self.post("gateway", more[0])
-                self.worker.submit([more[1]], batch_key(key[0], state.ask.params))
+        if delta.finish_reason and not state.running:  # the round's last job ended
+            text, jobs = state.next_round(self.gen.tokenizer) if delta.finish_reason != "abort" else (None, [])
+            if text is not None:
+                self.post("gateway", text)
+            if jobs:  # a counted list short of points: its variants, decoded together
+                self.worker.submit(jobs, batch_key(key[0], state.ask.params))
                 return
             del self.running[key[0]]
             if delta.finish_reason != "abort":
-                self.post(self.parse, state.done(delta.finish_reason))
+                self.post(self.parse, state.done())
 
     def inflight(self) -> int:
         return len(self.running) + len(self.routing)

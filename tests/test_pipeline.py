@@ -876,3 +876,32 @@ def test_merge_takes_a_redone_points_text_from_its_new_stage_only_and_streams_it
     assert "stale" not in answer.answer and "first half and the rest" in answer.answer
     assert "".join(m.text for m in sent if isinstance(m, AnswerText)) == answer.answer
     assert any(isinstance(m, Reassign) for m in sent)  # the client is told
+
+
+def test_the_skeleton_stage_asks_a_short_counted_lists_variants_in_one_batch_and_posts_once_they_end(default_model_dir):
+    """SkeletonStage.on_delta: when a counted skeleton short of points ends, the stage submits its
+    variants' jobs as one batch; a variant that ends while the other decodes posts nothing; once
+    the last ends the client gets the new points and parse gets the skeleton with them."""
+    from specsot_mq.generate import Delta
+    from specsot_mq.messages import Skeleton
+    from specsot_mq.sot.flow import Flow, SoTConfig
+    from specsot_mq.stages.skeleton import SkeletonStage
+    from specsot_mq.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir)
+    stage = object.__new__(SkeletonStage)  # its event-loop side only: no process, no model
+    posted, submitted = [], []
+    stage.flow, stage.parse, stage.tokens, stage.running = Flow(SoTConfig(sot="always"), tok), "parse0", 0, {}
+    stage.gen = type("Gen", (), {"tokenizer": tok})()
+    stage.worker = type("Worker", (), {"submit": lambda _, jobs, key: submitted.append(([j.key for j in jobs], key))})()
+    stage.post = lambda to, msg: posted.append((to, msg))
+    stage.running["r"] = stage.flow.route(Ask("r", "Give me three tips for a hike.", SamplingParams(max_tokens=64), "always"))
+    stage.on_delta(("r", 0), Delta(" Water\n2. Water", [1, 2], "stop"))
+    assert submitted == [([("r", 1), ("r", 2)], "greedy")] and [type(m).__name__ for _, m in posted] == ["SkeletonText"]
+    stage.on_delta(("r", 2), Delta(" Map\n2. Hat", [3, 4], "stop"))
+    assert len(posted) == 1 and "r" in stage.running
+    stage.on_delta(("r", 1), Delta(" Boots", [5], "stop"))
+    assert [(to, type(m).__name__) for to, m in posted[1:]] == [("gateway", "SkeletonText"), ("parse0", "Skeleton")]
+    assert posted[1][1].text == "\n3. Boots\n4. Map\n5. Hat" and "r" not in stage.running and len(submitted) == 1
+    skeleton = posted[2][1]
+    assert isinstance(skeleton, Skeleton) and skeleton.stats["skeleton"]["variants"] == 2 and skeleton.text == "1. Water\n2. Water\n3. Boots\n4. Map\n5. Hat"

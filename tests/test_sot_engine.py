@@ -1,6 +1,8 @@
 """The Skeleton-of-Thought engine: every phase is lossless against plain greedy decoding of that
 phase's own prompt, points decoded together equal each alone, and routing picks the direct way."""
 
+import re
+
 import pytest
 import torch
 
@@ -9,8 +11,8 @@ from specsot_mq.generate import Delta, Generator
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.messages import Answer, AnswerText, Ask, PointText, Skeleton, SkeletonText
 from specsot_mq.sot.engine import SoTEngine
-from specsot_mq.sot.flow import MORE_ROUNDS, Flow, SoTConfig, finished_lines, point_params, point_prompts, skeleton_params
-from specsot_mq.sot.parser import SPARE, Plan, Point, parse_skeleton
+from specsot_mq.sot.flow import Flow, SoTConfig, finished_lines, point_params, point_prompts, skeleton_params
+from specsot_mq.sot.parser import Plan, Point, parse_skeleton
 from specsot_mq.sot.router import Route
 from specsot_mq.sot.scheduler import DeviceProfile
 from specsot_mq.prompts import direct_ids, load_format
@@ -129,7 +131,8 @@ def test_a_kept_prefix_gives_the_same_tokens_and_computes_only_the_rest(tiny, ti
 
 def test_the_engine_keeps_every_prompt_beginning_that_no_question_changes(tiny):
     """The skeleton prompt's instructions (one for a question that names its number of points,
-    whose request differs, and one for the rest), a point prompt's and a direct answer's system
+    whose request differs, one for the rest, and one for each of the format's variants, which a
+    counted skeleton short of points is asked with), a point prompt's and a direct answer's system
     prompt and instructions up to the question: each is in the prefix store once the engine is
     made, and begins every such prompt."""
     from specsot_mq.prompts import direct_ids
@@ -137,12 +140,14 @@ def test_the_engine_keeps_every_prompt_beginning_that_no_question_changes(tiny):
     gen = Generator(tiny.model, tiny.tokenizer, max_len=512, num_slots=2)
     fmt = load_format("sot")
     SoTEngine(gen, SoTConfig(max_parallel=2))
-    (skeleton, counted), (point, direct) = fmt.skeleton_heads(tiny.tokenizer), fmt.answer_heads(tiny.tokenizer)
-    assert all(head in gen.prefixes for head in (skeleton, counted, point, direct)) and len(gen.prefixes) == 4
-    q = "How do I start running?"
-    for question, count, head in ((q, None, skeleton), ("Give me four tips for running.", 6, counted)):
-        prompt = fmt.skeleton_ids(tiny.tokenizer, question, count=count)
-        assert prompt[: len(head)] == head and len(head) > 100  # the worked examples, not only a system prompt
+    (skeleton, counted, bare, other), (point, direct) = fmt.skeleton_heads(tiny.tokenizer), fmt.answer_heads(tiny.tokenizer)
+    heads = (skeleton, counted, bare, other, point, direct)
+    assert all(head in gen.prefixes for head in heads) and len(gen.prefixes) == len(set(map(tuple, heads))) == 6
+    q, counted_q = "How do I start running?", "Give me four tips for running."
+    for question, count, examples, head in ((q, None, None, skeleton), (counted_q, 6, None, counted),
+                                            (counted_q, 4, fmt.variants[0], bare), (counted_q, 4, fmt.variants[1], other)):  # fmt: skip
+        prompt = fmt.skeleton_ids(tiny.tokenizer, question, count=count, examples=examples)
+        assert prompt[: len(head)] == head and len(head) > (100 if examples != () else 10)  # (the bare one: no examples)
     assert fmt.point_ids(tiny.tokenizer, q, "1. Shoes\n2. Pace", 2, "Pace")[: len(point)] == point
     assert direct_ids(tiny.tokenizer, q)[: len(direct)] == direct
     assert len(point) > 10 and len(direct) > 5  # instructions and a system prompt, not an empty match
@@ -290,7 +295,7 @@ def test_a_counted_plans_spares_stop_once_its_count_is_shown(default_model_dir):
     events = list(engine.stream(question, params))
     final, ends = events[-1], {e.index: e.finish for e in events if isinstance(e, PointEnd)}
     assert final.mode == "sot" and len(final.points) == points_asked(question) == 5
-    assert final.answer.count("\n") == 2 and final.answer.startswith("1. ")  # three points shown
+    assert re.findall(r"^\d+\. ", final.answer, re.M) == ["1. ", "2. ", "3. "]  # three points shown
     stopped = [i for i, finish in ends.items() if finish == "abort"]
     shown = set(ends) - set(final.stats["dropped_points"])
     assert stopped and set(stopped) <= set(final.stats["dropped_points"]) and min(stopped) > max(shown)
@@ -301,6 +306,45 @@ def test_a_counted_plans_spares_stop_once_its_count_is_shown(default_model_dir):
         want = plain.generate(prefix + suffix, point_params(engine.config, params, plan)).token_ids
         got = done.get(index, [])
         assert got == (want[: len(got)] if index in stopped else want), index
+
+
+def test_a_counted_questions_points_are_asked_what_sets_each_apart(tiny):
+    """A question that names its number of points gets the format's point_counted request (what
+    the point is and why it matters); any other question the plain one. Both begin with the
+    point prompts' kept head."""
+    fmt, tok = load_format("sot"), tiny.tokenizer
+    head = fmt.answer_heads(tok)[0]
+    counted = fmt.point_ids(tok, "Give me three tips for a hike.", "1. Water\n2. Map", 2, "Map")
+    open_ = fmt.point_ids(tok, "How do I plan a hike?", "1. Water\n2. Map", 2, "Map")
+    assert fmt.point_counted and "why it matters" in tok.decode(counted) and "why it matters" not in tok.decode(open_)
+    assert counted[: len(head)] == open_[: len(head)] == head
+
+
+def test_a_short_counted_skeletons_new_points_come_from_its_variants_greedy_lists(default_model_dir):
+    """The default model lists three distinct ways of the five a question asks for ("Use a
+    fireplace" again and again), so its variants are asked: the skeleton is plain greedy
+    decoding of its prompt, then points each of which a variant's prompt, decoded plainly,
+    lists too (the parser's title: less a closing full stop); with them the plan has the count."""
+    from dataclasses import replace
+
+    from specsot_mq.loader import load_generator
+    from specsot_mq.sot.flow import points_asked
+
+    gen = load_generator(dtype="fp32", num_slots=8, max_len=1024)
+    plain = Generator(gen.model, gen.tokenizer, max_len=1024)
+    engine = SoTEngine(gen, SoTConfig(sot="always", point_tokens=48))
+    fmt, tok, params = engine.format, gen.tokenizer, SamplingParams(max_tokens=128)
+    question = "List five ways to stay warm in a cold house without raising the heating bill."
+    final = engine.generate(question, params)
+    assert final.mode == "sot" and final.stats["skeleton"]["variants"] == len(fmt.variants) == 2
+    asked = skeleton_params(engine.config, params, points_asked(question))
+    first = plain.generate(fmt.skeleton_ids(tok, question, (), points_asked(question)), asked)
+    assert final.skeleton.startswith(fmt.skeleton_prefix + first.text) and first.finish_reason == "stop"
+    added = re.findall(r"\n\d+\. (.+)", final.skeleton[len(fmt.skeleton_prefix + first.text):])
+    each = replace(asked, max_tokens=(asked.max_tokens - len(first.token_ids)) // 2)
+    lists = [fmt.skeleton_prefix + plain.generate(fmt.skeleton_ids(tok, question, (), 5, v), each).text for v in fmt.variants]
+    assert added and all(any(re.search(rf"^\d+\. {re.escape(t)}\.?$", s, re.M) for s in lists) for t in added)
+    assert len(final.points) >= 5 > len(parse_skeleton(fmt.skeleton_prefix + first.text, 7, question).points)
 
 
 def test_real_model_phases_equal_plain_greedy(default_model_dir):
@@ -329,37 +373,45 @@ def test_real_model_phases_equal_plain_greedy(default_model_dir):
             assert done[index] == want, (question[:60], index)
 
 
-def test_a_counted_skeleton_short_of_points_is_asked_for_the_rest(tiny):
-    """Skeletoning.more: a counted list that ended with fewer distinct points than it asks for (the
-    count and SPARE) goes on from a second prompt: the first, the list so far (its repeat too) and
-    the next item's number, with its stop moved past the points still missing. The stream gets
-    that number, so its pieces still join to the skeleton the parser reads. A list with enough
-    points, a cut-off one, an uncounted one and one past its rounds are not asked again."""
+def test_a_counted_skeleton_short_of_points_asks_its_variants_once(tiny):
+    """Skeletoning.next_round: a counted list that ended ("stop") with fewer distinct points than
+    its question names is asked again, once, with each of the format's variants (its prompt
+    with other worked examples), all in one round. Their text reaches the stream only once the
+    round has ended, as the points new to the skeleton numbered on from its last item: not a
+    repeat, not a cut-off last line, none past the count and SPARE. A list with its count of
+    points, a cut-off one and an uncounted one are not asked again."""
     tok, flow = tiny.tokenizer, Flow(SoTConfig(sot="always"), tiny.tokenizer)
-    ask = Ask("r", "Give me three tips for a hike.", SamplingParams(max_tokens=64), "always")
-    state = flow.route(ask)
-    first, want = list(state.job.ids), 3 + SPARE
-    state.add(Delta(" Water\n2. Map\n3. Water", [1, 2, 3], "stop"))
-    text, job = state.more("stop", tok)
-    assert text.text == "\n4." and job.key == ("r", 1) and job.params.max_tokens == 64 - 3
-    assert job.ids == first + tok.encode(" Water\n2. Map\n3. Water\n4.", add_special_tokens=False)
-    assert f"\n{4 + want - 2}." in job.params.stop and f"\n{want + 1}." not in job.params.stop  # 2 distinct so far
-    state.add(Delta(" Map\n5. Hat", [4, 5], "stop"))  # a second round, its cap what the first two left
-    text, job = state.more("stop", tok)
-    assert text.text == "\n6." and job.key == ("r", 2) and job.params.max_tokens == 64 - 5
-    state.add(Delta(" Boots\n7. Snacks", [6, 7], "stop"))
-    assert state.more("stop", tok) is None  # five distinct now
-    skeleton = state.done("stop")
-    assert skeleton.text == "1. Water\n2. Map\n3. Water\n4. Map\n5. Hat\n6. Boots\n7. Snacks"
-    assert skeleton.stats["skeleton"]["more"] == 2
+    fmt, question = flow.format, "Give me three tips for a hike."
+    assert len(fmt.variants) == 2
+    state = flow.route(Ask("r", question, SamplingParams(max_tokens=64), "always"))
+    assert state.add(("r", 0), Delta(" Water\n2. Map\n3. Water", [1, 2, 3], "stop")).text == " Water\n2. Map\n3. Water"
+    text, jobs = state.next_round(tok)
+    assert text is None and [job.key for job in jobs] == [("r", 1), ("r", 2)]
+    for job, examples in zip(jobs, fmt.variants):
+        assert job.ids == fmt.skeleton_ids(tok, question, (), 3, examples) and job.params.max_tokens == (64 - 3) // 2
+    assert fmt.skeleton_ids(tok, question, (), 3, fmt.variants[0]) != fmt.skeleton_ids(tok, question, (), 3)
+    # The first variant repeats a point and is cut off by its cap; the second lists one past the cap.
+    assert state.add(("r", 1), Delta(" Map\n2. Hat\n3. Torc", [4, 5, 6], "length")) is None
+    assert state.next_round(tok) == (None, [])  # the other variant still decoding
+    assert state.add(("r", 2), Delta(" Boots\n2. Snacks\n3. Sunscreen", [7, 8], "stop")) is None
+    text, jobs = state.next_round(tok)
+    assert text.text == "\n4. Hat\n5. Boots\n6. Snacks" and jobs == []  # Water, Map and these: 3 + SPARE
+    assert tok.decode(text.token_ids) == text.text
+    assert state.next_round(tok) == (None, [])  # once only
+    skeleton = state.done()
+    assert skeleton.text == "1. Water\n2. Map\n3. Water\n4. Hat\n5. Boots\n6. Snacks" and skeleton.finish == "stop"
+    assert skeleton.stats["skeleton"]["variants"] == 2 and skeleton.stats["skeleton"]["tokens"] == 8
     assert [t for _, t, _ in flow.parse(skeleton).points] == ["Water", "Map", "Hat", "Boots", "Snacks"]
 
-    def short(question: str, finish: str, rounds: int = 0) -> object:
+    def again(question: str, written: str, finish: str) -> list:
         state = flow.route(Ask("r", question, SamplingParams(max_tokens=64), "always"))
-        state.add(Delta(" Water\n2. Map", [1, 2], finish))
-        for _ in range(rounds):
-            assert state.more(finish, tok) is not None
-        return state.more(finish, tok)
+        state.add(("r", 0), Delta(written, [1, 2], finish))
+        return state.next_round(tok)[1]
+
+    assert again("Give me three tips for a hike.", " Water\n2. Map", "stop")  # short: asked again
+    assert not again("Give me three tips for a hike.", " Water\n2. Map\n3. Hat", "stop")  # its count
+    assert not again("Give me three tips for a hike.", " Water\n2. Map", "length")  # cut off by its cap
+    assert not again("How do I plan a hike?", " Water\n2. Map", "stop")  # no count named
 
     # A counted question whose skeleton is no usable plan: the direct way, its prompt asking for the count.
     planned = flow.parse(Skeleton("r", "Give me three tips for a hike.", SamplingParams(), "sot", "", "1. Water\n2. Water", {}))
@@ -367,7 +419,3 @@ def test_a_counted_skeleton_short_of_points_is_asked_for_the_rest(tiny):
     _, prompts = flow.assign(planned, [DeviceProfile("local", 1.0, 1.0, 1.0, 8)])
     asked = flow.format.counted_direct.format(question="Give me three tips for a hike.", count=3)
     assert "exactly 3" in asked and prompts.prompt(0) == direct_ids(tok, asked) and prompts.keep == 0
-
-    assert short("Give me three tips for a hike.", "length") is None  # cut off by its cap
-    assert short("How do I plan a hike?", "stop") is None  # no count named
-    assert short("Give me three tips for a hike.", "stop", rounds=MORE_ROUNDS) is None

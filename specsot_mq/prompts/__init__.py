@@ -38,6 +38,12 @@ class PromptFormat:
     # a direct answer's request where the skeleton of a question that names its number of points
     # is no usable plan (Flow.parse): the question, then that number asked for
     counted_direct: str = "{question}"
+    # the point's request where the question names its number of points: each of them is to say
+    # what sets it apart (point_ids)
+    point_counted: str = ""
+    # other sets of worked examples (none is a set too): the prompts a counted skeleton that lists
+    # too few distinct points is asked again with, all in one batch (flow.Skeletoning.next_round)
+    variants: tuple[tuple[tuple[str, str], ...], ...] = ()
 
     def plan(self, skeleton: str, max_points: int, question: str = "") -> Plan:
         """The skeleton's text (prefilled part included) read into a Plan; never raises on text.
@@ -52,14 +58,16 @@ class PromptFormat:
         says nothing beyond the question and its title is left out (sot/ordered.py)."""
         return merge_points(self, points, question, cut)
 
-    def skeleton_ids(self, tokenizer, question: str, history: list[dict] = (), count: int | None = None) -> list[int]:
+    def skeleton_ids(self, tokenizer, question: str, history: list[dict] = (), count: int | None = None,
+                     examples: tuple[tuple[str, str], ...] | None = None) -> list[int]:  # fmt: skip
         """Chat prompt for the skeleton, ending inside the assistant turn after the prefix: the
         worked examples, the conversation's earlier turns, then the planning request for the
         question (a system message of the conversation comes first); `count`: the number of
-        points the question names, which the request then asks for."""
+        points the question names, which the request then asks for; `examples`: other worked
+        examples than the format's (one of its variants)."""
         system, earlier = split_system(history)
         turns = list(system)
-        for q, skeleton in self.examples:  # an example that names its count is asked as the question would be
+        for q, skeleton in self.examples if examples is None else examples:  # an example that names its count is asked as the question would be
             shown = skeleton.count("\n") + 1
             asked = self.points_counted.format(count=shown) if asked_count(q) else self.points
             turns += [{"role": "user", "content": self.skeleton_user.format(question=q, points=asked)},
@@ -73,9 +81,13 @@ class PromptFormat:
         """The tokens every skeleton prompt begins with, whatever the question (system prompt,
         instructions, worked examples, the request up to its number of points): one for a
         question that names no number of points, one for a question that does (the request words
-        it differently): each worth computing once (Generator.keep_prefix)."""
-        counted = common_prefix([self.skeleton_ids(tokenizer, "Why?", count=count) for count in (2, 5, 10)])
-        return [fixed_beginning(lambda q: self.skeleton_ids(tokenizer, q)), counted]
+        it differently), and one for each variant's counted request: each worth computing once
+        (Generator.keep_prefix)."""
+
+        def counted(examples=None):
+            return common_prefix([self.skeleton_ids(tokenizer, "Why?", count=n, examples=examples) for n in (2, 5, 10)])
+
+        return [fixed_beginning(lambda q: self.skeleton_ids(tokenizer, q)), counted(), *map(counted, self.variants)]
 
     def answer_heads(self, tokenizer) -> list[list[int]]:
         """The tokens every point prompt, and every direct answer's prompt, begins with whatever
@@ -89,10 +101,12 @@ class PromptFormat:
         """Chat prompt that expands one point, prefilled with the point's number and title: the
         conversation's system message and earlier questions (not its earlier answers: a small
         model copies them into unrelated points, and the plan already says what the point is
-        about), then the request for this point."""
+        about), then the request for this point (point_counted's, where the question names its
+        number of points and the format has one)."""
         fields = {"question": question, "skeleton": skeleton, "index": index, "title": title}
         earlier = [m for m in history if m["role"] != "assistant"]
-        ids = chat_prompt_ids(tokenizer, [*earlier, {"role": "user", "content": self.point_user.format(**fields)}])
+        user = self.point_counted if self.point_counted and asked_count(question) else self.point_user
+        ids = chat_prompt_ids(tokenizer, [*earlier, {"role": "user", "content": user.format(**fields)}])
         return ids + tokenizer.encode(self.point_prefix.format(**fields), add_special_tokens=False)
 
 
@@ -165,8 +179,15 @@ def load_format(name: str = "sot") -> PromptFormat:
         parser,
         tuple(data["skeleton"].get("stop", ())),
         tuple(data["point"].get("stop", ())),
-        tuple((e["question"], e["skeleton"]) for e in data["skeleton"].get("examples", ())),
+        examples(data["skeleton"].get("examples", ())),
         data["skeleton"].get("points", "3 to 8"),
         data["skeleton"].get("points_counted", "exactly {count}"),
         data.get("counted_direct", "{question}"),
+        data["point"].get("user_counted", ""),
+        tuple(map(examples, data["skeleton"].get("variants", ()))),
     )
+
+
+def examples(listed: list[dict]) -> tuple[tuple[str, str], ...]:
+    """A format file's worked examples as (question, skeleton) pairs."""
+    return tuple((e["question"], e["skeleton"]) for e in listed)

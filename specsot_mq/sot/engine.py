@@ -74,17 +74,15 @@ class SoTEngine:
         """A routed request's skeleton (where it has one), then its points."""
         if isinstance(skeleton, Skeletoning):
             yield skeleton.first()
-            job, finish = skeleton.job, "stop"
-            while job is not None:
-                for _, delta in self._run([job]):
-                    if text := skeleton.add(delta):
+            jobs = [skeleton.job]
+            while jobs:  # the skeleton's job, then (a counted list short of points) its variants' (one batch)
+                for key, delta in self._run(jobs):
+                    if text := skeleton.add(key, delta):
                         yield text
-                    finish = delta.finish_reason or finish
-                more = skeleton.more(finish, self.gen.tokenizer)
-                if more is not None:
-                    yield more[0]
-                job = more and more[1]
-            skeleton = skeleton.done(finish)
+                text, jobs = skeleton.next_round(self.gen.tokenizer)
+                if text is not None:
+                    yield text
+            skeleton = skeleton.done()
         yield from self._points(self.flow.parse(skeleton), start)
 
     def expand(self, question: str, plan: Plan, params: SamplingParams | None = None) -> Iterator[ClientEvent]:

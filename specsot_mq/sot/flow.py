@@ -7,7 +7,8 @@ as pure steps over the wire messages (specsot_mq/messages.py), with no model and
     flow = Flow(SoTConfig(), tokenizer)
     first = flow.route(ask)                 # a Skeleton (the direct way), or a Skeletoning to decode
                                             # (Flow(..., router=LearnedRouter) routes --sot auto)
-    skeleton = first.done(finish)           # after first.add(delta) for each delta of its job
+    skeleton = first.done()                 # after first.add(key, delta) for each delta of its jobs,
+                                            # then next_round() (a counted list short of points: its variants)
     planned = flow.parse(skeleton)          # the points, or the direct way
     plan, prompts = flow.assign(planned, devices)  # a MergePlan, and the points' prompts
     merging = Merging(flow.format)          # fed MergePlan, PointText, PointEnd and Reassign,
@@ -23,7 +24,6 @@ only the jobs (generate.Job) a device decodes import the decoding side.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -36,15 +36,13 @@ from specsot_mq.messages import (
 from specsot_mq.prompts import common_prefix, direct_ids, history_end, load_format
 from specsot_mq.sampling_params import SamplingParams
 from specsot_mq.sot.ordered import CUT_OFF, OrderedAnswer, dropped_points
-from specsot_mq.sot.parser import SPARE, Plan, Point, asked_count, item_starts
+from specsot_mq.sot.parser import SPARE, Plan, Point, asked_count, item_starts, item_titles
 from specsot_mq.sot.router import MODES, Route, route
 from specsot_mq.sot.scheduler import DeviceProfile, schedule
 
 if TYPE_CHECKING:
     from specsot_mq.generate import Delta, Job
 
-MORE_ROUNDS = 2  # times a counted skeleton that lists too few distinct points is asked for the rest
-NUMBER_STOP = re.compile(r"\n[0-9]+\.")  # skeleton_params' stop past the last point
 # A skeleton line this long is a paragraph, not a point (a title is at most parser.MAX_TITLE_WORDS
 # words; with a short explanation after it, as SmolLM2 sometimes writes, about half this)
 SKELETON_LINE_CHARS = 200
@@ -91,67 +89,100 @@ class Progress:
 
 @dataclass(slots=True)
 class Skeletoning:
-    """A request whose skeleton is being decoded: its job, and the text so far."""
+    """A request whose skeleton is being decoded: its job (then, for a counted list short of
+    points, its variants' jobs: next_round), and the text so far."""
 
     ask: Ask
     reason: str  # why the router sent it the SoT way
     job: Job
-    text: str  # its prefilled beginning, then what the job wrote
+    text: str  # its prefilled beginning, then what the job wrote (and the new points of its variants)
     stats: dict  # the request's prompt size
     fmt: object
     progress: Progress = field(default_factory=Progress)
-    rounds: int = 0  # times a short counted list was asked for more (more())
-    prompt: int = field(init=False)  # the first job's prompt length
-    budget: int = field(init=False)  # and its token cap, which every round's tokens count against
+    finish: str = "stop"  # how the first job ended
+    running: set = field(default_factory=set)  # keys of this round's jobs not yet ended
+    variants: dict = field(default_factory=dict)  # a variant job's key -> [its text so far, how it ended]
+    asked_again: bool = False  # whether its variants were asked (next_round)
 
     def __post_init__(self):
-        self.prompt, self.budget = len(self.job.ids), self.job.params.max_tokens
+        self.running.add(self.job.key)
 
     def first(self) -> SkeletonText:
         """The skeleton's prefilled beginning, for the client."""
         return SkeletonText(self.ask.rid, self.text, ids([]))
 
-    def add(self, delta: Delta) -> SkeletonText | None:
-        """The job's new tokens; the client's next text, if any."""
+    def add(self, key, delta: Delta) -> SkeletonText | None:
+        """Job `key`'s new tokens; the client's next text, if any (a variant's text is shown
+        only as the new points it lists, when its round ends)."""
         self.progress.add(delta)
+        if delta.finish_reason:
+            self.running.discard(key)
         text = skeleton_text(self.fmt, delta)
+        if key in self.variants:
+            self.variants[key][0] += text
+            self.variants[key][1] = delta.finish_reason or self.variants[key][1]
+            return None
+        self.finish = delta.finish_reason or self.finish
         self.text += text
         return SkeletonText(self.ask.rid, text, ids(delta.token_ids)) if text or delta.token_ids else None
 
-    def more(self, finish: str, tokenizer) -> tuple[SkeletonText, Job] | None:
-        """A counted skeleton whose list ended with fewer distinct points than it asks for (the
-        count and SPARE: a small model stops early, or lists a point again, which the parser
-        drops) is asked for the rest, up to MORE_ROUNDS times: a second prompt, the first one with
-        the skeleton so far and the next item's number after it, which the loop decodes greedily
-        as it does any prompt (so the skeleton's text is one greedy output per round, each lossless
-        for its prompt; no token of an earlier one is changed). Returns the number for the client and the job,
-        or None where the list has enough, was cut off (a length cap, a loop) or had its rounds."""
-        count = asked_count(self.ask.question)
-        left = self.budget - self.progress.tokens
-        if not count or finish != "stop" or self.rounds >= MORE_ROUNDS or left < 8:
-            return None
-        want = count + SPARE
-        plan = self.fmt.plan(self.text, want, self.ask.question)
-        starts = item_starts(self.text)
-        if plan.kind != "plan" or len(plan.points) >= want or not starts:
-            return None
-        self.rounds += 1
-        number = starts[-1][2] + 1
-        more = f"\n{number}."
-        written = self.text.removeprefix(self.fmt.skeleton_prefix).rstrip()
-        tokens = tokenizer.encode(written + more, add_special_tokens=False)
-        last = f"\n{number + want - len(plan.points)}."  # the stop past the points still missing
-        stops = (last, *(s for s in self.job.params.stop if not NUMBER_STOP.fullmatch(s)))
-        params = replace(self.job.params, max_tokens=left, stop=stops)
-        self.job = replace(self.job, key=(self.ask.rid, self.rounds), ids=self.job.ids[:self.prompt] + tokens,
-                           params=params)  # fmt: skip
-        self.text += more
-        return SkeletonText(self.ask.rid, more, ids(tokenizer.encode(more, add_special_tokens=False))), self.job
+    def next_round(self, tokenizer) -> tuple[SkeletonText | None, list[Job]]:
+        """Once every job of the round has ended: the jobs of the next one, and the text it adds.
 
-    def done(self, finish: str) -> Skeleton:
+        A counted skeleton that ended ("stop") with fewer distinct points than its question
+        names (a small model stops early, or loops on a point, which the parser drops) is asked
+        again, once, with each of the format's variants (other worked examples, none among them):
+        one prompt each, decoded together, each greedily as the loop decodes any prompt, so every
+        list is one lossless output of its own prompt and no token of one is changed. The points
+        of theirs that are new (the parser would keep them after those so far: not a repeat, not
+        a restatement of the question) are then added to the skeleton, numbered on from its last
+        item, up to the count and SPARE; that text is the round's. A list with enough points,
+        one cut off (a length cap, a loop), an uncounted one, or too few tokens left: no round."""
+        if self.running:
+            return None, []
+        if self.variants:  # the variants' round ended: their new points
+            more = self._new_points()
+            self.variants = {}
+            return (SkeletonText(self.ask.rid, more, ids(tokenizer.encode(more, add_special_tokens=False))) if more
+                    else None), []  # fmt: skip
+        count, fmt = asked_count(self.ask.question), self.fmt
+        left = self.job.params.max_tokens - self.progress.tokens
+        if not count or not fmt.variants or self.finish != "stop" or left < 8 * len(fmt.variants):
+            return None, []
+        plan = fmt.plan(self.text, count + SPARE, self.ask.question)
+        if plan.kind == "plan" and len(plan.points) >= count:
+            return None, []
+        rid, history = self.ask.rid, self.ask.history
+        params = replace(self.job.params, max_tokens=left // len(fmt.variants))
+        jobs = [replace(self.job, key=(rid, n), ids=fmt.skeleton_ids(tokenizer, self.ask.question, history, count, examples),
+                        params=params, shared=0, group=None, keep=0, resume=None)  # fmt: skip
+                for n, examples in enumerate(fmt.variants, 1)]
+        self.variants = {job.key: [fmt.skeleton_prefix, "stop"] for job in jobs}
+        self.running, self.asked_again = {job.key for job in jobs}, True
+        return None, jobs
+
+    def _new_points(self) -> str:
+        """The variants' points that the parser keeps after the skeleton's own, as numbered
+        lines to add to it (none past the count and SPARE)."""
+        question, fmt = self.ask.question, self.fmt
+        want = asked_count(question) + SPARE
+        text, added = self.text, ""
+        kept = len(fmt.plan(text, want, question).points)
+        starts = item_starts(text)
+        number = starts[-1][2] + 1 if starts else 1
+        for listed, finish in self.variants.values():
+            for title in item_titles(finished_lines(listed, finish)):
+                line = f"\n{number}. {title}"
+                if kept < want and len(fmt.plan(text + line, want, question).points) > kept:
+                    text, added, kept, number = text + line, added + line, kept + 1, number + 1
+        self.text = text
+        return added
+
+    def done(self) -> Skeleton:
         ask = self.ask
-        stats = self.stats | {"skeleton": self.progress.stats() | ({"more": self.rounds} if self.rounds else {})}
-        return Skeleton(ask.rid, ask.question, ask.params, "sot", self.reason, self.text, stats, finish, ask.history)
+        again = {"variants": len(self.fmt.variants)} if self.asked_again else {}
+        stats = self.stats | {"skeleton": self.progress.stats() | again}
+        return Skeleton(ask.rid, ask.question, ask.params, "sot", self.reason, self.text, stats, self.finish, ask.history)
 
 
 class Flow:

@@ -184,6 +184,12 @@ def _items(text: str) -> list[tuple[int, str]]:
     return [(number, text[end:stop]) for (_, end, number), stop in zip(starts, ends)]
 
 
+def item_titles(text: str) -> list[str]:
+    """The title of every numbered item, in order, as a plan names it (repeats and all)."""
+    titles = [_clean_title(body)[0] for _, body in _items(text)]
+    return [title for title in titles if any(c.isalpha() for c in title)]
+
+
 def _clean_title(body: str) -> tuple[str, int | None]:
     """A short title and the predicted length from an item's raw body (its first non-empty line)."""
     line = next((ln for ln in body.splitlines() if ln.strip(LEADING_JUNK + TRAILING_JUNK)), "")
