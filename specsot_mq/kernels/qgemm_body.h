@@ -370,10 +370,12 @@ static void gemm_format(const uint8_t* w, int64_t nrec, int64_t g0, int64_t g1, 
                 hr[r] = xh + (m0 + r) * 2 * nb;
                 orow[r] = out + (m0 + r) * N + 16 * g;
             }
-            // With several rows, the first row tile brings the next group in while it computes
-            // (weights come from memory: without this, the rows' compute and the next load took
-            // turns); one to three rows are memory-bound and the hardware's own prefetch does better.
-            const uint8_t* next = M >= 4 && m0 == 0 && g + 1 < g1 ? wg + group_bytes : nullptr;
+            // The first row tile brings the next group in while it computes (weights come from
+            // memory: without this, the rows' compute and the next load took turns). On AVX-512
+            // Zen 4 one row gained nothing from it, so it had been left to four rows or more; on
+            // the 2-core Intel Xeon VM one to three rows went 1.3x to 2.1x as fast with it
+            // (a whole forward of the default model, `python benchmarks/step.py`).
+            const uint8_t* next = m0 == 0 && g + 1 < g1 ? wg + group_bytes : nullptr;
             run_tile<C, kMax>(rows, wg, static_cast<int>(nrec), xr, dr, sr, hr, orow, next);
             m0 += rows;
         }
