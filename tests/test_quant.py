@@ -474,3 +474,27 @@ def test_ragged_rows_get_the_bits_of_padded_rows(isa, monkeypatch):
         assert shapes[-1] == (3, 3)
     for i, x in enumerate(steps):
         assert torch.equal(ragged[i, : len(x)], padded[i, : len(x)])
+
+
+def test_prepack_times_the_few_rows_prefetch_both_ways_and_either_computes_the_same_bits(isa):
+    """quant.tune_prefetch (run by LlamaModel.prepack) sets the kernels' prefetch_min_rows to 1 or 4,
+    whichever ran the model's one-row products faster, and returns it; the prefetch is a hint
+    only, so one to three rows give the same bits either way."""
+    from conftest import ours_from_hf, tiny_hf
+
+    kernel = quant.native()
+    model = ours_from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128, vocab_size=112))
+    names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in ("qkv", "o", "gate_up", "down")] + ["lm_head"]
+    model.use_quantized({n: quant.quantize(model.get_submodule(n).weight.detach(), "Q4_1") for n in names}, torch.float32)
+    try:
+        kernel.set_prefetch_min_rows(7)
+        model.prepack()
+        assert kernel.prefetch_min_rows() in (1, 4) and quant.tune_prefetch(model) == kernel.prefetch_min_rows()
+        layer, x = model.get_submodule("layers.0.gate_up"), torch.randn(3, 64)
+        got = {}
+        for rows in (1, 4):
+            kernel.set_prefetch_min_rows(rows)
+            got[rows] = [layer(x[:k]) for k in (1, 2, 3)]
+        assert all(torch.equal(a, b) for a, b in zip(got[1], got[4]))
+    finally:
+        kernel.set_prefetch_min_rows(4)

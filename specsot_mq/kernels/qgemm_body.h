@@ -370,12 +370,12 @@ static void gemm_format(const uint8_t* w, int64_t nrec, int64_t g0, int64_t g1, 
                 hr[r] = xh + (m0 + r) * 2 * nb;
                 orow[r] = out + (m0 + r) * N + 16 * g;
             }
-            // The first row tile brings the next group in while it computes (weights come from
-            // memory: without this, the rows' compute and the next load took turns). On AVX-512
-            // Zen 4 one row gained nothing from it, so it had been left to four rows or more; on
-            // the 2-core Intel Xeon VM one to three rows went 1.3x to 2.1x as fast with it
-            // (a whole forward of the default model, `python benchmarks/step.py`).
-            const uint8_t* next = m0 == 0 && g + 1 < g1 ? wg + group_bytes : nullptr;
+            // With several rows, the first row tile brings the next group in while it computes
+            // (weights come from memory: without this, the rows' compute and the next load took
+            // turns). With one to three rows it depends on where the weights are: a model that
+            // fits the last-level cache went 1.3x to 2.1x as fast with it, one read from memory
+            // 10% slower; quant.tune_prefetch times both and sets prefetch_min_rows.
+            const uint8_t* next = M >= prefetch_min_rows && m0 == 0 && g + 1 < g1 ? wg + group_bytes : nullptr;
             run_tile<C, kMax>(rows, wg, static_cast<int>(nrec), xr, dr, sr, hr, orow, next);
             m0 += rows;
         }

@@ -766,6 +766,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("qlinear", &qlinear, "quantized linear: float32 [M, K] x quantized weights -> float32 [M, N]",
           py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"), py::arg("norm_weight") = py::none(), py::arg("eps") = 0.0, py::arg("glu") = false,
           py::arg("residual") = py::none());
+    m.def("set_prefetch_min_rows", [](int rows) { prefetch_min_rows = rows; },
+          "the fewest rows of a product whose first row tile prefetches the next column group's weights");
+    m.def("prefetch_min_rows", []() { return prefetch_min_rows; });
     m.def("greedy", &greedy, "each row's first largest value's index (torch.max over the last dimension)");
     m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as the kernels compute it inside a layer");
     m.def("dequantize_rows", &dequantize_rows, "rows of quantized weights, dequantized to float32",
