@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from specsot_mq import cuda_graphs, cuda_kernels
 from specsot_mq.config import ModelConfig
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.quant import GROUP, QEmbedding, QLinear, QWeight, linear_forward, native, onto_huge_pages, tune_prefetch
+from specsot_mq.quant import GROUP, QEmbedding, QLinear, QWeight, linear_forward, native, onto_huge_pages, set_prefetch
 
 
 class Linear(nn.Linear):
@@ -339,7 +339,7 @@ class LlamaModel(NativeForm):
     def prepack(self) -> "LlamaModel":
         """Ready for inference on its device. On a CPU: every float linear weight reordered once
         for oneDNN, the quantized ones gathered onto huge pages (quant.onto_huge_pages) and their
-        kernels' prefetch for few rows set by timing it (quant.tune_prefetch). On a GPU,
+        kernels' prefetch for few rows set by whether they fit the CPU's cache (quant.set_prefetch). On a GPU,
         where a step is its kernel launches: each layer's two norms folded into the linear layer
         after them (the norm's weight scales that layer's input columns), two kernels a layer
         fewer."""
@@ -350,7 +350,7 @@ class LlamaModel(NativeForm):
                         m.prepack()
             NativeForm.forget_all(self)
             onto_huge_pages(self)
-            tune_prefetch(self)
+            set_prefetch(self)
         elif self.device.type == "cuda":
             for layer in self.layers:
                 for norm, linear in ((layer.input_norm, layer.qkv), (layer.post_norm, layer.gate_up)):

@@ -476,10 +476,10 @@ def test_ragged_rows_get_the_bits_of_padded_rows(isa, monkeypatch):
         assert torch.equal(ragged[i, : len(x)], padded[i, : len(x)])
 
 
-def test_prepack_times_the_few_rows_prefetch_both_ways_and_either_computes_the_same_bits(isa):
-    """quant.tune_prefetch (run by LlamaModel.prepack) sets the kernels' prefetch_min_rows to 1 or 4,
-    whichever ran the model's one-row products faster, and returns it; the prefetch is a hint
-    only, so one to three rows give the same bits either way."""
+def test_prepack_prefetches_few_rows_where_the_weights_fit_the_cache_and_either_way_computes_the_same_bits(isa, monkeypatch):
+    """quant.set_prefetch (run by LlamaModel.prepack) sets the kernels' prefetch_min_rows to 1 where
+    the packed weights fit the CPU's last-level cache, else 4, and returns it; the prefetch is a
+    hint only, so one to three rows give the same bits either way."""
     from conftest import ours_from_hf, tiny_hf
 
     kernel = quant.native()
@@ -489,7 +489,9 @@ def test_prepack_times_the_few_rows_prefetch_both_ways_and_either_computes_the_s
     try:
         kernel.set_prefetch_min_rows(7)
         model.prepack()
-        assert kernel.prefetch_min_rows() in (1, 4) and quant.tune_prefetch(model) == kernel.prefetch_min_rows()
+        assert kernel.prefetch_min_rows() == (1 if quant.last_level_cache_bytes() > 0 else 4)  # a tiny model fits
+        monkeypatch.setattr(quant, "last_level_cache_bytes", lambda: 1000)  # a cache smaller than its weights
+        assert quant.set_prefetch(model) == 4 == kernel.prefetch_min_rows()
         layer, x = model.get_submodule("layers.0.gate_up"), torch.randn(3, 64)
         got = {}
         for rows in (1, 4):

@@ -5,7 +5,7 @@
 #include <type_traits>
 
 // The fewest rows of a product for which its first row tile prefetches the next column group's
-// weights (qgemm_body.h's gemm_format); quant.tune_prefetch sets it for the loaded model.
+// weights (qgemm_body.h's gemm_format); quant.set_prefetch sets it for the loaded model.
 inline int prefetch_min_rows = 4;
 
 enum Code { kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ8_0 = 5, kQ4_K = 6, kQ5_K = 7, kQ6_K = 8 };
