@@ -287,18 +287,19 @@ def last_level_cache_bytes() -> int:
 
 def set_prefetch(module: nn.Module) -> int | None:
     """Whether a product of one to three rows prefetches the next column group's weights, for the
-    kernels of `module`'s quantized layers: where their packed weights fit the CPU's last-level
-    cache. The default model's 97 MB on the Intel Xeon VM's 480 MB L3 ran a one-token forward
-    1.3x as fast with it, and two or three tokens 1.5x-2.1x; SmolLM2-1.7B's 1 GB, read from
-    memory, ran a token 10% slower (the hardware's own prefetch streams memory better), and on
-    AVX-512 Zen 4 (32 MB L3) the default model gained nothing. Sets the kernels'
-    prefetch_min_rows (1 where they fit, else 4) and returns it; None without the kernels."""
+    kernels of `module`'s quantized layers: where their packed weights fit half the CPU's
+    last-level cache (the other half left to what else runs: the KV cache, another stage's
+    layers). The default model's 97 MB on the Intel Xeon VM's 480 MB L3 ran one to three tokens
+    faster with it (docs/speed.md); SmolLM2-1.7B's 1 GB, read from memory, ran a token slower in a
+    probe, the hardware's own prefetch streaming memory better, and on AVX-512 Zen 4 (32 MB L3)
+    the default model gained nothing. Sets the kernels' prefetch_min_rows (1 where they fit,
+    else 4) and returns it; None without the kernels."""
     layers = list({id(m): m for m in module.modules() if isinstance(m, QLinear) and m.parts is not None}.values())
     kernel = layers[0].kernel if layers else None
     if kernel is None or not hasattr(kernel, "set_prefetch_min_rows"):
         return None
     weights = sum(p.data.numel() for layer in layers for p in layer.parts)
-    rows = 1 if weights <= last_level_cache_bytes() else 4
+    rows = 1 if 2 * weights <= last_level_cache_bytes() else 4
     kernel.set_prefetch_min_rows(rows)
     return rows
 

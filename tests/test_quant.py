@@ -478,7 +478,7 @@ def test_ragged_rows_get_the_bits_of_padded_rows(isa, monkeypatch):
 
 def test_prepack_prefetches_few_rows_where_the_weights_fit_the_cache_and_either_way_computes_the_same_bits(isa, monkeypatch):
     """quant.set_prefetch (run by LlamaModel.prepack) sets the kernels' prefetch_min_rows to 1 where
-    the packed weights fit the CPU's last-level cache, else 4, and returns it; the prefetch is a
+    the packed weights fit half the CPU's last-level cache, else 4, and returns it; the prefetch is a
     hint only, so one to three rows give the same bits either way."""
     from conftest import ours_from_hf, tiny_hf
 

@@ -372,9 +372,9 @@ static void gemm_format(const uint8_t* w, int64_t nrec, int64_t g0, int64_t g1, 
             }
             // With several rows, the first row tile brings the next group in while it computes
             // (weights come from memory: without this, the rows' compute and the next load took
-            // turns). With one to three rows it depends on where the weights are: a model that
-            // fits the last-level cache went 1.3x to 2.1x as fast with it, one read from memory
-            // 10% slower: quant.set_prefetch sets prefetch_min_rows by the weights' size.
+            // turns). With one to three rows it depends on where the weights are: a model in the
+            // last-level cache ran faster with it, one read from memory slower (docs/kernels.md):
+            // quant.set_prefetch sets prefetch_min_rows by the weights' size.
             const uint8_t* next = M >= prefetch_min_rows && m0 == 0 && g + 1 < g1 ? wg + group_bytes : nullptr;
             run_tile<C, kMax>(rows, wg, static_cast<int>(nrec), xr, dr, sr, hr, orow, next);
             m0 += rows;
