@@ -881,7 +881,8 @@ def test_merge_takes_a_redone_points_text_from_its_new_stage_only_and_streams_it
 def test_the_skeleton_stage_asks_a_short_counted_lists_variants_in_one_batch_and_posts_once_they_end(default_model_dir):
     """SkeletonStage.on_delta: when a counted skeleton short of points ends, the stage submits its
     variants' jobs as one batch; a variant that ends while the other decodes posts nothing; once
-    the last ends the client gets the new points and parse gets the skeleton with them."""
+    the last ends the client gets the new points and parse gets the skeleton with them (the
+    skeleton's own one point and a variant's repeat counted as the parser counts them)."""
     from specsot_mq.generate import Delta
     from specsot_mq.messages import Skeleton
     from specsot_mq.sot.flow import Flow, SoTConfig
@@ -900,7 +901,7 @@ def test_the_skeleton_stage_asks_a_short_counted_lists_variants_in_one_batch_and
     assert submitted == [([("r", 1), ("r", 2)], "greedy")] and [type(m).__name__ for _, m in posted] == ["SkeletonText"]
     stage.on_delta(("r", 2), Delta(" Map\n2. Hat", [3, 4], "stop"))
     assert len(posted) == 1 and "r" in stage.running
-    stage.on_delta(("r", 1), Delta(" Boots", [5], "stop"))
+    stage.on_delta(("r", 1), Delta(" Boots\n2. Boots", [5], "stop"))  # a repeat of its own: left out
     assert [(to, type(m).__name__) for to, m in posted[1:]] == [("gateway", "SkeletonText"), ("parse0", "Skeleton")]
     assert posted[1][1].text == "\n3. Boots\n4. Map\n5. Hat" and "r" not in stage.running and len(submitted) == 1
     skeleton = posted[2][1]

@@ -173,8 +173,9 @@ class Skeletoning:
         for listed, finish in self.variants.values():
             for title in item_titles(finished_lines(listed, finish)):
                 line = f"\n{number}. {title}"
-                if kept < want and len(fmt.plan(text + line, want, question).points) > kept:
-                    text, added, kept, number = text + line, added + line, kept + 1, number + 1
+                now = len(fmt.plan(text + line, want, question).points)  # (a list of one point is none)
+                if kept < want and now > kept:
+                    text, added, kept, number = text + line, added + line, now, number + 1
         self.text = text
         return added
 
