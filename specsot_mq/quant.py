@@ -276,11 +276,10 @@ def last_level_cache_bytes() -> int:
     """The CPU's largest cache, as Linux lists cpu0's (0 where it lists none)."""
     sizes = [0]
     for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = entry.read_text().strip().upper()
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         try:
-            sizes.append(int(text.rstrip("KMG")) * unit)
-        except ValueError:
+            text = entry.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1))
+        except (OSError, ValueError):
             continue
     return max(sizes)
 

@@ -67,7 +67,8 @@ class PromptFormat:
         examples than the format's (one of its variants)."""
         system, earlier = split_system(history)
         turns = list(system)
-        for q, skeleton in self.examples if examples is None else examples:  # an example that names its count is asked as the question would be
+        # an example that names its count is asked as the question would be
+        for q, skeleton in self.examples if examples is None else examples:
             shown = skeleton.count("\n") + 1
             asked = self.points_counted.format(count=shown) if asked_count(q) else self.points
             turns += [{"role": "user", "content": self.skeleton_user.format(question=q, points=asked)},
