@@ -272,6 +272,11 @@ def linear_forward(layer, x, norm, glu, residual):
 HUGE_PAGE = 2 << 20
 
 
+def native_layers(module: nn.Module) -> list[QLinear]:
+    """`module`'s quantized layers that run on the kernels, each once (a tied one is listed twice)."""
+    return list({id(m): m for m in module.modules() if isinstance(m, QLinear) and m.parts is not None}.values())
+
+
 def last_level_cache_bytes() -> int:
     """The CPU's largest cache, as Linux lists cpu0's (0 where it lists none)."""
     sizes = [0]
@@ -293,7 +298,7 @@ def set_prefetch(module: nn.Module) -> int | None:
     probe, the hardware's own prefetch streaming memory better, and on AVX-512 Zen 4 (32 MB L3)
     the default model gained nothing. Sets the kernels' prefetch_min_rows (1 where they fit,
     else 4) and returns it; None without the kernels."""
-    layers = list({id(m): m for m in module.modules() if isinstance(m, QLinear) and m.parts is not None}.values())
+    layers = native_layers(module)
     kernel = layers[0].kernel if layers else None
     if kernel is None or not hasattr(kernel, "set_prefetch_min_rows"):
         return None
@@ -311,7 +316,7 @@ def onto_huge_pages(module: nn.Module) -> None:
     prefetch, every 4 KB (benchmarks/HISTORY.md has what it gained). The old tensors' memory goes
     back to the OS as they are copied, once nothing else holds them: the caller forgets the
     kernels' forms first (model.NativeForm.forget_all)."""
-    layers = list({id(m): m for m in module.modules() if isinstance(m, QLinear) and m.parts is not None}.values())
+    layers = native_layers(module)
     parts = [p for layer in layers for p in layer.parts]
     if not parts or not hasattr(mmap, "MADV_HUGEPAGE"):
         return
