@@ -43,6 +43,7 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 from torch import nn  # noqa: E402
 
+from specsot_mq.core_share import CoreShare  # noqa: E402
 from specsot_mq.errors import SpecSotError  # noqa: E402
 from specsot_mq.messages import (RANGE_REQUESTS, RangeCacheOp, RangeForward, RangeHello,  # noqa: E402
                                  RangeNewCache, RangeReply, RangeStop, Tensor)  # fmt: skip
@@ -71,8 +72,11 @@ def from_wire(w: Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
 class RangeServer:
     """Layers [first, last) of a model and their cache, answering RemoteRange's requests."""
 
-    def __init__(self, model: LlamaModel):
-        self.model = model
+    def __init__(self, model: LlamaModel, share: CoreShare | None = None):
+        """share: this server's place on its host's board of range servers (core_share.py), where
+        its torch threads follow how many of them are busy; None: a fixed thread count."""
+        self.model, self.share = model, share
+        self.threads = torch.get_num_threads()
         self.caches: dict[int, object] = {}  # by name: each RemoteCache of the callers'
         self.epoch = uuid.uuid4().hex[:12]  # every reply carries it: a caller sees a restart
 
@@ -132,7 +136,16 @@ class RangeServer:
                 except msgspec.MsgspecError as e:
                     sock.send(_ENCODER.encode(RangeReply(error=f"a malformed request ({e})")))
                     continue
+                if self.share is not None and isinstance(request, RangeForward):
+                    # its share of the host's cores: all of them while the other ranges wait for
+                    # work (one request's steps go through the ranges in turn), split while several
+                    # compute at once (requests in flight: a pipeline)
+                    if (n := self.share.take()) != self.threads:
+                        torch.set_num_threads(n)
+                        self.threads = n
                 sock.send(_ENCODER.encode(self.answer(request)))
+                if self.share is not None and not sock.poll(0):
+                    self.share.idle()
                 if isinstance(request, RangeStop):
                     return
         finally:
@@ -514,10 +527,16 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--device", default="cpu")
     p.add_argument("--quantize", default="auto", help="the weights: as shipped (auto), int4, int8 or none")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's own, or with --board its share of the host's cores)")
+    p.add_argument("--board", default=None, help="the host's board of range servers: RUN_KEY:INDEX:MEMBERS (a launch's)")
     args = p.parse_args(argv)
+    share = None
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    elif args.board is not None:
+        key, index, members = args.board.rsplit(":", 2)
+        share = CoreShare(CoreShare.board_path(key, "ranges"), int(index), int(members), os.cpu_count() or 1)
     try:
         first, last = (int(x) for x in args.layers.split(":"))
     except ValueError:
@@ -527,7 +546,7 @@ def main(argv=None) -> None:
         folder = resolve_model(args.model)
         dtype = resolve_dtype(args.dtype, dev, runs_quantized(folder, args.quantize, dev))
         model = load_model(folder, dtype=dtype, device=dev, quantize=args.quantize, layers=(first, last))
-        RangeServer(model).serve(args.bind)
+        RangeServer(model, share).serve(args.bind)
     except SpecSotError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

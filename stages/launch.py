@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specsot_mq.core_share import CoreShare
 from specsot_mq.devices import Device, device_profiles, is_local, parse_devices
 from specsot_mq.errors import SpecSotError
 from specsot_mq.pull import resolve_model, specsot_home
@@ -218,11 +219,22 @@ class Launcher:
                    served["address"], "--dtype", spec.dtype, "--quantize", spec.quantize, "--device",
                    parse_devices(served["device"], resolve=False)[0].torch_device]  # fmt: skip
             cmd += ["--model", spec.model] if spec.model else []
-            cmd += ["--threads", str(spec.threads[name])] if name in spec.threads else []
+            if name in spec.threads:
+                cmd += ["--threads", str(spec.threads[name])]
+            elif "#cpu" in served["device"]:  # the host's CPU range servers share its cores (core_share.py)
+                key, members = self._range_board(name)
+                cmd += ["--board", f"{key}:{members.index(name)}:{len(members)}"]
         host = self.spec.hosts[name]
         if is_local(host):
             return cmd
         return ["sh", "-c", self.remote.format(host=host, command=shlex.join(cmd))]
+
+    def _range_board(self, name: str) -> tuple[str, list[str]]:
+        """The key of the core board that the CPU range servers on `name`'s host share, and their names."""
+        spec = self.spec
+        host = spec.hosts[name]
+        members = [n for n, s in spec.ranges.items() if spec.hosts[n] == host and "#cpu" in s["device"]]
+        return f"{spec.client_address}|{host}", members
 
     def start(self) -> None:
         for stage in self.stages.values():
@@ -287,6 +299,9 @@ class Launcher:
                 proc.wait()
         for stage in self.stages.values():
             stage.proc = None
+        for name in self.spec.ranges:  # the range servers' core boards (the stages remove their own)
+            if is_local(self.spec.hosts[name]):
+                CoreShare.board_path(self._range_board(name)[0], "ranges").unlink(missing_ok=True)
 
     def tail(self, name: str, lines: int = 15) -> str:
         try:

@@ -423,3 +423,64 @@ def test_split_ranges_size_the_ranges_by_memory_and_compute_and_check_every_repl
         split_ranges(devices, profiles, folder, replicas=3)
     with pytest.raises(SpecSotError, match="needs at least 2 devices"):
         split_ranges(devices[:1], profiles, folder)
+
+
+def test_a_range_server_on_a_core_board_computes_on_its_share_and_holds_no_core_between_requests(tmp_path):
+    """The CPU range servers of a host share its cores as its device stages do (core_share.py): a
+    forward runs on every core while the other ranges wait for work, on its share while they
+    compute too, and a server with no request waiting holds none; the logits are the same."""
+    import threading
+
+    from specsot_mq.core_share import CoreShare
+    from specsot_mq.loader import load_model
+    from specsot_mq.remote_range import RangeServer, RemoteRange
+
+    folder = tiny_folder(tmp_path / "m")
+    path = tmp_path / "board"
+    mine, other = CoreShare(path, 0, 2, 4), CoreShare(path, 1, 2, 4)
+    server, address, threads = RangeServer(load_model(folder, layers=(2, 4)), mine), free_address(), torch.get_num_threads()
+    serving = threading.Thread(target=server.serve, args=(address,), daemon=True)
+    serving.start()
+    remote = None
+    try:
+        whole, local = load_model(folder), load_model(folder, layers=(0, 2))
+        remote = RemoteRange(address, local.cfg, torch.float32, timeout_s=120)
+        split, ids = SplitModel([local, remote]), torch.tensor([[1, 5, 6, 7, 8]])
+
+        def logits(m):
+            with torch.inference_mode():
+                return m(ids, m.new_cache(1, 16), Step.fresh(torch.arange(5)[None])).logits
+
+        want = logits(whole)
+        torch.testing.assert_close(logits(split), want)
+        assert server.threads == 4  # the other range idle: every core of the board
+        until(lambda: (mine.board[0], mine.board[1]) == (0, 0), "the server holding no core once it has no request")
+        other.board[2] = 1  # the other range has work (it holds no core yet)
+        torch.testing.assert_close(logits(split), want)
+        assert server.threads == 2
+        until(lambda: (mine.board[0], mine.board[1]) == (0, 0), "the server holding no core once it has no request")
+    finally:
+        if remote is not None:
+            remote.stop()
+        serving.join(60)
+        torch.set_num_threads(threads)
+
+
+def test_a_launch_puts_its_cpu_range_servers_on_one_core_board_and_removes_it_when_it_stops(tmp_path):
+    from specsot_mq.core_share import CoreShare
+    from specsot_mq.devices import parse_devices
+    from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
+    from specsot_mq.stages.launch import Launcher, plan_run
+
+    devices, profiles = parse_devices("127.0.0.1#cpu0,127.0.0.1#cpu1"), load_profiles(default_profiles_path())
+    spec = plan_run(devices, profiles, "p2p", tmp_path, ranges=[(0, 2), (2, 4)])
+    launcher = Launcher(spec, tmp_path)
+    boards = [(cmd := launcher._command(name))[cmd.index("--board") + 1] for name in spec.ranges]
+    key = boards[0].rsplit(":", 2)[0]
+    assert boards == [f"{key}:0:2", f"{key}:1:2"] and "--threads" not in launcher._command("range@127.0.0.1#cpu0")
+    CoreShare(CoreShare.board_path(key, "ranges"), 0, 2, 2)  # as the first server makes it
+    launcher.stop()
+    assert not CoreShare.board_path(key, "ranges").exists()
+    fixed = Launcher(plan_run(devices, profiles, "p2p", tmp_path, stage_threads=1, ranges=[(0, 2), (2, 4)]), tmp_path)
+    cmd = fixed._command("range@127.0.0.1#cpu1")
+    assert "--board" not in cmd and cmd[cmd.index("--threads") + 1] == "1"
