@@ -7,6 +7,7 @@ every process, more than a stage without a model needs in all)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from functools import cached_property
 from pathlib import Path
@@ -62,7 +63,13 @@ class ChatTokenizer:
         """The chat rendered by its template (the ids of the text, no special tokens added)."""
         text = self._template.render(messages=messages, tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self.special)  # fmt: skip
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return list(self._chat_ids(text)) if tokenize else text
+
+    @cached_property
+    def _chat_ids(self):
+        """A rendered chat's ids, the last few remembered: a request's phases render the same
+        direct prompt more than once (the router, the prompt's size, the answer)."""
+        return functools.lru_cache(maxsize=64)(lambda text: tuple(self.encode(text, add_special_tokens=False)))
 
     @cached_property
     def _template(self):

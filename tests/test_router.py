@@ -112,7 +112,9 @@ def test_a_question_routed_direct_is_answered_from_the_routers_forward(trained, 
     above (layout.resumes), with the draft head's features from both (the default model's head
     reads layers 2, 15, 27 and 30), and answers with the same tokens as a prefill from the start.
     A question cut for the router, whose direct prompt is not the one it ran, starts from the
-    start. (The classifier is held to "direct" here: what is checked is the prefill.)"""
+    start; a short question after it goes on from the router's kept cache, past whose end the
+    long one's entries still lie. (The classifier is held to "direct" here: what is checked is
+    the prefill.)"""
     from specsot_mq import layout
     from specsot_mq.sot.engine import SoTEngine
 
@@ -131,7 +133,7 @@ def test_a_question_routed_direct_is_answered_from_the_routers_forward(trained, 
     auto = SoTEngine(real, SoTConfig(sot="auto", max_parallel=1), router=router)
     never = SoTEngine(real, SoTConfig(sot="never", max_parallel=1))
     long = "Translate into French: " + "the cat sat on the mat, " * 40
-    for question, resumed in (("What is 17 * 23?", [True]), (long, [])):
+    for question, resumed in (("What is 17 * 23?", [True]), (long, []), ("Name a prime number.", [True])):
         used.clear()
         routed = auto.generate(question, params)
         assert routed.mode == "direct" and used == resumed, routed.stats

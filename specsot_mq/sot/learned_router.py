@@ -64,6 +64,9 @@ class LearnedRouter:
         self.layer = layer_for(model)
         self.head = fixed_beginning(lambda q: direct_ids(tokenizer, q))  # every prompt's first tokens
         self.head_kv = None  # their keys and values, computed on first use
+        # the cache every routed question's forward runs in (kept: a new one per question paid for
+        # its memory's first touch each time); a route's Resume reads it until the next route
+        self.cache = None
 
     @classmethod
     def for_model(cls, model, tokenizer, home: Path | None = None) -> LearnedRouter:
@@ -161,11 +164,13 @@ class LearnedRouter:
             self.head_kv = _kv(forward(model, self.head, (self.layer,), logits=False)[2])
         held = len(self.head) if ids[: len(self.head)] == self.head and len(ids) > len(self.head) else 0
         earlier = tuple(n for n in resume or () if n < self.layer)
+        if self.cache is None or self.cache.capacity < len(ids):
+            self.cache = model.new_cache(1, max(len(ids), len(self.head) + MAX_QUESTION_TOKENS + 64), graphs=False)
         (hidden, *kept), _, cache = forward(model, ids, (self.layer, *earlier), logits=False,
-                                            held=self.head_kv if held else None)  # fmt: skip
+                                            held=self.head_kv if held else None, cache=self.cache)  # fmt: skip
         ran = None
         if resume is not None and whole and held and isinstance(model, LlamaModel):
-            kv = (cache.k[: self.layer, 0, :, held:], cache.v[: self.layer, 0, :, held:])
+            kv = (cache.k[: self.layer, 0, :, held : len(ids)], cache.v[: self.layer, 0, :, held : len(ids)])
             ran = Resume(ids, self.layer, held, kv, hidden[0], {n: h[0] for n, h in zip(earlier, kept)})
         hidden = hidden[0].float()  # [T - held, H]: the tokens after the fixed beginning
         return torch.cat([hidden[-1], hidden.mean(0)]), ran
@@ -176,13 +181,15 @@ def layer_for(model) -> int:
     return model.cfg.num_layers // 2
 
 
-def forward(model, ids: list[int], layers: tuple[int, ...], logits: bool, held=None):
-    """One forward of a prompt over a cache of its own (the generator's slots stay untouched),
-    where `held` (keys and values of its first tokens, _kv) spares computing those again; without
+def forward(model, ids: list[int], layers: tuple[int, ...], logits: bool, held=None, cache=None):
+    """One forward of a prompt over a cache of its own (the generator's slots stay untouched; a
+    new one, or `cache`, slot 0 overwritten), where `held` (keys and values of its first tokens,
+    _kv) spares computing those again; without
     logits it runs only the layers up to the last hidden state asked for (model.Step):
     ([the hidden states asked for, [1, T, H] each, of the tokens computed], the logits [1, T, V]
     or None, the cache)."""
-    cache = model.new_cache(1, len(ids), graphs=False)  # (a forward that stops early is never captured)
+    if cache is None:
+        cache = model.new_cache(1, len(ids), graphs=False)  # (a forward that stops early is never captured)
     start = cache.restore(0, held) if held is not None else 0
     positions = torch.arange(start, len(ids), device=model.device).unsqueeze(0)
     step = Step([0], [start], positions, logit_rows=None if logits else [], hidden_layers=layers)
