@@ -11,7 +11,6 @@ from test_speculative import BOS, GREEDY, LOOKUP, TREE, random_head
 from specsot_mq import cuda_graphs
 from specsot_mq.generate import Generator
 from specsot_mq.model import Step
-from specsot_mq.quant import native
 from specsot_mq.sampling import Sampler
 from specsot_mq.speculative import EagleDecoder
 
@@ -29,9 +28,12 @@ def both(model, slots=4, capacity=64):
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit where the native kernels run attention (each row's sums over its visible keys
-    alone); torch's attention over a bucket's extra (masked) keys may round the last bit apart."""
-    return torch.equal(a, b) if native() is not None else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    """Equal up to the last bits: a bucket pads a step's rows, and this model's linears are
+    torch's fp32 matmuls, which may take another kernel for another number of rows and round
+    apart (seen on a 2-core AMD EPYC, AVX-512: a hidden state 7e-9 off after the first layer;
+    where the native kernels run, attention's sums are each row's own); padding that reached a
+    sequence's entries or rows would be far off."""
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_bucketed_steps_equal_eager_steps_and_padding_touches_no_sequence(model):
