@@ -8,8 +8,10 @@ shared memory: for each stage, whether it has work and how many threads it holds
 model step a stage marks itself busy, works out its share (`cores // busy stages`), and takes it
 once the others hold no more than the rest: a stage still running a step on every core gives
 them back at its next step, so a stage that turns busy waits at most one step of the other
-instead of running beside it on too few cores. A waiting stage takes no core: runner.py bounds
-how long idle OpenMP threads spin.
+instead of running beside it on too few cores. A stage whose process died (killed mid-step, its
+place still marked until its restart clears it) is not counted: the board holds each stage's
+process id. A waiting stage takes no core: runner.py bounds how long idle OpenMP threads spin.
+A launch's range servers (--split layers) share a board of their own the same way.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 class CoreShare:
     """One stage's place on its host's board: `take()` before a step, `idle()` when out of work."""
 
-    max_wait_s = 1.0  # a stage that died holding cores is not waited for longer than this
+    max_wait_s = 1.0  # a stage whose process is gone is not waited for; a stuck one no longer than this
 
     def __init__(self, path: Path, index: int, members: int, cores: int):
         if not 0 <= index < members:
@@ -33,13 +35,15 @@ class CoreShare:
         self.path, self.index, self.members, self.cores = path, index, members, cores
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size < 2 * members:
-                os.ftruncate(fd, 2 * members)
-            # byte 2i: stage i has work; byte 2i+1: threads it holds (0 while it waits or idles)
-            self.board = mmap.mmap(fd, 2 * members)
+            if os.fstat(fd).st_size < 6 * members:
+                os.ftruncate(fd, 6 * members)
+            # byte 2i: stage i has work; byte 2i+1: threads it holds (0 while it waits or idles);
+            # then 4 bytes a stage: its process id
+            self.board = mmap.mmap(fd, 6 * members)
         finally:
             os.close(fd)  # the mapping keeps the memory
         self.idle()  # a restarted stage clears what its dead predecessor left
+        self.board[self._pid_at(index) : self._pid_at(index) + 4] = os.getpid().to_bytes(4, "little")
 
     def take(self) -> int:
         """Mark this stage busy and return its share of the cores, waiting until the other stages
@@ -49,13 +53,31 @@ class CoreShare:
         board[2 * me + 1] = 0
         deadline = time.monotonic() + self.max_wait_s
         while True:
-            others = [i for i in range(self.members) if i != me]
-            share = max(1, self.cores // (1 + sum(board[2 * i] for i in others)))
+            # a stage whose process died holds nothing (it is not waited for until its restart)
+            others = [i for i in range(self.members) if i != me and board[2 * i] and self._alive(i)]
+            share = max(1, self.cores // (1 + len(others)))
             held = sum(board[2 * i + 1] for i in others)
             if held + share <= self.cores or time.monotonic() > deadline:
                 board[2 * me + 1] = share
                 return share
             time.sleep(0.0005)
+
+    def _pid_at(self, i: int) -> int:
+        return 2 * self.members + 4 * i
+
+    def _alive(self, i: int) -> bool:
+        """Whether stage i's process is running: not gone, nor a zombie its launcher has yet to
+        reap (one that never wrote its id counts as running)."""
+        pid = int.from_bytes(self.board[self._pid_at(i) : self._pid_at(i) + 4], "little")
+        if pid == 0:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+        except FileNotFoundError:
+            return not Path("/proc/self/stat").exists() and _signalable(pid)
+        except (OSError, IndexError):
+            return _signalable(pid)
 
     def idle(self) -> None:
         """This stage has no work: it holds no cores."""
@@ -69,3 +91,14 @@ class CoreShare:
         folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         digest = hashlib.sha1(f"{run_key}|{host}".encode()).hexdigest()[:16]
         return folder / f"specsot-cores-{digest}"
+
+
+def _signalable(pid: int) -> bool:
+    """Whether a process of this id exists (where there is no /proc to read)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

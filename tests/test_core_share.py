@@ -1,6 +1,10 @@
 """The core board of one host's CPU device stages (core_share.py): shares by busy stages, a stage
 that turns busy waits until the others give cores back, and restarts and runs stay apart."""
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -53,7 +57,7 @@ def test_a_stage_that_turns_busy_waits_for_the_cores_another_still_holds(tmp_pat
     assert got["share"] == 1
 
 
-def test_a_dead_holder_is_not_waited_for_long_and_a_restart_clears_its_place(tmp_path):
+def test_a_stuck_holder_is_not_waited_for_long_and_a_restart_clears_its_place(tmp_path):
     path = tmp_path / "board"
     a, b = CoreShare(path, 0, 2, 2), CoreShare(path, 1, 2, 2)
     assert a.take() == 2  # then a's process dies without giving its cores back
@@ -71,3 +75,30 @@ def test_boards_are_per_run_and_host(tmp_path):
     assert CoreShare.board_path("r", "h") == CoreShare.board_path("r", "h")
     with pytest.raises(ValueError, match="index 2 is not one of 2 members"):
         CoreShare(tmp_path / "board", 2, 2, 4)
+
+
+def test_a_stage_whose_process_died_holding_cores_is_not_waited_for(tmp_path):
+    """A stage killed mid-step keeps its place marked busy until its restart clears it; the others
+    see its process gone (a zombie its launcher has not reaped yet, then reaped) and take every
+    core at once, where they would otherwise wait out max_wait_s at every step until the restart."""
+    path = tmp_path / "board"
+    survivor = CoreShare(path, 0, 2, 2)
+    survivor.max_wait_s = 3600.0
+    code = ("import pathlib, sys, time; from specsot_mq.core_share import CoreShare; "
+            "print(CoreShare(pathlib.Path(sys.argv[1]), 1, 2, 2).take(), flush=True); time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "2"  # it holds both cores
+        os.kill(child.pid, signal.SIGKILL)
+        while open(f"/proc/{child.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+            time.sleep(0.01)  # (until the kill has landed: a zombie, not reaped)
+        got = {}
+        taker = threading.Thread(target=lambda: got.update(share=survivor.take()), daemon=True)
+        taker.start()
+        taker.join(60)
+        assert got == {"share": 2}, "the survivor waited for a dead stage's cores"
+    finally:
+        child.kill()
+        child.wait()
+    survivor.idle()
+    assert survivor.take() == 2  # reaped: gone from /proc
