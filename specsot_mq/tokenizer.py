@@ -7,9 +7,8 @@ every process, more than a stage without a model needs in all)."""
 
 from __future__ import annotations
 
-import functools
 import json
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from specsot_mq.errors import SpecSotError
@@ -69,7 +68,7 @@ class ChatTokenizer:
     def _chat_ids(self):
         """A rendered chat's ids, the last few remembered: a request's phases render the same
         direct prompt more than once (the router, the prompt's size, the answer)."""
-        return functools.lru_cache(maxsize=64)(lambda text: tuple(self.encode(text, add_special_tokens=False)))
+        return lru_cache(maxsize=64)(lambda text: tuple(self.encode(text, add_special_tokens=False)))
 
     @cached_property
     def _template(self):
