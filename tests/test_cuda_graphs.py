@@ -30,9 +30,8 @@ def both(model, slots=4, capacity=64):
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal up to the last bits: a bucket pads a step's rows, and this model's linears are
     torch's fp32 matmuls, which may take another kernel for another number of rows and round
-    apart (seen on a 2-core AMD EPYC, AVX-512: a hidden state 7e-9 off after the first layer;
-    where the native kernels run, attention's sums are each row's own); padding that reached a
-    sequence's entries or rows would be far off."""
+    apart (seen on a 2-core AMD EPYC, AVX-512: a logit 1.3744 against 1.3743 in this test's draft
+    tree step); padding that reached a sequence's entries or rows would be far off."""
     return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
