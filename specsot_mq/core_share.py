@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+PROC = Path("/proc/self/stat").exists()  # Linux's process table, which tells a zombie from a running process
+
 
 class CoreShare:
     """One stage's place on its host's board: `take()` before a step, `idle()` when out of work."""
@@ -71,11 +73,13 @@ class CoreShare:
         pid = int.from_bytes(self.board[self._pid_at(i) : self._pid_at(i) + 4], "little")
         if pid == 0:
             return True
+        if not PROC:
+            return _signalable(pid)
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
         except FileNotFoundError:
-            return not Path("/proc/self/stat").exists() and _signalable(pid)
+            return False
         except (OSError, IndexError):
             return _signalable(pid)
 

@@ -34,6 +34,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 
 # Before torch loads OpenMP: a server waiting for its next request takes no core (stages/runner.py).
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
@@ -529,14 +530,14 @@ def main(argv=None) -> None:
     p.add_argument("--quantize", default="auto", help="the weights: as shipped (auto), int4, int8 or none")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's own, or with --board its share of the host's cores)")
-    p.add_argument("--board", default=None, help="the host's board of range servers: RUN_KEY:INDEX:MEMBERS (a launch's)")
+    p.add_argument("--board", default=None, help="the host's board of range servers: PATH:INDEX:MEMBERS (a launch's)")
     args = p.parse_args(argv)
     share = None
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     elif args.board is not None:
-        key, index, members = args.board.rsplit(":", 2)
-        share = CoreShare(CoreShare.board_path(key, "ranges"), int(index), int(members), os.cpu_count() or 1)
+        path, index, members = args.board.rsplit(":", 2)
+        share = CoreShare(Path(path), int(index), int(members), os.cpu_count() or 1)
     try:
         first, last = (int(x) for x in args.layers.split(":"))
     except ValueError:

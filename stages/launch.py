@@ -222,19 +222,20 @@ class Launcher:
             if name in spec.threads:
                 cmd += ["--threads", str(spec.threads[name])]
             elif "#cpu" in served["device"]:  # the host's CPU range servers share its cores (core_share.py)
-                key, members = self._range_board(name)
-                cmd += ["--board", f"{key}:{members.index(name)}:{len(members)}"]
+                path, members = self._range_board(name)
+                cmd += ["--board", f"{path}:{members.index(name)}:{len(members)}"]
         host = self.spec.hosts[name]
         if is_local(host):
             return cmd
         return ["sh", "-c", self.remote.format(host=host, command=shlex.join(cmd))]
 
-    def _range_board(self, name: str) -> tuple[str, list[str]]:
-        """The key of the core board that the CPU range servers on `name`'s host share, and their names."""
+    def _range_board(self, name: str) -> tuple[Path, list[str]]:
+        """The core board that the CPU range servers on `name`'s host share (range servers run on
+        the launcher's host: split_ranges), and their names."""
         spec = self.spec
         host = spec.hosts[name]
         members = [n for n, s in spec.ranges.items() if spec.hosts[n] == host and "#cpu" in s["device"]]
-        return f"{spec.client_address}|{host}", members
+        return CoreShare.board_path(f"{spec.client_address}|ranges", host), members
 
     def start(self) -> None:
         for stage in self.stages.values():
@@ -299,9 +300,8 @@ class Launcher:
                 proc.wait()
         for stage in self.stages.values():
             stage.proc = None
-        for name in self.spec.ranges:  # the range servers' core boards (the stages remove their own)
-            if is_local(self.spec.hosts[name]):
-                CoreShare.board_path(self._range_board(name)[0], "ranges").unlink(missing_ok=True)
+        for board in {self._range_board(name)[0] for name in self.spec.ranges}:  # (the stages remove their own)
+            board.unlink(missing_ok=True)
 
     def tail(self, name: str, lines: int = 15) -> str:
         try:

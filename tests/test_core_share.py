@@ -90,8 +90,10 @@ def test_a_stage_whose_process_died_holding_cores_is_not_waited_for(tmp_path):
     try:
         assert child.stdout.readline().strip() == "2"  # it holds both cores
         os.kill(child.pid, signal.SIGKILL)
-        while open(f"/proc/{child.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
-            time.sleep(0.01)  # (until the kill has landed: a zombie, not reaped)
+        deadline = time.monotonic() + 60
+        while state(child.pid) != "Z":  # (until the kill has landed: a zombie, not reaped)
+            assert time.monotonic() < deadline, "the killed child never became a zombie"
+            time.sleep(0.01)
         got = {}
         taker = threading.Thread(target=lambda: got.update(share=survivor.take()), daemon=True)
         taker.start()
@@ -102,3 +104,9 @@ def test_a_stage_whose_process_died_holding_cores_is_not_waited_for(tmp_path):
         child.wait()
     survivor.idle()
     assert survivor.take() == 2  # reaped: gone from /proc
+
+
+def state(pid: int) -> str:
+    """A process's state letter in Linux's process table (R, S, Z, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -476,11 +477,11 @@ def test_a_launch_puts_its_cpu_range_servers_on_one_core_board_and_removes_it_wh
     spec = plan_run(devices, profiles, "p2p", tmp_path, ranges=[(0, 2), (2, 4)])
     launcher = Launcher(spec, tmp_path)
     boards = [(cmd := launcher._command(name))[cmd.index("--board") + 1] for name in spec.ranges]
-    key = boards[0].rsplit(":", 2)[0]
-    assert boards == [f"{key}:0:2", f"{key}:1:2"] and "--threads" not in launcher._command("range@127.0.0.1#cpu0")
-    CoreShare(CoreShare.board_path(key, "ranges"), 0, 2, 2)  # as the first server makes it
+    path = boards[0].rsplit(":", 2)[0]
+    assert boards == [f"{path}:0:2", f"{path}:1:2"] and "--threads" not in launcher._command("range@127.0.0.1#cpu0")
+    CoreShare(Path(path), 0, 2, 2)  # as the first server makes it
     launcher.stop()
-    assert not CoreShare.board_path(key, "ranges").exists()
+    assert not Path(path).exists()
     fixed = Launcher(plan_run(devices, profiles, "p2p", tmp_path, stage_threads=1, ranges=[(0, 2), (2, 4)]), tmp_path)
     cmd = fixed._command("range@127.0.0.1#cpu1")
     assert "--board" not in cmd and cmd[cmd.index("--threads") + 1] == "1"

@@ -172,9 +172,11 @@ class Skeletoning:
         number = starts[-1][2] + 1 if starts else 1
         for listed, finish in self.variants.values():
             for title in item_titles(finished_lines(listed, finish)):
+                if kept >= want:
+                    break
                 line = f"\n{number}. {title}"
                 now = len(fmt.plan(text + line, want, question).points)  # (a list of one point is none)
-                if kept < want and now > kept:
+                if now > kept:
                     text, added, kept, number = text + line, added + line, now, number + 1
         self.text = text
         return added

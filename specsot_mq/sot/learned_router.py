@@ -164,7 +164,8 @@ class LearnedRouter:
             self.head_kv = _kv(forward(model, self.head, (self.layer,), logits=False)[2])
         held = len(self.head) if ids[: len(self.head)] == self.head and len(ids) > len(self.head) else 0
         earlier = tuple(n for n in resume or () if n < self.layer)
-        if self.cache is None or self.cache.capacity < len(ids):
+        if self.cache is None or self.cache.capacity < len(ids):  # sized once for any question (cut to
+            # MAX_QUESTION_TOKENS; the template's end is a few tokens more)
             self.cache = model.new_cache(1, max(len(ids), len(self.head) + MAX_QUESTION_TOKENS + 64), graphs=False)
         (hidden, *kept), _, cache = forward(model, ids, (self.layer, *earlier), logits=False,
                                             held=self.head_kv if held else None, cache=self.cache)  # fmt: skip
