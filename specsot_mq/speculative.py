@@ -319,10 +319,20 @@ class EagleDecoder(Decoder):
     def draft_extend(self, seqs: list[Sequence]) -> None:
         """Feed the draft what the last steps decided (unread), each row in one forward: the
         accepted tokens and bonus tokens at the positions after its real length, with the base
-        features of the root and accepted nodes they follow; the last output seeds the next tree."""
+        features of the root and accepted nodes they follow; the last output seeds the next tree.
+        Rows are padded to the longest: a row that padding would take past the draft cache's end
+        (its slot nearly full, another row with many more tokens) goes in a forward of its own."""
         rows = [seq for seq in seqs if seq.unread]
-        if not rows:
-            return
+        mgr = self.slots
+        while rows:
+            unread = [sum(len(tokens) for tokens, _ in seq.unread) for seq in rows]
+            t = max(unread)
+            fit = [seq for seq, k in zip(rows, unread) if mgr[seq.slot].draft_length + t <= mgr.draft.capacity or k == t]
+            self._extend(fit)
+            rows = [seq for seq in rows if seq.unread]
+
+    def _extend(self, rows: list[Sequence]) -> None:
+        """draft_extend's one forward over `rows` (right-padded)."""
         dev, mgr = self.model.device, self.slots
         chunks = [seq.unread for seq in rows]
         for seq in rows:

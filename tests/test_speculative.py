@@ -565,3 +565,31 @@ def test_a_full_cache_slot_ends_its_output_with_length_after_the_tokens_that_fit
     done = gen.generate_many(prompts, GREEDY, decoder=decoder)
     for c, p, w in zip(done, prompts, want):
         assert c.finish_reason == "length" and c.token_ids == w[: 24 - len(p) + 1]
+
+
+@pytest.mark.parametrize("kind", ["random", "oracle"])
+def test_a_late_job_near_its_cache_end_catches_the_draft_up_beside_a_row_with_many_unread_tokens(base, kind):
+    """The draft reads decided tokens late (steps that draft nothing), each row as many as it has;
+    a job admitted later has fewer, and when its slot is nearly full the longest row's count would
+    take it past the draft cache's end in one padded forward. Both still decode as plain greedy
+    decoding does (the late one to its slot's end)."""
+    from specsot_mq.generate import Job
+
+    gen = Generator(base, CharTokenizer(), max_len=64, num_slots=2)
+    early = Job("early", [BOS, 5, 6], SamplingParams(max_tokens=45, ignore_eos=True))
+    late = Job("late", [BOS] + [7 + i % 30 for i in range(49)], SamplingParams(max_tokens=40, ignore_eos=True))
+    arrivals = {0: early, 30: late}
+    step = [0]
+
+    def admit(room):
+        job = arrivals.pop(step[0], None)
+        step[0] += 1
+        return [job] if job else []
+
+    decoder = EagleDecoder(base, heads(base)[kind], gen.slots, Sampler(GREEDY), TreeParams(4, 2, 2, lookup=0))
+    decoder.chooser = Scripted(["plain"] * 36 + ["eagle"] * 40)  # 36 steps decided, none read by the draft
+    got = {"early": [], "late": []}
+    for key, delta in gen.run(admit, decoder):
+        got[key] += delta.token_ids
+    assert got["early"] == gen.generate(early.ids, early.params).token_ids
+    assert got["late"] == gen.generate(late.ids, late.params).token_ids[: 64 - len(late.ids) + 1]
