@@ -107,22 +107,26 @@ def main(argv=None) -> dict:
     kernels = {"base": build_base(args.base), "ours": ours}
     model = load_model(resolve_model(None), dtype=torch.float32, quantize="auto")
     kernels["base"].groups = model.cfg.q_per_kv
+    if hasattr(kernels["base"], "set_prefetch_min_rows"):  # the loader set ours (quant.set_prefetch)
+        kernels["base"].set_prefetch_min_rows(ours.prefetch_min_rows())
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     linears = [m for m in model.modules() if isinstance(m, quant.QLinear)]
     stacks = {}  # each side's native layers over the same packed weights
     for name, kernel in kernels.items():
         quant._native = kernel
-        for layer in layers:
-            layer.__dict__.pop("_native", None)
-        stacks[name] = [layer.native_weights() for layer in layers]
+        for module in layers + linears:  # each side's own Weights (a linear keeps the ones it made)
+            module.__dict__.pop("_native", None)
+        for linear in linears:
+            linear.kernel = kernel
+        stacks[name] = [layer.native_weights() for layer in layers], [linear.native_weights() for linear in linears]
 
     def use(name: str) -> None:
         """Every layer and linear of the model on one side's kernels."""
         quant._native = kernels[name]
-        for layer, weights in zip(layers, stacks[name]):
+        for layer, weights in zip(layers, stacks[name][0]):
             layer.__dict__["_native"] = weights
-        for linear in linears:
-            linear.kernel = kernels[name]
+        for linear, weights in zip(linears, stacks[name][1]):
+            linear.kernel, linear.__dict__["_native"] = kernels[name], weights
         model.__dict__.pop("_native", None)
         if not getattr(kernels[name], "fused_head", True):
             model.__dict__["_native"] = None  # no Head: its output layer runs on its own (qlinear)
