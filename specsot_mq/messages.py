@@ -467,5 +467,6 @@ class RangeReply(msgspec.Struct, forbid_unknown_fields=True):
     hidden: list[Tensor] = []
     kv: list[Tensor] = []  # a snapshot's keys and values
     held: int = 0  # entries a restore put back
+    in_place: bool = False  # a new cache's: its forwards attend in place (LlamaModel.attends_in_place)
     first_layer: int = 0
     last_layer: int = 0

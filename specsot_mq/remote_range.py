@@ -97,8 +97,9 @@ class RangeServer:
             for name in request.free:
                 self.caches.pop(name, None)
             self.caches.pop(request.name, None)
-            self.caches[request.name] = model.new_cache(request.slots, request.capacity)
-            return RangeReply()
+            cache = self.caches[request.name] = model.new_cache(request.slots, request.capacity)
+            with torch.inference_mode():  # (as its forwards run)
+                return RangeReply(in_place=model.attends_in_place(cache))
         cache = self.caches.get(request.cache)
         if cache is None:
             raise SpecSotError(f"no cache {request.cache} here: ask for one first (RangeNewCache)")
@@ -125,17 +126,19 @@ class RangeServer:
         return RangeReply(logits=to_wire(out.logits) if ends else None, hidden=[to_wire(h) for h in out.hidden])
 
     def serve(self, address: str) -> None:
-        """Answer requests on a ZeroMQ reply socket bound at `address` until a RangeStop."""
-        sock = zmq.Context.instance().socket(zmq.REP)
+        """Answer requests on a ZeroMQ router socket bound at `address` until a RangeStop: each
+        caller's requests in order, one at a time (as a reply socket would, but it can tell
+        whether another request waits before it answers)."""
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.bind(address)
         print(f"serving layers {self.model.first_layer}:{self.model.last_layer} at {address}", file=sys.stderr, flush=True)
         try:
             while True:
-                raw = sock.recv()
+                *route, raw = sock.recv_multipart()  # (the caller's id, the empty delimiter, the request)
                 try:
                     request = _REQUESTS.decode(raw)
                 except msgspec.MsgspecError as e:
-                    sock.send(_ENCODER.encode(RangeReply(error=f"a malformed request ({e})")))
+                    sock.send_multipart([*route, _ENCODER.encode(RangeReply(error=f"a malformed request ({e})"))])
                     continue
                 if self.share is not None and isinstance(request, RangeForward):
                     # its share of the host's cores: all of them while the other ranges wait for
@@ -144,9 +147,12 @@ class RangeServer:
                     if (n := self.share.take()) != self.threads:
                         torch.set_num_threads(n)
                         self.threads = n
-                sock.send(_ENCODER.encode(self.answer(request)))
+                reply = _ENCODER.encode(self.answer(request))
+                # out of work before the reply goes, where no request waits: the next range, which
+                # the reply sets to work, then finds this one's cores free
                 if self.share is not None and not sock.poll(0):
                     self.share.idle()
+                sock.send_multipart([*route, reply])
                 if isinstance(request, RangeStop):
                     return
         finally:
@@ -155,7 +161,7 @@ class RangeServer:
 
 class _Peer:
     """One server of a range (a range with replicas has several, each holding the same layers):
-    a dealer socket to its reply socket (an empty frame before each message), so requests may be
+    a dealer socket to its router socket (an empty frame before each message), so requests may be
     sent ahead of their replies, which come back in order (a pipelined prefill's chunks); and a
     monitor of it, which tells when the server goes away or connects again."""
 
@@ -427,7 +433,7 @@ class RemoteRange(nn.Module):
         name goes with the next new cache's request)."""
         freed, self._freed = self._freed, []
         cache = RemoteCache(self, next(self._names), num_slots, capacity)
-        self.call(RangeNewCache(cache.name, num_slots, capacity, freed))
+        cache.in_place = self.call(RangeNewCache(cache.name, num_slots, capacity, freed)).in_place
         weakref.finalize(cache, self._free, cache.name)
         self._caches.add(cache)
         return cache
@@ -437,8 +443,10 @@ class RemoteRange(nn.Module):
         request (appended to the list of the moment, not to the one there was when it was made)."""
         self._freed.append(name)
 
-    def attends_in_place(self, cache) -> bool:
-        return False
+    def attends_in_place(self, cache: "RemoteCache") -> bool:
+        """As the server's model attends over the cache (it said so when it made it): then
+        layout.py sends causal rows of different lengths as a token per batch row, unpadded."""
+        return cache.in_place
 
     def forward(self, x: torch.Tensor, cache: "RemoteCache", step: Step) -> ForwardOutput:
         self.submit(x, cache, step)
@@ -477,6 +485,7 @@ class RemoteCache:
         # claims): what a rejoining replica gets copied, what a restart loses
         self.used: dict[int, int] = {}
         self.lost = False  # a server restart lost entries in use: its next use fails
+        self.in_place = False  # the server's model attends over it in place (RemoteRange.attends_in_place)
 
     def wrote(self, slot: int, end: int) -> None:
         self.used[slot] = max(self.used.get(slot, 0), end)

@@ -275,6 +275,44 @@ def test_greedy_over_a_layer_range_in_another_process_equals_the_whole_model(tmp
         server.wait(timeout=60)
 
 
+def test_rows_of_different_lengths_go_through_a_range_in_another_process_unpadded(tmp_path):
+    """Where the server's model attends over a cache in place (the native kernels: quantized
+    weights), the remote range says so for each cache it makes, so a step's causal rows of
+    different lengths (prompt lookup's chains) go through it as one token per batch row, as over
+    the whole model, not padded to the longest: the whole model's greedy tokens."""
+    from specsot_mq.loader import load_model
+    from specsot_mq.remote_range import RemoteRange
+
+    if quant.native() is None:
+        pytest.skip("the native kernels are not available on this machine")
+    folder = tiny_folder(tmp_path / "m")
+    address = free_address()
+    server = subprocess.Popen([sys.executable, "-m", "specsot_mq.remote_range", "--model", str(folder), "--layers", "2:4",
+                               "--bind", address, "--dtype", "fp32", "--quantize", "int4"])  # fmt: skip
+    remote = None
+    try:
+        whole, local = load_model(folder, quantize="int4"), load_model(folder, layers=(0, 2), quantize="int4")
+        remote = RemoteRange(address, local.cfg, torch.float32, timeout_s=120)
+        split = SplitModel([local, remote], prefill_chunk=0)
+        with torch.inference_mode():  # (as the generation loop asks)
+            assert split.attends_in_place(split.new_cache(3, 64)) and whole.attends_in_place(whole.new_cache(3, 64))
+        shapes = []
+        submit = remote.submit
+        remote.submit = lambda x, cache, step: (shapes.append(tuple(x.shape[:2])), submit(x, cache, step))[1]
+        prompts = [[1, 5, 6, 7, 8, 5, 6, 7], [1, 9, 10], [1, 40, 41, 40, 41]]
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        want, got = ([c.token_ids for c in Generator(m, CharTokenizer(), max_len=128, num_slots=3,
+                                                     tree=TreeParams(lookup=6)).generate_many(prompts, params)]
+                     for m in (whole, split))  # fmt: skip
+        assert got == want
+        # some step had rows of different lengths, sent as more batch rows than sequences, one token each
+        assert any(t == 1 and b > len(prompts) for b, t in shapes), shapes
+    finally:
+        if remote is not None:
+            remote.stop()
+        server.wait(timeout=60)
+
+
 def test_a_layer_range_that_does_not_answer_is_named():
     from specsot_mq.remote_range import RemoteRange
 
