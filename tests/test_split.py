@@ -154,10 +154,10 @@ def free_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def serve_range(folder, address: str) -> subprocess.Popen:
-    """A range server of the tiny model's layers 2:4 (remote_range.py)."""
+def serve_range(folder, address: str, *more: str) -> subprocess.Popen:
+    """A range server of the tiny model's layers 2:4 (remote_range.py); `more`: its other arguments."""
     return subprocess.Popen([sys.executable, "-m", "specsot_mq.remote_range", "--model", str(folder), "--layers", "2:4",
-                             "--bind", address, "--dtype", "fp32"])  # fmt: skip
+                             "--bind", address, "--dtype", "fp32", *more])  # fmt: skip
 
 
 def until(condition, what: str, seconds: float = 120) -> None:
@@ -287,8 +287,7 @@ def test_rows_of_different_lengths_go_through_a_range_in_another_process_unpadde
         pytest.skip("the native kernels are not available on this machine")
     folder = tiny_folder(tmp_path / "m")
     address = free_address()
-    server = subprocess.Popen([sys.executable, "-m", "specsot_mq.remote_range", "--model", str(folder), "--layers", "2:4",
-                               "--bind", address, "--dtype", "fp32", "--quantize", "int4"])  # fmt: skip
+    server = serve_range(folder, address, "--quantize", "int4")
     remote = None
     try:
         whole, local = load_model(folder, quantize="int4"), load_model(folder, layers=(0, 2), quantize="int4")
