@@ -620,6 +620,29 @@ def test_the_merged_answer_shows_only_points_worth_reading(name, points, answer)
     assert len(points) - len(dropped) == answer.count("\n") + 1
 
 
+def test_a_counted_answer_with_no_spare_left_shows_a_thin_point_that_names_an_item_of_its_own():
+    """Where the question names a count, a point whose text only says what an earlier one said is
+    left out while a spare can stand in for it; once none can, its own title keeps it in, so the
+    answer is not short of its count. A point that says nothing beyond its title and the question
+    stays out either way."""
+    fmt, question = load_format("sot"), "Name two things to pack for a hiking trip."
+    boots, water = ("Boots", " Boots keep your feet dry on the trail."), ("Water", " Keep your feet dry on the trail.")
+    spare = ("Snacks", " Nuts give quick energy.")
+    cases = [
+        ([boots, water], "1. Boots: Boots keep your feet dry on the trail.\n2. Water: Keep your feet dry on the trail."),
+        ([boots, water, spare], "1. Boots: Boots keep your feet dry on the trail.\n2. Snacks: Nuts give quick energy."),
+        ([boots, ("Packing", " Pack for the hiking trip.")], "1. Boots: Boots keep your feet dry on the trail."),
+    ]
+    for points, answer in cases:
+        indexed = [(i, title, text) for i, (title, text) in enumerate(points, 1)]
+        assert fmt.merge(indexed, question) == answer
+        ordered = OrderedAnswer(fmt, [(i, title) for i, title, _ in indexed], question)
+        streamed = "".join(ordered.add(i, text) + ordered.end(i) for i, _, text in indexed)
+        assert streamed == answer
+    # The same two points for a question without a count: the second says nothing new.
+    assert fmt.merge([(1, *boots), (2, *water)], "What should I pack for a hiking trip?").count("\n") == 0
+
+
 def test_the_ordered_answer_holds_what_may_change():
     """Nothing of a later point comes before the points ahead of it end; a point's head waits for
     the first of its text that says something, and its text for the end of its sentence."""

@@ -11,7 +11,11 @@ newlines, with what is not worth reading left out:
   the points after it are numbered on (1, 2, 3, ... as shown), so an answer never shows
   "3. Sunscreen:" with nothing after it, nor a point that only says an earlier one again;
 - where the question names its number of points, the first that many that say something are
-  shown: a counted skeleton may list parser.SPARE more, which stand in for points dropped;
+  shown: a counted skeleton may list parser.SPARE more, which stand in for points dropped; once
+  no spare is left to stand in (the points left are as many as the answer still needs), a point
+  says something beyond an earlier one where its title and text together do: its title names an
+  item of its own, and an answer short of its count serves the asker worse than a thin point
+  ("3. Use a garden hose: A simple way to keep your garden tidy.");
 - where no point is worth reading by these rules, the answer shows every point as it wrote it
   rather than nothing.
 
@@ -71,12 +75,16 @@ def dropped_points(points, question: str = "", cut=()) -> list[int]:
     return [index for index, _, _ in points if index not in kept]
 
 
-def says_something(body: str, title: str, question: set[str], shown: list[set[str]]) -> bool:
+def says_something(body: str, title: str, question: set[str], shown: list[set[str]], needed: bool = False) -> bool:
     """Whether a point's text has a content word beyond its title's and the question's
     (`question`: its content words) and beyond each point shown before it (`shown`: their texts'
-    content words). More text only adds words, so once true it stays true: what the answer
-    streams of a point is never taken back."""
-    words = content_words(body) - content_words(title) - question
+    content words). `needed`: no spare is left to stand in for it (a counted plan), so beyond
+    each earlier point's text its title and text together may say it. More text only adds words,
+    so once true it stays true: what the answer streams of a point is never taken back."""
+    heading = content_words(title)
+    words = content_words(body) - heading - question
+    if words and needed:
+        words |= heading - question
     return bool(words) and all(words - earlier for earlier in shown)
 
 
@@ -95,12 +103,12 @@ def _worth(points, question: str, cut):
     """(index, title, body) of the points worth reading, in order: those that say something, as
     many as the question names where it names a number (the plan's spares stand in for points
     that said nothing)."""
-    asked, shown, most = content_words(question), [], asked_count(question) or len(points)
-    kept = 0
-    for index, title, text in points:
+    asked, shown, count = content_words(question), [], asked_count(question)
+    most = count or len(points)
+    for n, (index, title, text) in enumerate(points):
         body = point_body(text, True, index in cut)
-        if kept < most and says_something(body, title, asked, shown):
-            kept += 1
+        needed = bool(count) and len(points) - n <= most - len(shown)
+        if len(shown) < most and says_something(body, title, asked, shown, needed):
             shown.append(content_words(body))
             yield index, title, body
 
@@ -122,6 +130,7 @@ class OrderedAnswer:
         self.ended: dict[int, bool] = {}  # index -> whether it was cut off
         self.cursor = 0  # position in self.order of the point streaming now
         self.shown = 0  # points released so far (kept), so the number the next one shows is shown + 1
+        self.counted = bool(asked_count(question))
         self.most = asked_count(question) or len(points)  # points shown at most (_kept)
         self.fell_back = False  # whether the merge's fallback (no point worth reading) was released
         self.asked = content_words(question)
@@ -154,7 +163,8 @@ class OrderedAnswer:
         first point shown); "" while it has said nothing yet, None once it ended saying nothing."""
         ended = index in self.ended
         body = point_body(self.texts[index], ended, self.ended.get(index, False))
-        if not says_something(body, self.titles[index], self.asked, self.seen):
+        needed = self.counted and len(self.order) - self.cursor <= self.most - self.shown
+        if not says_something(body, self.titles[index], self.asked, self.seen, needed):
             return None if ended else ""
         head = self.fmt.point_prefix.format(index=self.shown + 1, title=self.titles[index])
         return ("\n" if self.shown else "") + (head + body).rstrip()
