@@ -564,10 +564,11 @@ def test_the_ordered_answer_streams_exactly_the_merged_answer(name):
     released is never taken back (it only grows), and the pieces joined are the format's merge."""
     fmt = load_format(name)
     rng = random.Random(0)
-    pieces = ["a", "b", " ", "\n", "x y", "\n\n", "A", "  ", "1. a", ". ", "Go.", "q", "!", "T"]
+    pieces = ["a", "b", " ", "\n", "x y", "\n\n", "A", "  ", "1. a", ". ", "Go.", "q", "!", "T", " dry", " feet"]
     for _ in range(3000):
-        points = [(i + 1, rng.choice(["T", "Two words", ""])) for i in range(rng.randint(1, 4))]
-        question = rng.choice(["", "q?", "Why q b?", "Give two tips?"])  # the last: at most two points shown
+        points = [(i + 1, rng.choice(["T", "Two words", "", "Boots"])) for i in range(rng.randint(1, 4))]
+        # the counted ones: at most that many points shown, and with no spare left a thin point stays
+        question = rng.choice(["", "q?", "Why q b?", "Give two tips?", "Name three things for feet?"])
         ordered, texts, released = OrderedAnswer(fmt, points, question), {i: "" for i, _ in points}, ""
         live, cut = [i for i, _ in points], set()
         while live:
@@ -623,14 +624,16 @@ def test_the_merged_answer_shows_only_points_worth_reading(name, points, answer)
 def test_a_counted_answer_with_no_spare_left_shows_a_thin_point_that_names_an_item_of_its_own():
     """Where the question names a count, a point whose text only says what an earlier one said is
     left out while a spare can stand in for it; once none can, its own title keeps it in, so the
-    answer is not short of its count. A point that says nothing beyond its title and the question
-    stays out either way."""
+    answer is not short of its count, unless its text copies the earlier one's. A point that says
+    nothing beyond its title and the question stays out either way. Such a point streams only once
+    it ended (its text may yet turn into a copy)."""
     fmt, question = load_format("sot"), "Name two things to pack for a hiking trip."
-    boots, water = ("Boots", " Boots keep your feet dry on the trail."), ("Water", " Keep your feet dry on the trail.")
+    boots, water = ("Boots", " Boots keep your feet dry on the trail."), ("Water", " Keep dry on the trail.")
     spare = ("Snacks", " Nuts give quick energy.")
     cases = [
-        ([boots, water], "1. Boots: Boots keep your feet dry on the trail.\n2. Water: Keep your feet dry on the trail."),
+        ([boots, water], "1. Boots: Boots keep your feet dry on the trail.\n2. Water: Keep dry on the trail."),
         ([boots, water, spare], "1. Boots: Boots keep your feet dry on the trail.\n2. Snacks: Nuts give quick energy."),
+        ([boots, ("Socks", " Keep your feet dry on the trail.")], "1. Boots: Boots keep your feet dry on the trail."),
         ([boots, ("Packing", " Pack for the hiking trip.")], "1. Boots: Boots keep your feet dry on the trail."),
     ]
     for points, answer in cases:
@@ -639,6 +642,10 @@ def test_a_counted_answer_with_no_spare_left_shows_a_thin_point_that_names_an_it
         ordered = OrderedAnswer(fmt, [(i, title) for i, title, _ in indexed], question)
         streamed = "".join(ordered.add(i, text) + ordered.end(i) for i, _, text in indexed)
         assert streamed == answer
+    ordered = OrderedAnswer(fmt, [(1, boots[0]), (2, water[0])], question)
+    assert ordered.add(1, boots[1]) + ordered.end(1) == "1. Boots: Boots keep your feet dry on the trail."
+    assert ordered.add(2, " Keep dry. On the trail. ") == ""  # it would be a copy with "your feet"
+    assert ordered.end(2) == "\n2. Water: Keep dry. On the trail."
     # The same two points for a question without a count: the second says nothing new.
     assert fmt.merge([(1, *boots), (2, *water)], "What should I pack for a hiking trip?").count("\n") == 0
 

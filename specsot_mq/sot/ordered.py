@@ -13,9 +13,10 @@ newlines, with what is not worth reading left out:
 - where the question names its number of points, the first that many that say something are
   shown: a counted skeleton may list parser.SPARE more, which stand in for points dropped; once
   no spare is left to stand in (the points left are as many as the answer still needs), a point
-  says something beyond an earlier one where its title and text together do: its title names an
-  item of its own, and an answer short of its count serves the asker worse than a thin point
-  ("3. Use a garden hose: A simple way to keep your garden tidy.");
+  says something beyond an earlier one where its title and text together do, unless its text is
+  a copy of that one's: its title names an item of its own, and an answer short of its count
+  serves the asker worse than a thin point ("3. Use a garden hose: A simple way to keep your
+  garden tidy."), though not than one that repeats another's text;
 - where no point is worth reading by these rules, the answer shows every point as it wrote it
   rather than nothing.
 
@@ -75,17 +76,33 @@ def dropped_points(points, question: str = "", cut=()) -> list[int]:
     return [index for index, _, _ in points if index not in kept]
 
 
-def says_something(body: str, title: str, question: set[str], shown: list[set[str]], needed: bool = False) -> bool:
+def says_something(body: str, title: str, question: set[str], shown: list[tuple[set[str], set[str]]],
+                   needed: bool = False, ended: bool = True) -> bool:
     """Whether a point's text has a content word beyond its title's and the question's
-    (`question`: its content words) and beyond each point shown before it (`shown`: their texts'
-    content words). `needed`: no spare is left to stand in for it (a counted plan), so beyond
-    each earlier point's text its title and text together may say it. More text only adds words,
-    so once true it stays true: what the answer streams of a point is never taken back."""
+    (`question`: its content words) and beyond each point shown before it (`shown`: the content
+    words of their texts, all and beyond their titles and the question). `needed`: no spare is
+    left to stand in for it (a counted plan), so once it `ended`, beyond each earlier point's text
+    its title and text together may say it, where its text is no copy of that point's (the same
+    words beyond title and question). While a point decodes, only the first test counts: more
+    text only adds words, so once true it stays true, and what the answer streams of a point is
+    never taken back."""
     heading = content_words(title)
-    words = content_words(body) - heading - question
-    if words and needed:
-        words |= heading - question
-    return bool(words) and all(words - earlier for earlier in shown)
+    own = content_words(body) - heading - question
+    if not own:
+        return False
+    if all(own - text for text, _ in shown):
+        return True
+    if not (needed and ended):
+        return False
+    named = own | (heading - question)
+    return all(named - text and own != earlier for text, earlier in shown)
+
+
+def _shown(body: str, title: str, question: set[str]) -> tuple[set[str], set[str]]:
+    """What says_something compares a later point with: the content words of a shown point's text,
+    all and beyond its title's and the question's."""
+    words = content_words(body)
+    return words, words - content_words(title) - question
 
 
 def _kept(points, question: str, cut) -> list:
@@ -109,7 +126,7 @@ def _worth(points, question: str, cut):
         body = point_body(text, True, index in cut)
         needed = bool(count) and len(points) - n <= most - len(shown)
         if len(shown) < most and says_something(body, title, asked, shown, needed):
-            shown.append(content_words(body))
+            shown.append(_shown(body, title, asked))
             yield index, title, body
 
 
@@ -134,7 +151,7 @@ class OrderedAnswer:
         self.most = asked_count(question) or len(points)  # points shown at most (_kept)
         self.fell_back = False  # whether the merge's fallback (no point worth reading) was released
         self.asked = content_words(question)
-        self.seen: list[set[str]] = []  # the content words of each shown point's text
+        self.seen: list[tuple[set[str], set[str]]] = []  # each shown point's text's content words (_shown)
         self.sent = 0  # characters of that point's piece already released
 
     def add(self, index: int, text: str) -> str:
@@ -164,7 +181,7 @@ class OrderedAnswer:
         ended = index in self.ended
         body = point_body(self.texts[index], ended, self.ended.get(index, False))
         needed = self.counted and len(self.order) - self.cursor <= self.most - self.shown
-        if not says_something(body, self.titles[index], self.asked, self.seen, needed):
+        if not says_something(body, self.titles[index], self.asked, self.seen, needed, ended):
             return None if ended else ""
         head = self.fmt.point_prefix.format(index=self.shown + 1, title=self.titles[index])
         return ("\n" if self.shown else "") + (head + body).rstrip()
@@ -182,7 +199,7 @@ class OrderedAnswer:
             if piece is not None:
                 self.shown += 1
                 body = point_body(self.texts[index], True, self.ended[index])
-                self.seen.append(content_words(body))
+                self.seen.append(_shown(body, self.titles[index], self.asked))
             self.cursor += 1
             self.sent = 0
         if self.cursor == len(self.order) and not self.shown and not self.fell_back:
