@@ -86,7 +86,7 @@ def test_the_answer_leaves_out_a_points_last_line_where_it_repeats_an_earlier_on
     looped = (" \n- Drink plenty of water to stay healthy.\n- Staying hydrated is a great way to stay healthy.\n"
               "- staying hydrated is a great way to stay healthy!\n")
     assert fmt.merge([(2, "Stay hydrated", looped), (3, "Sleep", " Sleep 8 hours.")]) == (
-        "1. Stay hydrated: \n- Drink plenty of water to stay healthy.\n- Staying hydrated is a great way to stay healthy."
+        "1. Stay hydrated:\n- Drink plenty of water to stay healthy.\n- Staying hydrated is a great way to stay healthy."
         "\n2. Sleep: Sleep 8 hours.")
     # Lines that only look alike stay, and so does one line on its own.
     kept = " Walk.\nWalk more.\n"

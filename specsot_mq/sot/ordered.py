@@ -18,7 +18,9 @@ newlines, with what is not worth reading left out:
   serves the asker worse than a thin point ("3. Use a garden hose: A simple way to keep your
   garden tidy."), though not than one that repeats another's text;
 - where no point is worth reading by these rules, the answer shows every point as it wrote it
-  rather than nothing.
+  rather than nothing;
+- a point whose text opens with a line break goes on after its head with one space, or on the
+  next line where it opens with a list item (after_head).
 
 OrderedAnswer releases that answer's text as early as it is certain: the first point unfinished
 streams live, the points after it are held until it ends, and within a point only what no later
@@ -44,6 +46,7 @@ from specsot_mq.stopping import without_repeated_last_line
 CUT_OFF = ("length", "repeat")  # finish reasons that may end a point mid-sentence
 SENTENCE_END = re.compile(r"[.!?…][\"')\]”’]*(?=\s)|\n")
 FINAL_SENTENCE_END = re.compile(r"[.!?…][\"')\]”’]*(?=\s|$)|\n")
+LIST_ITEM = re.compile(r"([-*•+]|\d+[.)])(\s|$)")
 
 
 def point_body(text: str, ended: bool, cut: bool) -> str:
@@ -61,12 +64,23 @@ def point_body(text: str, ended: bool, cut: bool) -> str:
     return _to_last(SENTENCE_END, text)
 
 
+def after_head(head: str, body: str) -> str:
+    """A point's "N. Title:" and its text, where the text opens with a line break (a small model
+    often starts a point on a new line, or after a blank one): on the head's line after one space,
+    or on the next line where it opens with a list item ("- ...", "2. ..."). The tokens are the
+    same; only the whitespace between head and text is."""
+    text = body.lstrip()
+    if "\n" not in body[: len(body) - len(text)]:
+        return head + body
+    return head + ("\n" if LIST_ITEM.match(text) else " ") + text
+
+
 def merge_points(fmt, points, question: str = "", cut=()) -> str:
     """The merged answer from (index, title, text) in plan order; `cut`: the indices of points
     that a length cap or a loop stop ended."""
     pieces = []
     for _, title, body in _kept(points, question, cut):
-        pieces.append((fmt.point_prefix.format(index=len(pieces) + 1, title=title) + body).rstrip())
+        pieces.append(after_head(fmt.point_prefix.format(index=len(pieces) + 1, title=title), body).rstrip())
     return "\n".join(pieces)
 
 
@@ -184,7 +198,7 @@ class OrderedAnswer:
         if not says_something(body, self.titles[index], self.asked, self.seen, needed, ended):
             return None if ended else ""
         head = self.fmt.point_prefix.format(index=self.shown + 1, title=self.titles[index])
-        return ("\n" if self.shown else "") + (head + body).rstrip()
+        return ("\n" if self.shown else "") + after_head(head, body).rstrip()
 
     def _release(self) -> str:
         out = []
