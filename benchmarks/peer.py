@@ -12,8 +12,9 @@ end it), not the HTTP round trip. Ours is timed from the question to its last to
 per question, the medians of the time to a complete answer and of tok/s, and ends with one JSON
 line: `plain_vs_llamacpp`, `eagle_vs_llamacpp`, `specsot_vs_llamacpp` and
 `specsot_vs_llamacpp_sot_routed` (median over questions of llama.cpp's seconds over ours: above 1
-is faster than llama.cpp), tok/s per engine, the CPU flags seen, and `ways`: how the EAGLE and
-SpecSoT steps speculated (steps per way; recent ms per token by batch size).
+is faster than llama.cpp), tok/s per engine, the CPU flags seen, `ways`: how the EAGLE and
+SpecSoT steps speculated (steps per way; recent ms per token by batch size), and
+`planned_phase_shares`: where the planned answers' time went (PHASES).
 
     benchmarks/setup_llamacpp.sh        # once
     python benchmarks/peer.py [--limit 16] [--per-category 2] [--max-tokens 256] [--threads 2] [--llamacpp DIR]
@@ -46,6 +47,7 @@ from sot import time_answers  # noqa: E402
 
 from specsot_mq.generate import Generator  # noqa: E402
 from specsot_mq.lookup import History  # noqa: E402
+from specsot_mq.messages import Answer, MergePlan, PointText, SkeletonText  # noqa: E402
 from specsot_mq.stopping import LoopWatch  # noqa: E402
 from specsot_mq.pull import DEFAULT_MODEL, download_gguf, known_model, specsot_home  # noqa: E402
 from specsot_mq.quant import native  # noqa: E402
@@ -55,6 +57,10 @@ from specsot_mq.sot.flow import SoTConfig, answer_tokens  # noqa: E402
 from specsot_mq.tokenizer import chat_prompt_ids  # noqa: E402
 
 ENGINES = ("llamacpp", "plain", "eagle", "specsot")
+# A planned answer's phases, each from the first event of the next: routing and the skeleton's
+# prefill (to its first token), its decode (to the plan), the points' prefill and first step (to
+# their first text), their decode and the merge (to the answer)
+PHASES = ("route + skeleton prefill", "skeleton decode", "points prefill", "points decode")
 
 
 def cpu_flags() -> dict:
@@ -175,6 +181,7 @@ def main(argv=None) -> dict:
     # EAGLE and SpecSoT share one generator: each keeps its own History of outputs (prompt lookup's
     # guesses from earlier answers), or SpecSoT's direct answers would copy EAGLE's to the same question
     histories = {"eagle": History(), "specsot": History()}
+    phases: list[dict] = []  # each planned answer's seconds per phase (PHASES)
 
     def run(engine: str, question: str) -> tuple[float, int, str]:
         ids = chat_prompt_ids(tokenizer, question)
@@ -186,8 +193,20 @@ def main(argv=None) -> dict:
         if engine in ("plain", "eagle"):
             done = (plain if engine == "plain" else eagle).generate(ids, params)
             return time.perf_counter() - start, len(done.token_ids), "direct"
-        answer = specsot.generate(question, params)
-        return time.perf_counter() - start, answer_tokens(answer), answer.mode
+        marks = {}  # when each phase of a planned answer began, from the events as they came
+        for event in specsot.stream(question, params):
+            now = time.perf_counter() - start
+            if isinstance(event, SkeletonText) and len(event.token_ids):
+                marks.setdefault("skeleton decode", now)
+            elif isinstance(event, MergePlan):
+                marks["points prefill"] = now
+            elif isinstance(event, PointText):
+                marks.setdefault("points decode", now)
+            elif isinstance(event, Answer):
+                answer, seconds = event, now
+        if answer.mode == "sot" and len(marks) == 3:
+            phases.append(dict(zip(PHASES, (b - a for a, b in zip([0.0, *marks.values()], [*marks.values(), seconds])))))
+        return seconds, answer_tokens(answer), answer.mode
 
     flags = cpu_flags()
     kernel_isa = native().isa() if native() is not None else "none (dequantized weights)"
@@ -247,6 +266,10 @@ def main(argv=None) -> dict:
         for size in sorted(chooser.by_size)}}  # fmt: skip
     out.print(f"ways the EAGLE and SpecSoT steps took: {result['ways']['steps']}; recent ms per token at 1 sequence: "
               f"{result['ways']['ms_per_token'].get(1)}")  # fmt: skip
+    if phases:  # where a planned answer's time goes: each phase's share of their summed seconds
+        total = sum(sum(p.values()) for p in phases)
+        result["planned_phase_shares"] = {k: round(sum(p[k] for p in phases) / total, 3) for k in PHASES}
+        out.print(f"planned answers' time by phase ({len(phases)} answers): {result['planned_phase_shares']}")
     result.update(questions=len(rows), sot_routed=len(routed), cpu=cpu_name(), cpu_flags=flags, kernel_isa=kernel_isa,
                   llamacpp_isa=llama_isa, threads=args.threads,
                   dtype=args.dtype, max_tokens=args.max_tokens, repeat_stop=args.repeat_stop, draft=draft_path.name,
