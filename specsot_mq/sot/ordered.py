@@ -161,8 +161,9 @@ class OrderedAnswer:
         self.ended: dict[int, bool] = {}  # index -> whether it was cut off
         self.cursor = 0  # position in self.order of the point streaming now
         self.shown = 0  # points released so far (kept), so the number the next one shows is shown + 1
-        self.counted = bool(asked_count(question))
-        self.most = asked_count(question) or len(points)  # points shown at most (_kept)
+        count = asked_count(question)
+        self.counted = count is not None
+        self.most = count or len(points)  # points shown at most (_kept)
         self.fell_back = False  # whether the merge's fallback (no point worth reading) was released
         self.asked = content_words(question)
         self.seen: list[tuple[set[str], set[str]]] = []  # each shown point's text's content words (_shown)
