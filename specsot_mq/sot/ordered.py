@@ -112,6 +112,13 @@ def says_something(body: str, title: str, question: set[str], shown: list[tuple[
     return all(named - text and own != earlier for text, earlier in shown)
 
 
+def no_spare_left(counted: bool, left: int, wanted: int) -> bool:
+    """Whether no spare can stand in for a point of a counted plan: the points left (it and those
+    after it) are no more than the answer still needs (says_something's `needed`; the merge and
+    the stream must agree on it)."""
+    return counted and left <= wanted
+
+
 def _shown(body: str, title: str, question: set[str]) -> tuple[set[str], set[str]]:
     """What says_something compares a later point with: the content words of a shown point's text,
     all and beyond its title's and the question's."""
@@ -138,7 +145,7 @@ def _worth(points, question: str, cut):
     most = count or len(points)
     for n, (index, title, text) in enumerate(points):
         body = point_body(text, True, index in cut)
-        needed = bool(count) and len(points) - n <= most - len(shown)
+        needed = no_spare_left(count is not None, len(points) - n, most - len(shown))
         if len(shown) < most and says_something(body, title, asked, shown, needed):
             shown.append(_shown(body, title, asked))
             yield index, title, body
@@ -195,7 +202,7 @@ class OrderedAnswer:
         first point shown); "" while it has said nothing yet, None once it ended saying nothing."""
         ended = index in self.ended
         body = point_body(self.texts[index], ended, self.ended.get(index, False))
-        needed = self.counted and len(self.order) - self.cursor <= self.most - self.shown
+        needed = no_spare_left(self.counted, len(self.order) - self.cursor, self.most - self.shown)
         if not says_something(body, self.titles[index], self.asked, self.seen, needed, ended):
             return None if ended else ""
         head = self.fmt.point_prefix.format(index=self.shown + 1, title=self.titles[index])
