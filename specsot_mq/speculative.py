@@ -55,7 +55,14 @@ class SpeedChooser:
     text that repeats itself) is seen while a way that keeps losing costs less and less. A
     Generator keeps one chooser for all its decoders, so what one answer or phase measured serves
     the next. In greedy decoding every way emits the same tokens (each is lossless), so the choice
-    changes speed only."""
+    changes speed only.
+
+    One sequence alone never takes the plain way where prompt lookup is a way (`ways_at`): a
+    lookup step that finds no guess is a plain step, and one that guesses adds a row or two to a
+    step that reads every weight anyway, so it costs little more and often decides two or three
+    tokens. Timed against each other, the two ways' few-step averages come from different stretches
+    of text and of a shared machine's speed, and the chooser often kept the slower for hundreds of
+    steps (benchmarks/HISTORY.md)."""
 
     probe = 4  # steps a way runs when it is tried
     probe_every = 64  # steps at a batch size before a way that is not the fastest is tried again...
@@ -70,11 +77,17 @@ class SpeedChooser:
         self.by_size: dict[int, dict] = {}  # batch size -> what it measured and when it tries each way
         self.counts = dict.fromkeys(ways, 0)  # steps each way ran (benchmarks/peer.py shows them)
 
+    def ways_at(self, size: int) -> list[str]:
+        """The ways a step of `size` sequences may take: all but plain at one sequence where
+        lookup is one of them (see the class's note)."""
+        return [w for w in self.ways if not (size == 1 and w == "plain" and "lookup" in self.ways)]
+
     def _at(self, size: int) -> dict:
         if size not in self.by_size:
+            ways = self.ways_at(size)
             self.by_size[size] = {
                 "seconds": dict.fromkeys(self.ways, 0.0), "tokens": dict.fromkeys(self.ways, 0.0), "steps": 0,
-                "queue": [w for w in self.ways for _ in range(self.probe)],  # every way is tried first
+                "queue": [w for w in ways for _ in range(self.probe)],  # every way is tried first
                 "due": dict.fromkeys(self.ways, self.probe_every), "gap": dict.fromkeys(self.ways, self.probe_every),
             }  # fmt: skip
         return self.by_size[size]
@@ -85,7 +98,7 @@ class SpeedChooser:
             return at["queue"].pop(0)
         best = self.best(size)
         at["gap"][best] = self.probe_every  # once it falls behind, it is tried again soon
-        for way in self.ways:
+        for way in self.ways_at(size):
             if way != best and at["steps"] >= at["due"][way]:
                 at["queue"] += [way] * self.probe
                 at["due"][way] = at["steps"] + at["gap"][way]
@@ -94,7 +107,7 @@ class SpeedChooser:
 
     def best(self, size: int = 1) -> str:
         rates = self.seconds_per_token(size)
-        return min(self.ways, key=lambda w: rates[w] if rates[w] is not None else 0.0)  # an untried way first
+        return min(self.ways_at(size), key=lambda w: rates[w] if rates[w] is not None else 0.0)  # an untried way first
 
     def seconds_per_token(self, size: int = 1) -> dict[str, float | None]:
         """Each way's recent seconds per decided token at a batch size (None: not tried yet)."""

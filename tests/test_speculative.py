@@ -149,7 +149,7 @@ def test_the_chooser_runs_the_fastest_way_and_tries_the_others_less_and_less_oft
             chooser.record(ran[-1], *cost[ran[-1]], size)
         return ran
 
-    ran = run(2000)
+    ran = run(2000, size=2)
     assert ran[:12] == ["eagle"] * 4 + ["lookup"] * 4 + ["plain"] * 4  # each tried first
     assert ran[12:64] == ["eagle"] * 52
     tries = [i for i in range(1, len(ran)) if ran[i] == "lookup" and ran[i - 1] != "lookup"]
@@ -157,11 +157,25 @@ def test_the_chooser_runs_the_fastest_way_and_tries_the_others_less_and_less_oft
     assert tries[:2] == [4, 64] and gaps[1:] == [64, 128, 256, 512, 512]  # backing off, up to max_gap
     assert ran[1000:].count("eagle") >= 1000 - 2 * 2 * 4  # the others: a try each per max_gap steps at most
     cost["plain"] = (1.0, 1)  # the batch, the CPU or the text changed: plain steps got cheap
-    ran = run(SpeedChooser.max_gap + 200)
-    assert chooser.best() == "plain" and ran[-100:].count("plain") >= 100 - 2 * 4  # seen at plain's next try
+    ran = run(SpeedChooser.max_gap + 200, size=2)
+    assert chooser.best(2) == "plain" and ran[-100:].count("plain") >= 100 - 2 * 4  # seen at plain's next try
     # Each batch size learns on its own: 4 sequences together try every way first.
-    assert [chooser.pick(4) for _ in range(3)] == ["eagle"] * 3 and chooser.best(1) == "plain"
+    assert [chooser.pick(4) for _ in range(3)] == ["eagle"] * 3 and chooser.best(2) == "plain"
     assert SpeedChooser(["eagle"]).pick() == "eagle"
+
+
+def test_one_sequence_takes_lookup_rather_than_plain_where_lookup_is_a_way():
+    """A lookup step without a guess is a plain step: one sequence alone never runs plain where
+    lookup can run, however its timings fall; batches still weigh all three ways."""
+    chooser = SpeedChooser(["eagle", "lookup", "plain"])
+    cost = {"eagle": (5.0, 1), "lookup": (4.0, 1), "plain": (1.0, 1)}  # plain timed fastest
+    ran = []
+    for _ in range(1000):
+        ran.append(chooser.pick(1))
+        chooser.record(ran[-1], *cost[ran[-1]], 1)
+    assert "plain" not in ran and chooser.best(1) == "lookup" and ran[-100:].count("lookup") >= 100 - 4
+    assert chooser.ways_at(1) == ["eagle", "lookup"] and chooser.ways_at(2) == ["eagle", "lookup", "plain"]
+    assert SpeedChooser(["eagle", "plain"]).ways_at(1) == ["eagle", "plain"]  # no lookup: plain stays
 
 
 def test_a_generator_keeps_one_chooser_for_its_greedy_decoders(base):
