@@ -8,8 +8,10 @@ by batching the points of several requests in a branch stage. Last line: one JSO
 `pipeline_vs_inproc_N` for each client count N, answers per minute, and peak memory per stage.
 `--soak N` then sends N more requests (4 clients) and reports each stage's memory (RSS once idle)
 before them and after each quarter of them. `--split-devices D` then launches the model split by
-layers over the devices D (`--split layers`, draft none on both sides) beside the same model whole
-on --devices, and reports split over whole answers per minute at each client count:
+layers over the devices D (`--split layers`, draft none on both sides; each device given a memory
+budget of `--split-memory` times the model's weight bytes, 0.75 by default: none could hold it whole)
+beside the same model whole on --devices, and reports split over whole answers per minute at each
+client count:
 
     python benchmarks/pipeline.py --draft none --split-devices 127.0.0.1#cpu0,127.0.0.1#cpu1
 """
@@ -40,21 +42,46 @@ from specsot_mq.sampling import SamplingParams  # noqa: E402
 from specsot_mq.sot.scheduler import default_profiles_path, load_profiles  # noqa: E402
 
 
-def measure_split(args, questions, params, progress) -> dict[int, float]:
+def budget_file(args, run_dir: Path) -> tuple[Path | None, float]:
+    """A devices file giving each of --split-devices a memory budget of --split-memory times the
+    model's weight bytes (below 1: no device could hold the whole model), and that budget in GB;
+    (None, 0) for --split-memory 0 (devices.json as it is)."""
+    if not args.split_memory:
+        return None, 0.0
+    from specsot_mq.config import ModelConfig
+    from specsot_mq.pull import resolve_model
+    from specsot_mq.split import weight_bytes
+
+    folder = resolve_model(args.model)
+    layer, embed, head = weight_bytes(folder)
+    gb = round(args.split_memory * (layer * ModelConfig.from_folder(folder).num_layers + embed + head) / 1e9, 3)
+    profiles = json.loads(default_profiles_path().read_text())["profiles"]
+    profiles["budget"] = dict(profiles["cpu"], memory_gb=gb)
+    path = run_dir / "devices.json"
+    path.write_text(json.dumps({"profiles": profiles, "devices": dict.fromkeys(args.split_devices.split(","), "budget")}))
+    return path, gb
+
+
+def measure_split(args, questions, params, progress) -> tuple[dict[int, float], float]:
     """Answers per minute at each client count of a launch with the model's layers over
-    --split-devices (as `specsot launch --split layers` starts it)."""
+    --split-devices (as `specsot launch --split layers` starts it), each device with the memory
+    budget of budget_file; and that budget in GB (0: devices.json's)."""
     from specsot_mq.stages.launch import LaunchOptions, start_topology
 
+    devices_file, gb = budget_file(args, Path(tempfile.mkdtemp(prefix="specsot-budget-")))
+    if gb:
+        progress.console.print(f"each split device's memory budget: {gb} GB ({args.split_memory} of the model's weights)")
     launcher, spec = start_topology(LaunchOptions(
         devices=args.split_devices, topology=args.topology, split="layers", model=args.model, dtype=args.dtype,
-        draft="none", threads=args.threads, point_tokens=args.max_tokens, skeleton_tokens=args.max_tokens))  # fmt: skip
+        draft="none", threads=args.threads, point_tokens=args.max_tokens, skeleton_tokens=args.max_tokens,
+        devices_file=None if devices_file is None else str(devices_file)))  # fmt: skip
     try:
         asyncio.run(wait_ready(launcher))
         with progress:
             return {n: asyncio.run(answers_per_min(spec, params, n, questions,
                                                    progress.add_task(f"split, {n} clients", total=len(questions)),
                                                    progress))  # fmt: skip
-                    for n in [int(c) for c in args.clients.split(",")]}
+                    for n in [int(c) for c in args.clients.split(",")]}, gb
     finally:
         launcher.stop()
 
@@ -88,6 +115,8 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None, help="torch threads per device stage (default: all of the host's cores)")
     p.add_argument("--soak", type=int, default=0, help="extra requests to check memory stays flat")
     p.add_argument("--split-devices", default=None, help="also launch the model split by layers over these devices")
+    p.add_argument("--split-memory", type=float, default=0.75,
+                   help="each split device's memory budget, times the model's weight bytes (0: devices.json's)")
     args = p.parse_args(argv)
     console = Console(stderr=True)
     questions, source = load_prompts(args.questions, args.limit)
@@ -159,7 +188,7 @@ def main(argv=None) -> dict:
     for n, apm in results.items():
         table.add_row("pipeline", str(n), f"{apm:.1f}", f"{apm / inproc_apm:.2f}x")
     Console().print(table)
-    split = measure_split(args, questions, params, progress) if args.split_devices else None
+    split, budget_gb = measure_split(args, questions, params, progress) if args.split_devices else (None, 0.0)
     if split:
         cmp = Table(title=f"split by layers over {args.split_devices} against whole on {args.devices}")
         for col in ("clients", "whole answers/min", "split answers/min", "split / whole"):
@@ -178,7 +207,9 @@ def main(argv=None) -> dict:
                **{f"pipeline_answers_per_min_{n}": round(a, 2) for n, a in results.items()},
                **{f"pipeline_vs_inproc_{n}": round(a / inproc_apm, 3) for n, a in results.items()},
                "peak_rss_mb": {name: round(peak) for name, (_, peak) in memory.items()}, "soak_rss_mb": soak,
-               **({f"split_vs_whole_{n}": round(a / results[n], 3) for n, a in split.items()} if split else {})}  # fmt: skip
+               **({f"split_vs_whole_{n}": round(a / results[n], 3) for n, a in split.items()} if split else {}),
+               **({f"split_answers_per_min_{n}": round(a, 2) for n, a in split.items()} if split else {}),
+               **({"split_memory_gb": budget_gb} if split else {})}  # fmt: skip
     print(json.dumps(summary))
     return summary
 

@@ -20,14 +20,24 @@ turns, direct: turn 1 a --turn-tokens prompt, turn 2 a short question after it, 
 sends to the other device. Time to turn 2's first answer text with --kv-ship auto (the rule's
 choice, logged: it shipped where stats say kv_shipped_tokens) and --kv-ship never (recomputed).
 
+Then through launches (benchmarks/pipeline.py, its own process): the same model split by layers
+over two CPU devices of one host, each given a memory budget of 0.75 times the model's weight
+bytes (neither could hold it whole), against the model whole, answers per minute at 1 and 8
+clients over --launch-limit questions, draft none on both. And faults (benchmarks/faults.py): the
+default model split over four CPU devices with two servers a range (--replicas 2), a range server
+killed every 30 s while 200 requests come in at 8 clients. --skip-launch and --skip-faults leave
+either out.
+
 --only-ranges: each range's time for a decode step of 1 and of --batch rows on one thread, cut half
 way and where layer_ranges cuts (the last range also runs the output layer): the slower of two
 ranges sets the pace of a pipeline whose ranges work on different steps at once.
 
     python benchmarks/split.py [--model FILE.gguf] [--new-tokens 32] [--batch 8] [--prompt-tokens 512] \
-        [--prefill-tokens 2000] [--prefill-chunk 128] [--runs 3] [--turn-tokens 1000] [--conversations 3]
+        [--prefill-tokens 2000] [--prefill-chunk 128] [--runs 3] [--turn-tokens 1000] [--conversations 3] \
+        [--launch-limit 24] [--skip-launch] [--skip-faults]
 
-Ends with one JSON line: both sides' figures, the ratios split / whole and the pipelined prefill's.
+Ends with one JSON line: both sides' figures, the ratios split / whole, the pipelined prefill's,
+KV shipping's, and the launches' and the faults' JSON lines.
 """
 
 from __future__ import annotations
@@ -262,6 +272,37 @@ def range_steps(folder: Path, cuts: dict[str, int], batch: int, runs: int = 25) 
     return result
 
 
+def script_json(script: str, argv: list[str]) -> dict:
+    """Run a sibling benchmark script in its own process (its tables and progress pass through)
+    and return its last stdout line, the JSON object every one of them ends with."""
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / script), *argv]
+    print(f"$ {' '.join(cmd[1:])}", flush=True)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    print(done.stdout, end="", flush=True)
+    if done.returncode:
+        raise RuntimeError(f"{script} failed (exit {done.returncode})")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def launches(args) -> dict:
+    """Answers per minute split over whole through launches (pipeline.py), each split device given
+    less memory than the model."""
+    got = script_json("pipeline.py", ["--draft", "none", "--split-devices", "127.0.0.1#cpu0,127.0.0.1#cpu1",
+                                      "--split-memory", "0.75", "--model", args.model, "--limit", str(args.launch_limit),
+                                      "--max-tokens", "32", "--clients", "1,8"])  # fmt: skip
+    return {k: v for k, v in got.items() if k.startswith(("split", "pipeline_answers"))}
+
+
+def faults() -> dict:
+    """200 requests at 8 clients with a range server killed every 30 s, two servers a range
+    (faults.py, the default model over four CPU devices)."""
+    got = script_json("faults.py", ["--split", "layers", "--replicas", "2", "--victims", "range", "--topologies", "p2p",
+                                    "--devices", ",".join(f"127.0.0.1#cpu{i}" for i in range(4)), "--no-baseline",
+                                    "--questions", str(Path(__file__).resolve().parent / "general_questions.jsonl")])  # fmt: skip
+    run = got["p2p"]["faults"]
+    return {k: run[k] for k in ("answered", "failed", "lost", "duplicated", "p50", "p95")} | {"kills": len(run["kills"])}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a model name, folder or .gguf (default: see above)")
@@ -276,6 +317,9 @@ def main(argv=None) -> dict:
     p.add_argument("--conversations", type=int, default=3, help="KV shipping: conversations each way (the median counts)")
     p.add_argument("--only-turns", action="store_true", help="measure KV shipping alone")
     p.add_argument("--only-ranges", action="store_true", help="measure each range's step time alone")
+    p.add_argument("--launch-limit", type=int, default=24, help="questions through the launches")
+    p.add_argument("--skip-launch", action="store_true", help="leave out answers per minute through launches")
+    p.add_argument("--skip-faults", action="store_true", help="leave out the replica-kill soak")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pipelined", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--address", default=None, help=argparse.SUPPRESS)
@@ -337,8 +381,17 @@ def main(argv=None) -> dict:
     print(f"a conversation's turn 2 on the other device, after a {args.turn_tokens}-token turn 1: first text after "
           f"{turns['auto']['ttft_s']} s with --kv-ship auto (KV shipped for {turns['auto']['shipped_tokens']} tokens), "
           f"{turns['never']['ttft_s']} s recomputed, {turns['shipped_vs_recomputed']}x")  # fmt: skip
+    launched = None if args.skip_launch else launches(args)
+    soak = None if args.skip_faults else faults()
+    if launched:
+        print(f"through launches, answers per minute split over whole (each device {launched['split_memory_gb']} GB): "
+              f"1 client {launched['split_vs_whole_1']}x, 8 clients {launched['split_vs_whole_8']}x")  # fmt: skip
+    if soak:
+        print(f"a range server killed every 30 s, replicas: {soak['answered']} answered, {soak['failed']} failed, "
+              f"{soak['lost']} lost, {soak['duplicated']} duplicated, {soak['kills']} kills")  # fmt: skip
     result = {"model": Path(args.model).name, "cpu": cpu_name(), "cut": args.cut, "layers": n, "whole": whole,
-              "split": split, "ratios": ratios, "pipelined_prefill": pipelined, "kv_shipping": turns}  # fmt: skip
+              "split": split, "ratios": ratios, "pipelined_prefill": pipelined, "kv_shipping": turns,
+              "launches": launched, "faults": soak}  # fmt: skip
     print(json.dumps(result), flush=True)
     return result
 
