@@ -47,7 +47,7 @@ from sot import time_answers  # noqa: E402
 
 from specsot_mq.generate import Generator  # noqa: E402
 from specsot_mq.lookup import History  # noqa: E402
-from specsot_mq.messages import Answer, MergePlan, PointText, SkeletonText  # noqa: E402
+from specsot_mq.messages import MergePlan, PointText, SkeletonText  # noqa: E402
 from specsot_mq.stopping import LoopWatch  # noqa: E402
 from specsot_mq.pull import DEFAULT_MODEL, download_gguf, known_model, specsot_home  # noqa: E402
 from specsot_mq.quant import native  # noqa: E402
@@ -194,7 +194,8 @@ def main(argv=None) -> dict:
             done = (plain if engine == "plain" else eagle).generate(ids, params)
             return time.perf_counter() - start, len(done.token_ids), "direct"
         marks = {}  # when each phase of a planned answer began, from the events as they came
-        for event in specsot.stream(question, params):
+
+        def mark(event) -> None:
             now = time.perf_counter() - start
             if isinstance(event, SkeletonText) and len(event.token_ids):
                 marks.setdefault("skeleton decode", now)
@@ -202,8 +203,9 @@ def main(argv=None) -> dict:
                 marks["points prefill"] = now
             elif isinstance(event, PointText):
                 marks.setdefault("points decode", now)
-            elif isinstance(event, Answer):
-                answer, seconds = event, now
+
+        answer = specsot.generate(question, params, on_event=mark)
+        seconds = time.perf_counter() - start
         if answer.mode == "sot" and len(marks) == 3:
             phases.append(dict(zip(PHASES, (b - a for a, b in zip([0.0, *marks.values()], [*marks.values(), seconds])))))
         return seconds, answer_tokens(answer), answer.mode

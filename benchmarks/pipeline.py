@@ -57,18 +57,18 @@ def budget_file(args, run_dir: Path) -> tuple[Path | None, float]:
     gb = round(args.split_memory * (layer * ModelConfig.from_folder(folder).num_layers + embed + head) / 1e9, 3)
     profiles = json.loads(default_profiles_path().read_text())["profiles"]
     profiles["budget"] = dict(profiles["cpu"], memory_gb=gb)
-    path = run_dir / "devices.json"
+    path = run_dir / "split-devices.json"
     path.write_text(json.dumps({"profiles": profiles, "devices": dict.fromkeys(args.split_devices.split(","), "budget")}))
     return path, gb
 
 
-def measure_split(args, questions, params, progress) -> tuple[dict[int, float], float]:
+def measure_split(args, questions, params, progress, run_dir: Path) -> tuple[dict[int, float], float]:
     """Answers per minute at each client count of a launch with the model's layers over
     --split-devices (as `specsot launch --split layers` starts it), each device with the memory
     budget of budget_file; and that budget in GB (0: devices.json's)."""
     from specsot_mq.stages.launch import LaunchOptions, start_topology
 
-    devices_file, gb = budget_file(args, Path(tempfile.mkdtemp(prefix="specsot-budget-")))
+    devices_file, gb = budget_file(args, run_dir)
     if gb:
         progress.console.print(f"each split device's memory budget: {gb} GB ({args.split_memory} of the model's weights)")
     launcher, spec = start_topology(LaunchOptions(
@@ -188,7 +188,7 @@ def main(argv=None) -> dict:
     for n, apm in results.items():
         table.add_row("pipeline", str(n), f"{apm:.1f}", f"{apm / inproc_apm:.2f}x")
     Console().print(table)
-    split, budget_gb = measure_split(args, questions, params, progress) if args.split_devices else (None, 0.0)
+    split, budget_gb = measure_split(args, questions, params, progress, run_dir) if args.split_devices else (None, 0.0)
     if split:
         cmp = Table(title=f"split by layers over {args.split_devices} against whole on {args.devices}")
         for col in ("clients", "whole answers/min", "split answers/min", "split / whole"):

@@ -152,9 +152,18 @@ def child(args, address: str | None = None, pipelined: bool = False) -> dict:
         argv.append("--pipelined")
     # an idle OpenMP thread spins ~0.1 ms, then sleeps (as in stage processes): the side waiting for
     # the other's reply leaves it the cores
-    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "GOMP_SPINCOUNT": "10000"})
+    return run_json(argv, f"the {'split' if address else 'whole'} run", env={**os.environ, "GOMP_SPINCOUNT": "10000"})
+
+
+def run_json(argv: list[str], what: str, env: dict | None = None, show: bool = False) -> dict:
+    """Run a benchmark process and return its last stdout line, the JSON object each ends with;
+    `show`: pass its output through (its tables, its progress on stderr), else keep stderr for
+    the error a failed run raises."""
+    done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=None if show else subprocess.PIPE, text=True, env=env)
+    if show:
+        print(done.stdout, end="", flush=True)
     if done.returncode:
-        raise RuntimeError(f"the {'split' if address else 'whole'} run failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{(done.stderr or '')[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -273,15 +282,10 @@ def range_steps(folder: Path, cuts: dict[str, int], batch: int, runs: int = 25) 
 
 
 def script_json(script: str, argv: list[str]) -> dict:
-    """Run a sibling benchmark script in its own process (its tables and progress pass through)
-    and return its last stdout line, the JSON object every one of them ends with."""
+    """A sibling benchmark script run in its own process, its output shown (run_json)."""
     cmd = [sys.executable, str(Path(__file__).resolve().parent / script), *argv]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
-    print(done.stdout, end="", flush=True)
-    if done.returncode:
-        raise RuntimeError(f"{script} failed (exit {done.returncode})")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(cmd, script, show=True)
 
 
 def launches(args) -> dict:
