@@ -2,7 +2,8 @@
 
 For each question (default: benchmarks/general_questions.jsonl and benchmarks/count_questions.jsonl,
 the second naming a number of points; count_heldout.jsonl holds 40 more such questions, written
-apart, and count_check.jsonl 30, written after the last change to counted plans; or
+apart, count_check.jsonl 30, written after a change to counted plans, and count_later.jsonl 40,
+written before the parser read a head ("Comfort: Soft and supportive") as a title; or
 --questions FILE..., MT-bench lines or JSONL with
 `question`), the SpecSoT engine answers twice on one generator: with a plan (--sot always, or
 auto) and directly (--sot never, EAGLE alone). From the texts alone it reports:

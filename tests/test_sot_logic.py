@@ -78,6 +78,12 @@ PARSE_CASES = [
      [("Aria", None), ("Aria's voice", None), ("Aria's smile", None)]),
     ("numbered titles are different points", "1. Day 1\n2. Day 2\n3. Day three\n4. Day 3", "plan",
      [("Day 1", None), ("Day 2", None), ("Day three", None)]),
+    ("a head and its explanation is the head", "1. Comfort: Soft and supportive\n2. Grip: Lugs", "plan",
+     [("Comfort", None), ("Grip: Lugs", None)]),
+    ("a numbered head keeps its explanation", "1. Day 2: Visit the old town\n2. Day three: Rest all day", "plan",
+     [("Day 2: Visit the old town", None), ("Day three: Rest all day", None)]),
+    ("a head repeating an earlier title is dropped", "1. Comfort\n2. Weight\n3. Comfort: Comfortable and light", "plan",
+     [("Comfort", None), ("Weight", None)]),
     ("one point is not worth splitting", "1. Just answer it", "direct", []),
     ("items without titles do not count", "1. Sleep\n2. **\n3. ---", "direct", []),
     ("no list at all", "The sky is blue because of Rayleigh scattering.", "direct", []),
@@ -253,7 +259,7 @@ CUT = "1. Hawaii: beaches\n2. Food: poke\n3. Adventure: a mix of"
     [
         ("length", ["Hawaii: beaches", "Food: poke"]),  # the cap cut point 3 mid-line: it is left out
         ("repeat", ["Hawaii: beaches", "Food: poke"]),  # a loop was cut off: the same
-        ("stop", ["Hawaii: beaches", "Food: poke", "Adventure: a mix of"]),  # the list ended: all kept
+        ("stop", ["Hawaii: beaches", "Food: poke", "Adventure"]),  # the list ended: all kept (a head, _head)
     ],
 )
 def test_an_unfinished_last_line_of_a_cut_skeleton_is_not_a_point(finish, titles):
@@ -627,7 +633,8 @@ def test_the_merged_answer_shows_only_points_worth_reading(name, points, answer)
 def test_a_counted_answer_with_no_spare_left_shows_a_thin_point_that_names_an_item_of_its_own():
     """Where the question names a count, a point whose text only says what an earlier one said is
     left out while a spare can stand in for it; once none can, its own title keeps it in, so the
-    answer is not short of its count, unless its text copies the earlier one's. A point that says
+    answer is not short of its count, unless its text copies the earlier one's (without naming its
+    own item). A point that says
     nothing beyond its title and the question stays out either way. Such a point streams only once
     it ended (its text may yet turn into a copy)."""
     fmt, question = load_format("sot"), "Name two things to pack for a hiking trip."
@@ -637,6 +644,9 @@ def test_a_counted_answer_with_no_spare_left_shows_a_thin_point_that_names_an_it
         ([boots, water], "1. Boots: Boots keep your feet dry on the trail.\n2. Water: Keep dry on the trail."),
         ([boots, water, spare], "1. Boots: Boots keep your feet dry on the trail.\n2. Snacks: Nuts give quick energy."),
         ([boots, ("Socks", " Keep your feet dry on the trail.")], "1. Boots: Boots keep your feet dry on the trail."),
+        # the same words, but naming its own item: no copy ("fish is a great choice" after "lean beef is")
+        ([boots, ("Socks", " Socks keep your feet dry on the trail.")],
+         "1. Boots: Boots keep your feet dry on the trail.\n2. Socks: Socks keep your feet dry on the trail."),
         ([boots, ("Packing", " Pack for the hiking trip.")], "1. Boots: Boots keep your feet dry on the trail."),
     ]
     for points, answer in cases:

@@ -97,19 +97,20 @@ def says_something(body: str, title: str, question: set[str], shown: list[tuple[
     words of their texts, all and beyond their titles and the question). `needed`: no spare is
     left to stand in for it (a counted plan), so once it `ended`, beyond each earlier point's text
     its title and text together may say it, where its text is no copy of that point's (the same
-    words beyond title and question). While a point decodes, only the first test counts: more
-    text only adds words, so once true it stays true, and what the answer streams of a point is
-    never taken back."""
-    heading = content_words(title)
-    own = content_words(body) - heading - question
+    words beyond title and question, and its own item not named: "fish is a great choice" after
+    "lean beef is a great choice" is none). While a point decodes, only the first test counts:
+    more text only adds words, so once true it stays true, and what the answer streams of a point
+    is never taken back."""
+    words, item = content_words(body), content_words(title) - question
+    own = words - item - question
     if not own:
         return False
     if all(own - text for text, _ in shown):
         return True
     if not (needed and ended):
         return False
-    named = own | (heading - question)
-    return all(named - text and own != earlier for text, earlier in shown)
+    names_item = bool(words & item)
+    return all((own | item) - text and (names_item or own != earlier) for text, earlier in shown)
 
 
 def no_spare_left(counted: bool, left: int, wanted: int) -> bool:

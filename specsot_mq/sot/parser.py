@@ -6,8 +6,9 @@ The skeleton comes from a small model, so the parser forgives what such a model 
 - items run together on one line ("1. a 2. b 3. c"): a number inside a line starts an item only
   when it is the next number expected, so "1. Pick 3. options" stays one item;
 - titles lose a doubled marker ("1. 1. Title"), markdown (** __ `), control characters, junk
-  around them and trailing colons or periods; a title longer than 12 words is cut to its first
-  sentence or clause, then to 12 words;
+  around them and trailing colons or periods; a head and its explanation ("Comfort: Soft and
+  supportive") is the head; a title longer than 12 words is cut to its first sentence or clause,
+  then to 12 words;
 - a predicted length at the end of a title, "(~40 tokens)", "(40 tokens)" or "[40]", is read off;
 - a repeated number keeps its first item, and so does a title that says what an earlier one
   says (overlap.same_point: "Living room upgrades" after "Upgrade your living room");
@@ -32,6 +33,7 @@ from specsot_mq.errors import SpecSotError
 from specsot_mq.sot.overlap import NUMBER_WORDS, restates, same_point
 
 MAX_TITLE_WORDS = 12
+MAX_HEAD_WORDS = 4  # a title's head before ": ", where what follows explains it (_head)
 MOST_ASKED = 12  # the most points a question may name and get
 SPARE = 2  # items a counted skeleton may list past its count: a repeat or an empty point's stand-ins
 
@@ -203,7 +205,20 @@ def _clean_title(body: str) -> tuple[str, int | None]:
         title = title[:length.start()].rstrip(TRAILING_JUNK)
     if len(title) > 1 and title[0] in "\"'“‘" and title[-1] in "\"'”’":
         title = title[1:-1].lstrip(LEADING_JUNK).rstrip(TRAILING_JUNK)
-    return _shorten(title), predicted
+    return _shorten(_head(title)), predicted
+
+
+def _head(title: str) -> str:
+    """A title written as a head and its explanation ("Comfort: Comfortable and supportive") is
+    its head, where the head is one to four words not ending in a number ("Day 2: Rome" stays)
+    and the explanation is longer: the plan asked for short points, and the explanation is what
+    the point's text is for."""
+    head, colon, rest = title.partition(": ")
+    words = head.split()
+    if not colon or not 1 <= len(words) <= MAX_HEAD_WORDS or len(rest.split()) <= len(words):
+        return title
+    last = words[-1].lower()
+    return title if last.isdigit() or last in NUMBER_WORDS else head.rstrip(TRAILING_JUNK)
 
 
 def _shorten(title: str) -> str:
