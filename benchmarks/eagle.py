@@ -109,6 +109,8 @@ def main(argv=None) -> dict:
     trees = {tree_name(t): t for t in [main_tree, *sweep]}
     eagle = {run: Generator(model, tokenizer, max_len=max_len, draft=heads[run[0]], tree=trees[run[1]])
              for run in [main_run, *runs]}  # fmt: skip
+    for g in eagle.values():  # the head itself is measured, even where it does not pay (Generator.new_decoder)
+        g.retire_head = False
     hf = load_transformers(folder, dtype, args.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 

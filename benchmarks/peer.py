@@ -13,7 +13,8 @@ per question, the medians of the time to a complete answer and of tok/s, and end
 line: `plain_vs_llamacpp`, `eagle_vs_llamacpp`, `specsot_vs_llamacpp` and
 `specsot_vs_llamacpp_sot_routed` (median over questions of llama.cpp's seconds over ours: above 1
 is faster than llama.cpp), tok/s per engine, the CPU flags seen, `ways`: how the EAGLE and
-SpecSoT steps speculated (steps per way; recent ms per token by batch size), and
+SpecSoT steps speculated (steps per way until the head was retired, if it was; recent ms per
+token by batch size), and
 `planned_phase_shares`: where the planned answers' time went (PHASES).
 
     benchmarks/setup_llamacpp.sh        # once
@@ -263,11 +264,12 @@ def main(argv=None) -> dict:
     # How the EAGLE and SpecSoT steps speculated (their generator's SpeedChooser): steps per way, and
     # each way's recent ms per decided token by batch size.
     chooser = eagle.chooser
-    result["ways"] = {"steps": dict(chooser.counts), "ms_per_token": {
+    result["ways"] = {"steps": dict(chooser.counts), "head_retired": eagle.head_retired, "ms_per_token": {
         size: {w: None if v is None else round(v * 1e3, 2) for w, v in chooser.seconds_per_token(size).items()}
         for size in sorted(chooser.by_size)}}  # fmt: skip
-    out.print(f"ways the EAGLE and SpecSoT steps took: {result['ways']['steps']}; recent ms per token at 1 sequence: "
-              f"{result['ways']['ms_per_token'].get(1)}")  # fmt: skip
+    out.print(f"ways the EAGLE and SpecSoT steps took: {result['ways']['steps']} (then the head "
+              f"{'retired: plain decoders with prompt lookup' if eagle.head_retired else 'kept'}); recent ms per "
+              f"token at 1 sequence: {result['ways']['ms_per_token'].get(1)}")  # fmt: skip
     if phases:  # where a planned answer's time goes: each phase's share of their summed seconds
         total = sum(sum(p.values()) for p in phases)
         result["planned_phase_shares"] = {k: round(sum(p[k] for p in phases) / total, 3) for k in PHASES}

@@ -107,6 +107,8 @@ class PlainDecoder(Decoder):
 
     def prefill(self, seqs: list[Sequence], shared: int, source: int | Entry | None) -> None:
         pre = self.layout.prefill({seq.slot: seq.job.ids for seq in seqs}, shared, source, resume=seqs[0].job.resume)
+        for seq in seqs:  # (a generator with a head whose greedy decoding went plain) no draft state here
+            self.slots[seq.slot].draft_length, self.slots[seq.slot].feature = 0, None
         for seq, tok in zip(seqs, self.sampler(pre.last_logits).tolist()):
             seq.last = tok
             if self.lookup:

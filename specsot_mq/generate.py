@@ -149,6 +149,9 @@ class Generator:
         # its cache slots, and the prompt beginnings computed once (keep_prefix, Job.keep)
         self.slots = SlotManager(model.new_cache(num_slots, max_len), store=PrefixStore(prefix_cache_mb << 20))
         self.draft, self.tree, self.chooser = draft, tree, None
+        # greedy decoding goes on without the head once its tree does not pay here (new_decoder);
+        # False keeps it (benchmarks/eagle.py measures the head itself)
+        self.retire_head, self.head_retired = True, False
         if draft is not None:
             self.tree = tree or TreeParams()
             # how greedy EAGLE steps speculate, learned across all this generator's decoders
@@ -191,9 +194,16 @@ class Generator:
             )
 
     def new_decoder(self, params: SamplingParams) -> Decoder:
-        """The decoder for one call: EAGLE when the generator has a draft head, else plain."""
+        """The decoder for one call: EAGLE when the generator has a draft head, else plain (with
+        prompt lookup where greedy). Greedy decoding also goes plain, for the rest of the
+        generator's life, once the speed chooser finds the head's tree slower than the other ways
+        by a margin everywhere it timed them (SpeedChooser.drafting_pays): the head's pass over
+        each prompt and over each decided token then costs nothing. The tokens are the same either
+        way; sampling keeps the head (a seed gives one answer)."""
         sampler = Sampler(params, self.model.device)
-        if self.draft is None:
+        if self.draft is not None and params.greedy and self.retire_head and not self.head_retired:
+            self.head_retired = self.chooser is not None and not self.chooser.drafting_pays()
+        if self.draft is None or (params.greedy and self.head_retired):
             lookup = self.tree.lookup if self.tree else 0
             return PlainDecoder(self.model, self.slots, sampler, lookup, self.lists, self.history)
         chooser = self.chooser if params.greedy else None  # sampling: the decoder's own (the tree every step)

@@ -71,6 +71,10 @@ class SpeedChooser:
     # varies (a lookup step decides 1 to 3 tokens) and a short window lets a good way lose a probe
     # by chance, after which it waits hundreds of steps for another try.
     decay = 0.95
+    # The head's tree is retired (drafting_pays) once it has run this many steps and is this many
+    # times slower than the fastest other way at every batch size where both are timed.
+    retire_after = 32
+    retire_margin = 1.2
 
     def __init__(self, ways: list[str]):
         self.ways = ways
@@ -113,6 +117,24 @@ class SpeedChooser:
         """Each way's recent seconds per decided token at a batch size (None: not tried yet)."""
         at = self._at(size)
         return {w: at["seconds"][w] / at["tokens"][w] if at["tokens"][w] else None for w in self.ways}
+
+    def drafting_pays(self) -> bool:
+        """Whether the draft head still earns its upkeep (its pass over every prompt, reading each
+        decided token, the tree's probes): False once its tree ran `retire_after` steps and, at
+        every batch size where it and another way are timed, decided tokens `retire_margin` times
+        slower than the fastest other way. A generator then decodes greedily without the head
+        (Generator.new_decoder)."""
+        if "eagle" not in self.ways or len(self.ways) == 1 or self.counts["eagle"] < self.retire_after:
+            return True
+        compared = False
+        for size in self.by_size:
+            rates = self.seconds_per_token(size)
+            others = [rates[w] for w in self.ways_at(size) if w != "eagle" and rates[w] is not None]
+            if rates["eagle"] is not None and others:
+                compared = True
+                if rates["eagle"] <= self.retire_margin * min(others):
+                    return True
+        return not compared
 
     def record(self, way: str, seconds: float, tokens: int, size: int = 1) -> None:
         at = self._at(size)

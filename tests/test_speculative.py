@@ -178,6 +178,52 @@ def test_one_sequence_takes_lookup_rather_than_plain_where_lookup_is_a_way():
     assert SpeedChooser(["eagle", "plain"]).ways_at(1) == ["eagle", "plain"]  # no lookup: plain stays
 
 
+def test_the_head_is_retired_once_its_tree_is_slower_by_a_margin_at_every_size_timed():
+    def chooser(eagle_ms: dict[int, float], steps: int = SpeedChooser.retire_after) -> SpeedChooser:
+        c = SpeedChooser(["eagle", "lookup", "plain"])
+        for size, ms in eagle_ms.items():
+            c.record("lookup", 2.0, 1, size)  # 2 ms a token
+            for _ in range(steps // len(eagle_ms)):
+                c.record("eagle", ms, 1, size)
+        return c
+
+    assert not chooser({1: 4.0, 3: 2.6}).drafting_pays()  # 2x and 1.3x lookup's: retired
+    assert chooser({1: 4.0, 3: 2.2}).drafting_pays()  # within 1.2x at 3 sequences: kept
+    assert chooser({1: 4.0}, steps=SpeedChooser.retire_after - 1).drafting_pays()  # too few steps to tell
+    assert SpeedChooser(["eagle"]).drafting_pays()  # nothing else to decode with (a fixed tree, sampling)
+
+
+def test_greedy_decoding_goes_plain_once_the_head_is_retired_and_sampling_keeps_it(base):
+    """A retired head: greedy decoders are plain ones with prompt lookup (the same tokens), for
+    the rest of the generator's life; sampling keeps the head. A slot a plain decoder filled holds
+    no draft state, so a decoder with the head never starts from it."""
+    prefix = [BOS, 7, 7, 8]
+    prompts = [prefix + [1], prefix + [2, 3]]
+    plain = Generator(base, CharTokenizer(), max_len=64, num_slots=2)
+    expected = [c.token_ids for c in plain.generate_many(prompts, GREEDY, shared=len(prefix))]
+    gen = Generator(base, CharTokenizer(), max_len=64, num_slots=2, draft=random_head(base))
+    assert isinstance(gen.new_decoder(GREEDY), EagleDecoder) and not gen.head_retired
+    for size in (1, 2):  # the tree timed at 3x lookup's cost a token, at each batch size
+        gen.chooser.record("lookup", 1.0, 1, size)
+        for _ in range(SpeedChooser.retire_after):
+            gen.chooser.record("eagle", 3.0, 1, size)
+    decoder = gen.new_decoder(GREEDY)
+    assert isinstance(decoder, PlainDecoder) and decoder.lookup and gen.head_retired
+    assert [c.token_ids for c in gen.generate_many(prompts, GREEDY, shared=len(prefix), decoder=decoder)] == expected
+    assert all(gen.slots[s].prefix and gen.slots[s].feature is None for s in (0, 1))
+    assert gen.slots.find(prefix, [0, 1], True, False) is not None  # plain decoding may start from them...
+    assert gen.slots.find(prefix, [0, 1], True, True) is None  # ...one with the head may not
+    sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    sampler = gen.new_decoder(sampling)
+    assert isinstance(sampler, EagleDecoder)
+    out = gen.generate_many(prompts, sampling, shared=len(prefix), decoder=sampler)
+    assert [len(c.token_ids) for c in out] == [12, 12]
+    keep = Generator(base, CharTokenizer(), max_len=64, num_slots=2, draft=random_head(base))
+    keep.retire_head = False  # (benchmarks/eagle.py: the head itself is measured)
+    keep.chooser = gen.chooser
+    assert isinstance(keep.new_decoder(GREEDY), EagleDecoder)
+
+
 def test_a_generator_keeps_one_chooser_for_its_greedy_decoders(base):
     gen = Generator(base, CharTokenizer(), max_len=64, draft=heads(base)["fused"])
     first, second = gen.new_decoder(GREEDY), gen.new_decoder(GREEDY)
