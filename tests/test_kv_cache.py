@@ -97,6 +97,8 @@ def test_a_prompts_computed_beginning_is_found_in_a_slot_or_in_the_store():
     assert slots.find([1, 2, 3, 4], [0, 1, 2], exact=False, with_draft=False).ids == [1, 2, 3]
     assert slots.find([1, 2, 3, 4], [0, 1, 2], exact=False, with_draft=True) is None
     slots.claim([1], (1, 2), copy=0)
+    assert slots.find([1, 2, 3, 4], [0, 1, 2], exact=False, with_draft=True) is None  # a plain decoder's: no feature
+    slots[1].feature = torch.zeros(4)  # the draft head's state at its end, as a decoder with the head leaves it
     assert slots.find([1, 2, 3, 4], [0, 1, 2], exact=False, with_draft=True) == 1  # shorter, but usable
     assert slots.find([1, 2, 3, 4], [0, 1, 2], exact=False, with_draft=False).ids == [1, 2, 3]  # the longest
     assert slots.find([1, 2], [0, 1, 2], exact=True, with_draft=False) == 1  # a slot first
