@@ -109,8 +109,8 @@ class SlotManager:
 
     def find(self, ids: list[int], slots: Sequence[int], exact: bool, with_draft: bool) -> int | Entry | None:
         """Where the longest computed beginning of `ids` is: one of `slots` whose claim it is, else a
-        prefix store entry (`with_draft`: a slot or entry with the draft head's state), else None. `exact`: the
-        slot's claim must be all of `ids` (a store entry may still be shorter)."""
+        prefix store entry (`with_draft`: a slot or entry with the draft head's state), else None.
+        `exact`: the slot's claim must be all of `ids` (a store entry may still be shorter)."""
         best, key = None, tuple(ids)
         for s in slots:
             held = self.slots[s].prefix
