@@ -354,8 +354,8 @@ def load_generator(
     gen = Generator(net, load_tokenizer(folder), max_len=max_len, num_slots=num_slots, draft=head,
                     tree=tree or TreeParams(), prefix_cache_mb=prefix_cache_mb)  # fmt: skip
     # What loading made lives as long as the process (the tokenizer's vocabulary and merges, the
-    # model's modules: some 230k objects). Frozen, the garbage collector stops walking them in
-    # each full collection (tens of ms, in the middle of some answer's step).
+    # model's modules: hundreds of thousands of objects). Frozen, the garbage collector stops
+    # walking them in each full collection (tens of ms, in the middle of some answer's step).
     gc.collect()
     gc.freeze()
     return gen
