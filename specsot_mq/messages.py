@@ -41,11 +41,12 @@ class WireError(ValueError):
 
 
 class Tensor(msgspec.Struct, forbid_unknown_fields=True):
-    """A tensor's bytes: `dtype` names torch's (float32, bfloat16, int64, bool, ...)."""
+    """A tensor's bytes: `dtype` names torch's (float32, bfloat16, int64, bool, ...). `data` is
+    decoded as a view into the received message, not a copy (a step's logits are megabytes)."""
 
     dtype: str
     shape: list[int]
-    data: bytes
+    data: memoryview
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):

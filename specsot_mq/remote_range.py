@@ -32,6 +32,7 @@ import os
 import sys
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,15 +59,22 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 def to_wire(t: torch.Tensor) -> Tensor:
+    """The tensor as a message field: a view of its bytes (encoding the message copies them once)."""
     t = t.detach().contiguous().cpu()
-    return Tensor(str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes())
+    return Tensor(str(t.dtype).removeprefix("torch."), list(t.shape), memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
 def from_wire(w: Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor over the field's bytes, where they lie in the received message (zero-copy on a
+    CPU: it keeps the message alive; a range's frames are ZeroMQ's writable buffers)."""
     dtype = getattr(torch, w.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise SpecSotError(f"a tensor of unknown dtype {w.dtype!r} came over the wire")
-    t = torch.frombuffer(bytearray(w.data), dtype=dtype) if w.data else torch.empty(0, dtype=dtype)
+    if not len(w.data):
+        return torch.empty(w.shape, dtype=dtype, device=device)
+    with warnings.catch_warnings():  # (a view of a message decoded from bytes is read-only: nothing writes it)
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        t = torch.frombuffer(w.data, dtype=dtype)
     return t.reshape(w.shape).to(device)
 
 
@@ -134,9 +142,11 @@ class RangeServer:
         print(f"serving layers {self.model.first_layer}:{self.model.last_layer} at {address}", file=sys.stderr, flush=True)
         try:
             while True:
-                *route, raw = sock.recv_multipart()  # (the caller's id, the empty delimiter, the request)
+                # (the caller's id, the empty delimiter, the request), as ZeroMQ's own buffers: a
+                # hidden state or KV in it is read where it lies
+                *route, raw = sock.recv_multipart(copy=False)
                 try:
-                    request = _REQUESTS.decode(raw)
+                    request = _REQUESTS.decode(raw.buffer)
                 except msgspec.MsgspecError as e:
                     sock.send_multipart([*route, _ENCODER.encode(RangeReply(error=f"a malformed request ({e})"))])
                     continue
@@ -152,7 +162,7 @@ class RangeServer:
                 # the reply sets to work, then finds this one's cores free
                 if self.share is not None and not sock.poll(0):
                     self.share.idle()
-                sock.send_multipart([*route, reply])
+                sock.send_multipart([*route, reply], copy=False)
                 if isinstance(request, RangeStop):
                     return
         finally:
@@ -192,7 +202,7 @@ class _Peer:
         self.connect()
 
     def send(self, raw: bytes) -> None:
-        self.sock.send_multipart([b"", raw])
+        self.sock.send_multipart([b"", raw], copy=False)
         self.pending += 1
 
     def events(self) -> None:
@@ -216,7 +226,8 @@ class _Peer:
             ready = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
             if self.sock in ready:
                 self.pending -= 1
-                return _REPLY.decode(self.sock.recv_multipart()[-1])
+                # the reply's logits are read where ZeroMQ received them (from_wire)
+                return _REPLY.decode(self.sock.recv_multipart(copy=False)[-1].buffer)
             if self.monitor in ready:
                 self.events()
                 if self.gone:
