@@ -154,13 +154,16 @@ def test_a_device_stage_decodes_with_the_runs_draft_tree(tiny_model):
 def test_a_cpu_device_stage_runs_on_its_own_hosts_cores_unless_the_launch_fixes_them(tiny_model):
     """The stage counts the cores of the host it runs on (a remote host may have other than the
     launcher's) and, busy alone, takes all of them; `specsot launch --threads N` (plan_run's
-    stage_threads) fixes the count instead. Counted on the worker thread, where the model runs."""
+    stage_threads) fixes the count instead. Over --split layers the range servers compute: the
+    stage, holding no layers, runs one thread and takes no place on the core board. Counted on
+    the worker thread, where the model runs."""
     from specsot_mq.stages.base import RunSpec
     from specsot_mq.stages.skeleton import SkeletonStage
 
     class Probe(SkeletonStage):
         def build(self):
             self.loaded_with = torch.get_num_threads()  # on the worker thread
+            self.spec.ranges = {}  # (the thread count is chosen by now: load the whole model, no servers needed)
             return super().build()
 
     async def threads_of(spec):
@@ -171,6 +174,7 @@ def test_a_cpu_device_stage_runs_on_its_own_hosts_cores_unless_the_launch_fixes_
         await stage.start()
         await stage.stop()
         assert stage.share is None or not stage.share.path.exists()  # a stopped launch leaves no board behind
+        assert (stage.share is None) == bool(spec.threads or spec.ranges)
         return stage.loaded_with
 
     spec, _ = tiny_spec(tiny_model, "p2p")
@@ -178,6 +182,9 @@ def test_a_cpu_device_stage_runs_on_its_own_hosts_cores_unless_the_launch_fixes_
     assert asyncio.run(threads_of(spec)) == os.cpu_count()
     spec.threads = {"skeleton": 1}
     assert asyncio.run(threads_of(spec)) == 1
+    split, _ = tiny_spec(tiny_model, "p2p", split=True)
+    assert split.ranges and split.threads == {}
+    assert asyncio.run(threads_of(split)) == 1
 
 
 @pytest.mark.slow
