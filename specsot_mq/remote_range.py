@@ -32,7 +32,6 @@ import os
 import sys
 import time
 import uuid
-import warnings
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,17 +64,16 @@ def to_wire(t: torch.Tensor) -> Tensor:
 
 
 def from_wire(w: Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A tensor over the field's bytes, where they lie in the received message (zero-copy on a
-    CPU: it keeps the message alive; a range's frames are ZeroMQ's writable buffers)."""
+    """A tensor over the field's bytes where they lie in the received message, if it is writable
+    (a range's frames are ZeroMQ's own buffers: no copy on a CPU; the tensor keeps the message
+    alive), else over a copy (a message decoded from immutable bytes)."""
     dtype = getattr(torch, w.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise SpecSotError(f"a tensor of unknown dtype {w.dtype!r} came over the wire")
     if not len(w.data):
         return torch.empty(w.shape, dtype=dtype, device=device)
-    with warnings.catch_warnings():  # (a view of a message decoded from bytes is read-only: nothing writes it)
-        warnings.filterwarnings("ignore", "The given buffer is not writable")
-        t = torch.frombuffer(w.data, dtype=dtype)
-    return t.reshape(w.shape).to(device)
+    data = w.data if isinstance(w.data, memoryview) and not w.data.readonly else bytearray(w.data)
+    return torch.frombuffer(data, dtype=dtype).reshape(w.shape).to(device)
 
 
 class RangeServer:

@@ -153,3 +153,30 @@ def test_fieldless_and_default_messages():
 def test_objects_that_are_not_plain_data_are_refused():
     with pytest.raises(TypeError):
         encode(MergePlan("r", "sot", "", "", [], {}, {"x": object()}), "a", "b")
+
+
+def test_a_tensor_is_read_where_a_writable_message_holds_it_else_copied():
+    """remote_range.from_wire: over ZeroMQ's own (writable) buffer a tensor field is a view, no
+    copy (a range step's logits are megabytes); from immutable bytes it is a copy, so writing the
+    tensor never changes the message."""
+    import torch
+
+    from specsot_mq.messages import RangeReply
+    from specsot_mq.remote_range import from_wire, to_wire
+
+    logits = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    raw = msgspec.msgpack.encode(RangeReply(logits=to_wire(logits)))
+    decoder = msgspec.msgpack.Decoder(RangeReply)
+    with zmq.Context() as ctx, ctx.socket(zmq.PAIR) as a, ctx.socket(zmq.PAIR) as b:
+        address = next(ENDPOINTS)
+        a.bind(address)
+        b.connect(address)
+        a.send(raw, copy=False)
+        frame = b.recv(copy=False)
+        view = from_wire(decoder.decode(frame.buffer).logits)
+        assert torch.equal(view, logits)
+        view[0, 0] = 99.0  # the tensor's memory is the frame's
+        assert from_wire(decoder.decode(frame.buffer).logits)[0, 0] == 99.0
+    copied = from_wire(decoder.decode(raw).logits)
+    copied[0, 0] = 99.0
+    assert from_wire(decoder.decode(raw).logits)[0, 0] == 0.0 and raw == msgspec.msgpack.encode(RangeReply(logits=to_wire(logits)))
