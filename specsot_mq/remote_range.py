@@ -17,10 +17,11 @@ A range may have replicas (several servers of the same layers): see RemoteRange.
 
     python -m specsot_mq.remote_range --model NAME --layers 15:30 --bind tcp://127.0.0.1:5700
 
-The messages are messages.py's Range* (tensors as raw bytes, read where ZeroMQ received them). A request that fails answers with
-its error, which the caller raises naming the server; a server that goes away while a request is
-pending (its socket is watched), or that does not answer within the timeout, is named too, and
-every reply carries the server process's epoch, so a restart is seen.
+The messages are messages.py's Range* (tensors as raw bytes, read where ZeroMQ received them). A
+request that fails answers with its error, which the caller raises naming the server; a server
+that goes away while a request is pending (its socket is watched), or that does not answer within
+the timeout, is named too, and every reply carries the server process's epoch, so a restart is
+seen.
 """
 
 from __future__ import annotations

@@ -147,7 +147,8 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
     the host it runs on (counted there, by the stage itself: a remote host may have more or fewer
     than this one): a stage busy alone takes all of them, busy stages split them (core_share.py).
     `ranges` (--split layers): each device's layers, served by a range server on it; the skeleton
-    and one branch stage, on the first device's host, then run the model through them."""
+    and one branch stage, on the first device's host, then run the model through them (one
+    thread each, unless stage_threads says otherwise)."""
     if topology not in TOPOLOGIES:
         raise SpecSotError(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {topology!r}")
     if not devices:
@@ -174,7 +175,10 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
     table = {name: address(name) for name in kinds}
     if stage_threads is not None and (isinstance(stage_threads, bool) or stage_threads < 1):
         raise SpecSotError(f"--threads must be a whole number of at least 1, got {stage_threads!r}")
-    threads = {name: stage_threads for name in dev if "#cpu" in dev[name]} if stage_threads else {}
+    # --threads fixes the stages' count; over --split layers the range servers compute (on a board
+    # of their own), so the stages driving them hold no layers and run one thread, off the board
+    fixed = stage_threads or (1 if ranges else None)
+    threads = {name: fixed for name in dev if "#cpu" in dev[name]} if fixed else {}
     threads |= {name: stage_threads for name, (d, _) in served.items() if d.kind == "cpu"} if stage_threads else {}
     # Each branch's profile fields but its name (the stage is named after the device already).
     profs = {f"branch@{p.name}": {k: v for k, v in asdict(p).items() if k != "name"}

@@ -235,10 +235,6 @@ class DeviceStage(Stage):
         self.running: dict[str, object] = {}  # rid -> what the subclass keeps about that request
         self.device = parse_devices(self.spec.devices[self.name], resolve=False)[0].torch_device
         threads = self.spec.threads.get(self.name) if self.device == "cpu" else None  # --threads fixed it
-        if self.spec.ranges and self.device == "cpu" and threads is None:
-            # --split layers: the range servers compute (on their own board); this stage holds no
-            # layers, so it takes no share of the cores, nor waits for one before a step
-            threads = 1
         # Otherwise a CPU stage takes its share of the host's cores, by how many of its stages are busy.
         self.share = host_share(self.spec, self.name) if self.device == "cpu" and threads is None else None
         self.outbox: asyncio.Queue = asyncio.Queue()

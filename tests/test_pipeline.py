@@ -155,7 +155,7 @@ def test_a_cpu_device_stage_runs_on_its_own_hosts_cores_unless_the_launch_fixes_
     """The stage counts the cores of the host it runs on (a remote host may have other than the
     launcher's) and, busy alone, takes all of them; `specsot launch --threads N` (plan_run's
     stage_threads) fixes the count instead. Over --split layers the range servers compute: the
-    stage, holding no layers, runs one thread and takes no place on the core board. Counted on
+    launch fixes the stages, which hold no layers, at one thread, off the core board. Counted on
     the worker thread, where the model runs."""
     from specsot_mq.stages.base import RunSpec
     from specsot_mq.stages.skeleton import SkeletonStage
@@ -174,7 +174,7 @@ def test_a_cpu_device_stage_runs_on_its_own_hosts_cores_unless_the_launch_fixes_
         await stage.start()
         await stage.stop()
         assert stage.share is None or not stage.share.path.exists()  # a stopped launch leaves no board behind
-        assert (stage.share is None) == bool(spec.threads or spec.ranges)
+        assert (stage.share is None) == bool(spec.threads)
         return stage.loaded_with
 
     spec, _ = tiny_spec(tiny_model, "p2p")
@@ -183,7 +183,7 @@ def test_a_cpu_device_stage_runs_on_its_own_hosts_cores_unless_the_launch_fixes_
     spec.threads = {"skeleton": 1}
     assert asyncio.run(threads_of(spec)) == 1
     split, _ = tiny_spec(tiny_model, "p2p", split=True)
-    assert split.ranges and split.threads == {}
+    assert split.ranges and split.threads == {"skeleton": 1, "branch@127.0.0.1#cpu0": 1}  # the launch fixes them
     assert asyncio.run(threads_of(split)) == 1
 
 
