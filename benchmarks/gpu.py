@@ -13,8 +13,15 @@ Runs, each as its own process with a time limit, so one failure leaves the rest 
   exact     fp32 on the GPU: EAGLE greedy decoding of the default model, one sequence and four
             together, gives plain greedy decoding's tokens
   curve     step.py --device cuda: one step's time over rows x new tokens, captured and eager
+  train     `specsot train-draft --device cuda`: templated questions written by --workers processes for
+            --data-seconds, then --epochs of training; the head goes to --head-out
+  head      eagle.py --device cuda with the head just trained (the shipped one compared): a chain
+            of 4 and the default tree without prompt lookup, then the default tree with it
+  stages    `specsot run --devices 127.0.0.1#0`: the stage processes on the GPU answer two questions
+  profile   device_profile.py --device cuda: the GPU's devices.json profile, measured
 
     python benchmarks/gpu.py [--only decode,eagle] [--out results.json] [--budget 450]
+    python benchmarks/gpu.py --only train,head,tests,stages,profile --head-out $OUT/head.safetensors
 
 A GPU host that reaches no package registry needs the default model's folder under
 $SPECSOT_HOME/models (benchmarks/README.md says how it travels) and the wheels of the packages its
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +41,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ROOT / "benchmarks/general_questions.jsonl"
+SHIPPED = ROOT / "specsot_mq/drafts/smollm2-135m-instruct.safetensors"
+SPECSOT = [shutil.which("specsot") or "specsot"]  # the installed command (the checkout's cli/ is specsot_mq.cli there)
 ASK = "Give me three tips for staying healthy."
 
 
@@ -53,12 +63,12 @@ def run(name: str, argv: list[str], limit: float, env: dict | None = None) -> di
     try:
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=limit, env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {limit:.0f} s", "seconds": round(time.perf_counter() - start, 1)}
+        return {"error": f"timed out after {limit:.0f} s", "wall_s": round(time.perf_counter() - start, 1)}
     print(done.stdout[-3000:], done.stderr[-2000:], sep="\n", flush=True)
     result = last_json(done.stdout) or {}
     if done.returncode:
         result["error"] = f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1][:300] if done.stderr.strip() else ''}"
-    result["seconds"] = round(time.perf_counter() - start, 1)
+    result["wall_s"] = round(time.perf_counter() - start, 1)
     return result
 
 
@@ -115,6 +125,11 @@ def main(argv=None) -> dict:
     p.add_argument("--budget", type=float, default=450, help="seconds for the whole check (parts left out past it)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # runs one in-process part (a child)
+    p.add_argument("--head-out", default="/tmp/gpu-head.safetensors", help="where train writes its head")
+    p.add_argument("--train-questions", type=int, default=20000)
+    p.add_argument("--data-seconds", type=float, default=100)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--workers", type=int, default=4)
     args = p.parse_args(argv)
     if args.part:
         result = {"ask": ask_warm, "exact": exact}[args.part](args.device)
@@ -122,6 +137,7 @@ def main(argv=None) -> dict:
         return result
     py = sys.executable
     dev = ["--device", args.device]
+    stage_device = "127.0.0.1#0" if args.device.startswith("cuda") else "127.0.0.1#cpu"
     parts = {  # in the order they run: the budget leaves out the last first
         "tests": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py", "tests/test_cuda_graphs.py",
                    "-k", "not fused"], 120, None),  # (the fused kernels: their interpreter test is for a CPU)
@@ -135,6 +151,14 @@ def main(argv=None) -> dict:
                    "--sweep", "4x4x1,2x1x2,8x4x2+4,16x5x4+8"], 150, None),
         "eager": ([py, "benchmarks/decode.py", *dev, "--limit", "1", "--new-tokens", "128", "--runs", "1"], 90,
                   {"SPECSOT_CUDA_GRAPHS": "0"}),
+        "train": ([*SPECSOT, "train-draft", *dev, "--prompts", "templates", "--questions", str(args.train_questions),
+                   "--batch", "128", "--workers", str(args.workers), "--data-seconds", str(args.data_seconds),
+                   "--epochs", str(args.epochs), "--work-dir", "/tmp/gpu-train", "--out", args.head_out], 330, None),
+        "head": ([py, "benchmarks/eagle.py", *dev, "--draft", args.head_out, "--compare-draft", str(SHIPPED),
+                  "--questions", str(QUESTIONS), "--limit", "3", "--new-tokens", "160", "--sweep", "4x4x1,2x1x2"], 100, None),
+        "stages": (["bash", "-c", f"printf '{ASK}\\nName three planets and one fact about each.\\n' | "
+                    f"{' '.join(SPECSOT)} run --devices {stage_device} --run gpu"], 80, None),
+        "profile": ([py, "benchmarks/device_profile.py", *dev, "--tokens", "32", "--max-batch", "64"], 70, None),
     }
     wanted = [name for name in parts if name in args.only.split(",")]
     start = time.perf_counter()

@@ -99,10 +99,17 @@ def train_draft(
         help="Where the questions come from: self (the model writes them) or templates (23k from templates over "
              "topics written for this project, specsot_mq/prompts/train_questions.json).")] = "self",
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay after 50 warm-up steps).")] = 1e-3,
+    workers: Annotated[int, typer.Option(
+        help="Processes writing the data, each with its own copy of the model (on a GPU, 4 keep it busy).")] = 1,
+    data_seconds: Annotated[Optional[float], typer.Option(
+        help="Write data for at most this long, then train on what is written (the same command later writes the rest).")] = None,
+    tokens_per_batch: Annotated[Optional[int], typer.Option(
+        help="Training batch in tokens (default 1024 on the CPU, 16384 on a GPU).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = None,
 ):
     """Train an EAGLE draft head for a base model on the base model's own outputs."""
+    import functools
     from pathlib import Path
 
     from specsot_mq import train_draft as recipe
@@ -120,19 +127,29 @@ def train_draft(
         raise SpecSotError(f"--prompts {prompts!r}: give one of {', '.join(recipe.PROMPT_SOURCES)}")
     if not 0 < lr < 1:
         raise SpecSotError(f"--lr {lr}: give a learning rate above 0 and below 1, e.g. 1e-3 (3e-4 to fine-tune)")
+    if workers < 1:
+        raise SpecSotError(f"--workers {workers}: give the number of data-writing processes, at least 1 (e.g. 4 on a GPU)")
+    if data_seconds is not None and data_seconds <= 0:
+        raise SpecSotError(f"--data-seconds {data_seconds}: give a time above 0, or leave it out to write every question")
+    if tokens_per_batch is not None and tokens_per_batch < 64:
+        raise SpecSotError(f"--tokens-per-batch {tokens_per_batch}: give at least 64 (1024 on the CPU, 16384 on a GPU)")
     if not 0 <= feature_noise < 1:
         raise SpecSotError(f"--feature-noise {feature_noise}: give a fraction of the features' size from 0 (none) to below 1, e.g. 0.1")
     dev = resolve_device(device)
     check_dtype(dtype)  # a bad flag fails before a model is pulled
     folder = resolve_model(model)
     name = folder.name
-    base = load_model(folder, dtype=resolve_dtype(dtype, dev, runs_quantized(folder, "auto", dev)), device=dev)
+    torch_dtype = resolve_dtype(dtype, dev, runs_quantized(folder, "auto", dev))
+    base = load_model(folder, dtype=torch_dtype, device=dev)
+    per_batch = tokens_per_batch or (1024 if base.device.type == "cpu" else 16384)
     cfg = recipe.TrainConfig(questions=questions, epochs=epochs, batch=batch, draft_vocab=draft_vocab, feature_layers=layers,
-                             feature_noise=feature_noise, seed=seed, lr=lr, init=init, prompts=prompts)
+                             feature_noise=feature_noise, seed=seed, lr=lr, init=init, prompts=prompts, workers=workers,
+                             data_seconds=data_seconds, tokens_per_batch=per_batch)  # fmt: skip
     recipe.feature_layers(base, cfg)  # a wrong list fails now, not after the data is written
     out_path = Path(out) if out else specsot_home() / "drafts" / f"{name}.safetensors"
     work = Path(work_dir) if work_dir else specsot_home() / "train" / name
-    record = recipe.run(base, load_tokenizer(folder), out_path, work, cfg)
+    loader = functools.partial(recipe.load_base, folder, torch_dtype, dev)
+    record = recipe.run(base, load_tokenizer(folder), out_path, work, cfg, loader)
     err.print(f"[green]draft head written to {out_path}[/]")
     print(json.dumps(record))
 

@@ -16,10 +16,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import math
+import os
 import random
 import time
 from collections import Counter
@@ -76,6 +78,14 @@ class TrainConfig:
     # A saved head to start from (fine-tuning: its draft vocabulary and feature layers are kept)
     # instead of the base's last layer.
     init: str | None = None
+    # Processes writing the data, each with its own copy of the base on the same device (a GPU
+    # step of 128 rows is short next to the host's per-token work, so several writers keep it
+    # busy); chunk c of `batch` questions is written by writer c mod workers. Not part of the
+    # recipe: the same chunks are written whatever the count, and a resumed run may change it.
+    workers: int = 1
+    # Stop starting new chunks after this many seconds of writing and train on what is written
+    # (None: write all `questions`); a later run with the same settings writes the rest.
+    data_seconds: float | None = None
 
 
 def _progress() -> Progress:
@@ -121,11 +131,48 @@ def _questions(gen: Generator, cfg: TrainConfig, done: int, n: int, prefix: list
     return [q for q in qs if len(q) > 10] or ["Give me some advice for learning to cook."]
 
 
-def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
-    """Rows {kind, question, prompt, output} (token ids). Appends to `path`; resumes where it
-    stopped. SoT rows carry the prompt format's stamp: rows written with another format (the
-    prompts changed since) are written again from their questions, keeping the answers."""
+def data_path(work: Path, writer: int) -> Path:
+    """Writer 0's data is data.jsonl, writer w's data-<w>.jsonl."""
+    return work / ("data.jsonl" if writer == 0 else f"data-{writer}.jsonl")
+
+
+def read_rows(path: Path, batch: int) -> list[dict]:
+    """A data file's rows, each with its chunk (rows written before chunks were recorded get the
+    one their answer's place gives: a single writer wrote them in order)."""
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    chunk_of, answers = {}, 0
+    for r in rows:
+        if r["kind"] == "answer":
+            if "chunk" not in r:
+                r.update(chunk=answers // batch, asked=batch)
+            answers += 1
+            chunk_of.setdefault(r["question"], r["chunk"])
+    for r in rows:
+        r.setdefault("chunk", chunk_of.get(r["question"], 0))
+    return rows
+
+
+def written_chunks(work: Path, batch: int) -> set[tuple[int, int]]:
+    """(chunk, questions asked) of every chunk whose answers some writer saved."""
+    return {(r["chunk"], r["asked"]) for f in sorted(work.glob("data*.jsonl")) for r in read_rows(f, batch) if r["kind"] == "answer"}
+
+
+def all_rows(work: Path, batch: int) -> list[dict]:
+    """Every writer's rows in chunk order (within a chunk, as its writer wrote them): the rows one
+    writer would have written, whatever the number of writers."""
+    rows = [r for f in sorted(work.glob("data*.jsonl")) for r in read_rows(f, batch)]
+    return sorted(rows, key=lambda r: r["chunk"])
+
+
+def generate_data(gen: Generator, cfg: TrainConfig, path: Path, writer: int = 0, done: set | None = None,
+                  deadline: float | None = None, bar: bool = True) -> list[dict]:
+    """Rows {kind, question, prompt, output (token ids), chunk} for the chunks of `cfg.batch`
+    questions that are this writer's (chunk c is writer c mod cfg.workers') and not yet in
+    `done` (every writer's saved chunks; this file's when not given).
+    Appends to `path`; resumes where it stopped. SoT rows carry the prompt format's stamp: rows
+    written with another format (the prompts changed since) are written again from their
+    questions, keeping the answers. `deadline` (time.time()): no chunk is started after it."""
+    rows = read_rows(path, cfg.batch)
     tok = gen.tokenizer
     fmt = load_format("sot")
     stamp = format_stamp(fmt)
@@ -138,9 +185,11 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
         rows = current
     for head in fmt.skeleton_heads(tok):  # the instructions and worked examples, once
         gen.keep_prefix(head)
-    questions = [r["question"] for r in rows if r["kind"] == "answer"]
-    done_answers = len(questions)
-    with _progress() as bar, path.open("a") as out:
+    done = {(r["chunk"], r["asked"]) for r in rows if r["kind"] == "answer"} if done is None else done
+    answered = {r["question"]: r["chunk"] for r in rows if r["kind"] == "answer"}
+    chunks = [c for c in range(math.ceil(cfg.questions / cfg.batch))
+              if c % cfg.workers == writer and (c, min(cfg.batch, cfg.questions - c * cfg.batch)) not in done]  # fmt: skip
+    with _progress() if bar else contextlib.nullcontext() as progress, path.open("a") as out:
 
         def save(new: list[dict]) -> None:
             for r in new:
@@ -149,30 +198,80 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path) -> list[dict]:
             rows.extend(new)
 
         planned = {r["question"] for r in rows if r["kind"] == "skeleton"}
-        missing = [q for q in dict.fromkeys(questions) if q not in planned]
-        if missing:
-            task = bar.add_task("SoT rows for answered questions", total=len(missing), info="")
-            for i in range(0, len(missing), 4 * cfg.batch):
-                chunk = missing[i : i + 4 * cfg.batch]
-                save(_sot_rows(chunk, fmt, stamp, gen, cfg))
-                bar.advance(task, len(chunk))
+        missing = [q for q in answered if q not in planned]
+        for i in range(0, len(missing), 4 * cfg.batch):
+            chunk = missing[i : i + 4 * cfg.batch]
+            save(_sot_rows(chunk, [answered[q] for q in chunk], fmt, stamp, gen, cfg))
         source = "self-written data" if cfg.prompts == "self" else "templated questions"
-        task = bar.add_task(source, total=cfg.questions, info="")
-        bar.update(task, completed=done_answers)
+        task = progress.add_task(source, total=len(chunks) * cfg.batch, info="") if bar else None
         prefix = _magpie_prefix(tok)
-        while done_answers < cfg.questions:
-            qs = _questions(gen, cfg, done_answers, min(cfg.batch, cfg.questions - done_answers), prefix)
+        for c in chunks:
+            if deadline is not None and time.time() >= deadline:
+                break
+            asked = min(cfg.batch, cfg.questions - c * cfg.batch)
+            qs = _questions(gen, cfg, c * cfg.batch, asked, prefix)
             if not qs:  # every templated question is asked
                 break
             answers = _decode(gen, [Job(i, chat_prompt_ids(tok, q), SamplingParams(max_tokens=cfg.answer_tokens))
                                     for i, q in enumerate(qs)])  # fmt: skip
-            save([{"kind": "answer", "question": q, "prompt": chat_prompt_ids(tok, q), "output": answers[i]}
-                  for i, q in enumerate(qs)])  # fmt: skip
-            save(_sot_rows(qs, fmt, stamp, gen, cfg))
-            done_answers += len(qs)
-            tokens = sum(len(r["output"]) for r in rows)
-            bar.update(task, completed=min(done_answers, cfg.questions), info=f"{tokens} tokens")
+            save([{"kind": "answer", "question": q, "prompt": chat_prompt_ids(tok, q), "output": answers[i],
+                   "chunk": c, "asked": asked} for i, q in enumerate(qs)])  # fmt: skip
+            save(_sot_rows(qs, [c] * len(qs), fmt, stamp, gen, cfg))
+            if bar:
+                progress.update(task, advance=asked, info=f"{sum(len(r['output']) for r in rows)} tokens")
     return rows
+
+
+def load_base(folder: Path, dtype: torch.dtype, device) -> tuple[LlamaModel, object]:
+    """The base and its tokenizer, as a data writer process loads them (with functools.partial,
+    the `loader` of write_data)."""
+    from specsot_mq.loader import load_model
+    from specsot_mq.tokenizer import load_tokenizer
+
+    return load_model(folder, dtype=dtype, device=device), load_tokenizer(folder)
+
+
+def _write_chunks(loader, cfg: TrainConfig, work: Path, writer: int, done: set, deadline: float | None) -> None:
+    """A data writer process: its own copy of the base, its share of the chunks."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.workers))
+    base, tokenizer = loader()
+    gen = Generator(base, tokenizer, max_len=1024, num_slots=cfg.batch)
+    generate_data(gen, cfg, data_path(work, writer), writer, done, deadline, bar=False)
+
+
+def write_data(base: LlamaModel, tokenizer, cfg: TrainConfig, work: Path, loader=None) -> list[dict]:
+    """Every chunk's rows, written here (one writer) or by cfg.workers processes each loading the
+    base with `loader` (a progress bar here counts the answers they save)."""
+    work.mkdir(parents=True, exist_ok=True)
+    deadline = time.time() + cfg.data_seconds if cfg.data_seconds else None
+    if cfg.workers == 1:
+        gen = Generator(base, tokenizer, max_len=1024, num_slots=cfg.batch)
+        generate_data(gen, cfg, data_path(work, 0), done=written_chunks(work, cfg.batch), deadline=deadline)
+        return all_rows(work, cfg.batch)
+    if loader is None:
+        raise SpecSotError(f"workers={cfg.workers}: writing data in several processes needs a loader of the base")
+    done = written_chunks(work, cfg.batch)
+    spawn = torch.multiprocessing.get_context("spawn")
+    procs = [spawn.Process(target=_write_chunks, args=(loader, cfg, work, w, done, deadline), daemon=True)
+             for w in range(cfg.workers)]  # fmt: skip
+    for p in procs:
+        p.start()
+
+    def answers() -> int:
+        return sum(f.read_text().count('"kind": "answer"') for f in work.glob("data*.jsonl"))
+
+    with _progress() as progress:
+        source = "self-written data" if cfg.prompts == "self" else "templated questions"
+        task = progress.add_task(f"{source}, {cfg.workers} writers", total=cfg.questions, info="")
+        while any(p.is_alive() for p in procs):
+            progress.update(task, completed=answers())
+            time.sleep(2)
+        progress.update(task, completed=answers())
+    failed = [w for w, p in enumerate(procs) if p.exitcode]
+    if failed:
+        raise SpecSotError(f"data writer(s) {failed} failed (exit codes {[procs[w].exitcode for w in failed]}): "
+                           "their message is above; the chunks written are kept, so the same command resumes")  # fmt: skip
+    return all_rows(work, cfg.batch)
 
 
 def format_stamp(fmt) -> str:
@@ -180,10 +279,10 @@ def format_stamp(fmt) -> str:
     return hashlib.sha1(repr(fmt).encode()).hexdigest()[:12]
 
 
-def _sot_rows(qs: list[str], fmt, stamp: str, gen: Generator, cfg: TrainConfig) -> list[dict]:
-    """Skeletons of the questions and up to `cfg.points` of each one's point expansions, decoded as
-    the SoT engine decodes them (its prompts, stops and length caps, each question's points sharing
-    their prefix): the text the head will draft in those phases."""
+def _sot_rows(qs: list[str], chunks: list[int], fmt, stamp: str, gen: Generator, cfg: TrainConfig) -> list[dict]:
+    """Skeletons of the questions (of the given chunks) and up to `cfg.points` of each one's point
+    expansions, decoded as the SoT engine decodes them (its prompts, stops and length caps, each
+    question's points sharing their prefix): the text the head will draft in those phases."""
     tok = gen.tokenizer
     sot = SoTConfig()
     sk_params = skeleton_params(sot, SamplingParams(max_tokens=cfg.skeleton_tokens))
@@ -192,7 +291,8 @@ def _sot_rows(qs: list[str], fmt, stamp: str, gen: Generator, cfg: TrainConfig) 
     skeletons = _decode(gen, [Job(i, p, sk_params) for i, p in enumerate(sk_prompts)], finish)
     rows, jobs = [], []
     for i, q in enumerate(qs):
-        rows.append({"kind": "skeleton", "format": stamp, "question": q, "prompt": sk_prompts[i], "output": skeletons[i]})
+        rows.append({"kind": "skeleton", "format": stamp, "question": q, "prompt": sk_prompts[i], "output": skeletons[i],
+                     "chunk": chunks[i]})  # fmt: skip
         skeleton = fmt.skeleton_prefix + tok.decode(skeletons[i], skip_special_tokens=True)
         plan = fmt.plan(finished_lines(skeleton, finish[i]), sot.max_points)  # as the engine parses it
         if plan.kind != "plan":
@@ -201,8 +301,8 @@ def _sot_rows(qs: list[str], fmt, stamp: str, gen: Generator, cfg: TrainConfig) 
         params = point_params(sot, SamplingParams(max_tokens=cfg.point_tokens), plan)
         jobs += [Job((i, p.index), prefix + suffixes[p.index], params, len(prefix), group=i) for p in plan.points[: cfg.points]]
     outputs = _decode(gen, jobs)
-    rows += [{"kind": "point", "format": stamp, "question": qs[job.key[0]], "prompt": job.ids, "output": outputs[job.key]}
-             for job in jobs]  # fmt: skip
+    rows += [{"kind": "point", "format": stamp, "question": qs[job.key[0]], "prompt": job.ids, "output": outputs[job.key],
+              "chunk": chunks[job.key[0]]} for job in jobs]  # fmt: skip
     return rows
 
 
@@ -230,7 +330,11 @@ def _decode(gen: Generator, jobs: list[Job], finish: dict | None = None) -> dict
 def cached_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...], context: int, work: Path):
     """capture_features, kept in `work` next to the data (about 1 KB per token per layer in bf16):
     a resumed or repeated training run skips the base pass. The file name covers the rows, the
-    layers and the context, so other data or settings compute their own."""
+    layers and the context, so other data or settings compute their own. On a GPU they stay in its
+    memory, never written: the pass takes seconds there, and 20,000 questions' features are tens
+    of GB."""
+    if base.device.type != "cpu":
+        return capture_features(base, rows, layers, context, batch=64)
     digest = hashlib.sha1(json.dumps([rows, layers, context]).encode()).hexdigest()[:12]
     path = work / f"features-{digest}.pt"
     if path.exists():
@@ -246,11 +350,13 @@ def cached_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...],
 def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...], context: int, batch: int = 8):
     """(token ids, features [L, F*H] in bf16, prompt length) per sequence, keeping only the last
     `context` prompt tokens (features are computed on the whole sequence first, so they are exact;
-    the head trains on the part around what the base wrote)."""
+    the head trains on the part around what the base wrote). Features stay on a GPU, else on the
+    host."""
     out = [None] * len(rows)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]) + len(rows[i]["output"]))
     longest = max(len(r["prompt"]) + len(r["output"]) for r in rows)
     cache = base.new_cache(batch, longest)
+    keep = "cpu" if base.device.type == "cpu" else base.device
     with _progress() as bar:
         task = bar.add_task("base features", total=len(rows), info="")
         for k in range(0, len(order), batch):
@@ -260,10 +366,10 @@ def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...]
             ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])  # right padding is never attended
             step = Step.fresh(torch.arange(n).expand(len(idx), n), logit_rows=[], hidden_layers=layers)
             res = base(ids, cache, step)
-            feats = torch.cat(res.hidden, dim=-1).to("cpu", torch.bfloat16)  # kept on the host (and disk)
+            feats = torch.cat(res.hidden, dim=-1).to(torch.bfloat16)
             for row, (i, s) in enumerate(zip(idx, seqs)):
                 cut = max(0, len(rows[i]["prompt"]) - context)
-                out[i] = (torch.tensor(s[cut:]), feats[row, cut : len(s)].clone(), len(rows[i]["prompt"]) - cut)
+                out[i] = (torch.tensor(s[cut:]), feats[row, cut : len(s)].to(keep, copy=True), len(rows[i]["prompt"]) - cut)
             bar.advance(task, len(idx))
     return out
 
@@ -303,7 +409,7 @@ def _pad(samples, idx, t2d):
     b = len(idx)
     hdim = samples[idx[0]][1].shape[-1]
     tokens = torch.zeros(b, length, dtype=torch.long)
-    feats = torch.zeros(b, length, hdim)
+    feats = torch.zeros(b, length, hdim, device=samples[idx[0]][1].device)  # where the features are kept
     generated = torch.zeros(b, length, dtype=torch.bool)
     for row, i in enumerate(idx):
         ids, f, plen = samples[i]
@@ -410,11 +516,14 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
     generated = sum(len(s[0]) - s[2] for s in train)
     covered = sum((t2d[s[0][s[2] :]] >= 0).sum().item() for s in train)
     head = head.float().to(base.device).attach(_float_view(base))  # trained where the base runs (a GPU: --device cuda)
+    if head.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 training on tensor cores (TF32 products, fp32 sums)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     rng = random.Random(cfg.seed)
     # One checkpoint per recipe (all settings but the epochs: more epochs resume a finished run).
-    recipe = {k: getattr(cfg, k) for k in TrainConfig.__slots__ if k != "epochs"} | {"feature_layers": layers}
+    recipe = {k: getattr(cfg, k) for k in TrainConfig.__slots__ if k not in ("epochs", "workers", "data_seconds")}
+    recipe |= {"feature_layers": layers, "sequences": len(train)}  # a data_seconds run trains on what it wrote
     ckpt = work / f"checkpoint-{hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:12]}.pt"
     start_epoch = 0
     if ckpt.exists():
@@ -453,17 +562,17 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1}, ckpt)
             history.append({"epoch": epoch + 1, "train_acc1": round((sums[2] / max(sums[3], 1)).item(), 4)})
     head.eval()
-    accuracy = evaluate_head(head, evals, t2d, cfg.depths)
+    accuracy = evaluate_head(head, evals, t2d, cfg.depths, cfg.tokens_per_batch)
     info = {"draft_vocab_coverage": round(covered / max(generated, 1), 4), "history": history, **accuracy}
     return head, info
 
 
 @torch.no_grad()
-def evaluate_head(head: DraftHead, samples, t2d, depths: int) -> dict:
+def evaluate_head(head: DraftHead, samples, t2d, depths: int, tokens_per_batch: int = 1024) -> dict:
     """Teacher-forced top-1 accuracy per unrolled depth on held-out sequences."""
     sums = torch.zeros(depths, 2)
-    for i in range(len(samples)):
-        tokens, feats, targets, mask = (x.to(head.device) for x in _pad(samples, [i], t2d))
+    for idx in _batches(samples, tokens_per_batch, random.Random(0)):  # right padding is never attended
+        tokens, feats, targets, mask = (x.to(head.device) for x in _pad(samples, idx, t2d))
         for d, (_, _, acc, n) in enumerate(head_losses(head, tokens, feats, targets, mask, depths)):
             sums[d] += torch.tensor([acc.item(), n.item()])
     return {f"heldout_acc_depth{d + 1}": round((sums[d, 0] / sums[d, 1].clamp(min=1)).item(), 4) for d in range(depths)}
@@ -530,25 +639,25 @@ def evaluate_tau(base: LlamaModel, tokenizer, head_path: Path, questions: list[s
             "heldout_accepted_per_depth": [round(a / st.steps, 3) for a in st.accepted_at_depth]}  # fmt: skip
 
 
-def run(base: LlamaModel, tokenizer, out: Path, work: Path, cfg: TrainConfig) -> dict:
-    """The whole recipe; returns the record stored with the head."""
+def run(base: LlamaModel, tokenizer, out: Path, work: Path, cfg: TrainConfig, loader=None) -> dict:
+    """The whole recipe; returns the record stored with the head. `loader`: () -> (base,
+    tokenizer), picklable, for data writers in other processes (cfg.workers > 1)."""
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    gen = Generator(base, tokenizer, max_len=1024, num_slots=cfg.batch)
-    written = generate_data(gen, cfg, work / "data.jsonl")
+    written = write_data(base, tokenizer, cfg, work, loader)
     # Data written before resumes drew the same questions again (fixed since): drop repeated rows.
     rows = list({json.dumps(r, sort_keys=True): r for r in written}.values())
     data_s = time.time() - started
-    # Hold out whole questions (all their rows), so the evaluation never saw them.
+    # Hold out whole questions (all their rows, 5% and at most 256), so the evaluation never saw them.
     questions = list(dict.fromkeys(r["question"] for r in rows))
-    held = set(questions[-max(2, len(questions) // 20) :])
+    held = set(questions[-max(2, min(256, len(questions) // 20)) :])
     samples = cached_features(base, rows, feature_layers(base, cfg), cfg.train_context, work)
     train = [s for s, r in zip(samples, rows) if r["question"] not in held]
     evals = [s for s, r in zip(samples, rows) if r["question"] in held]
     random.Random(cfg.seed).shuffle(train)
     head, info = train_head(base, train, evals, cfg, work)
     record = {
-        "data": {"sequences": len(rows), "repeats_dropped": len(written) - len(rows),
+        "data": {"sequences": len(rows), "repeats_dropped": len(written) - len(rows), "questions": len(questions),
                  "generated_tokens": sum(len(r["output"]) for r in rows),
                  "kinds": dict(Counter(r["kind"] for r in rows)), "heldout_questions": len(held)},
         "config": {k: getattr(cfg, k) for k in TrainConfig.__slots__},

@@ -1,6 +1,7 @@
 """The draft-training recipe: the training targets, and the whole command on a
 small scale with the real model."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -15,8 +16,8 @@ from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.loader import load_model
 from specsot_mq.model import Step
 from specsot_mq.errors import SpecSotError
-from specsot_mq.train_draft import (TrainConfig, _pad, feature_layers, generate_data, head_losses, noisy, template_questions,
-                                    unroll)
+from specsot_mq.train_draft import (TrainConfig, _pad, feature_layers, generate_data, head_losses, load_base, noisy,
+                                    template_questions, unroll, write_data)
 
 
 def test_losses_target_the_next_feature_and_the_token_after_it():
@@ -228,3 +229,18 @@ def test_data_from_templates_asks_the_templated_questions_in_order(tmp_path, def
     cfg = TrainConfig(questions=3, batch=2, answer_tokens=4, skeleton_tokens=4, point_tokens=4, prompts="templates")
     rows = generate_data(gen, cfg, tmp_path / "data.jsonl")
     assert [r["question"] for r in rows if r["kind"] == "answer"] == list(template_questions(0)[:3])
+
+
+@pytest.mark.slow
+def test_data_writers_in_other_processes_write_what_one_writer_writes(tmp_path, default_model_dir):
+    """Two writer processes (chunk c is writer c mod 2's) give the rows, in the order, that one
+    writer here gives; a run whose data time is spent starts no chunk, and the next run writes them."""
+    loader = functools.partial(load_base, default_model_dir, torch.float32, "cpu")
+    base, tok = loader()
+    small = dict(questions=3, batch=2, answer_tokens=5, skeleton_tokens=8, point_tokens=4, prompts="templates")
+    one = write_data(base, tok, TrainConfig(**small), tmp_path / "one")
+    assert [r["question"] for r in one if r["kind"] == "answer"] == list(template_questions(0)[:3])
+    assert write_data(base, tok, TrainConfig(**small, workers=2, data_seconds=1e-9), tmp_path / "two", loader) == []
+    two = write_data(base, tok, TrainConfig(**small, workers=2), tmp_path / "two", loader)
+    assert two == one
+    assert sorted(f.name for f in (tmp_path / "two").glob("*.jsonl")) == ["data-1.jsonl", "data.jsonl"]
