@@ -625,13 +625,14 @@ def _float_view(base: LlamaModel) -> LlamaModel:
 @torch.inference_mode()
 def evaluate_tau(base: LlamaModel, tokenizer, head_path: Path, questions: list[str], max_tokens: int = 128) -> dict:
     """Mean acceptance length of the saved head, greedy, on questions it never saw in training:
-    the default tree for every question, batched (the verify budget is raised so that the trees
-    do not shrink with the batch, as they do when serving), without prompt lookup (the head's
-    own guesses only)."""
+    the default tree for every question at every step, batched (the verify budget is raised so
+    that the trees do not shrink with the batch, as they do when serving), without prompt lookup
+    or the speed chooser (the head's own guesses only)."""
     head = DraftHead.load(head_path, base).prepack()
-    tree = TreeParams(lookup=0)
+    tree = TreeParams(lookup=0, adaptive=False)
     tree = replace(tree, max_batch_tokens=len(questions) * (tree.num_draft_tokens + 1))
     gen = Generator(base, tokenizer, max_len=1024, num_slots=len(questions), draft=head, tree=tree)
+    gen.retire_head = False  # measured even where it does not pay
     decoder = gen.new_decoder(SamplingParams(max_tokens=max_tokens))
     gen.generate_many(questions, SamplingParams(max_tokens=max_tokens), decoder=decoder)
     st = decoder.stats
