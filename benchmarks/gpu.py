@@ -14,10 +14,13 @@ Runs, each as its own process with a time limit, so one failure leaves the rest 
             together, gives plain greedy decoding's tokens
   curve     step.py --device cuda: one step's time over rows x new tokens, captured and eager
   train     `specsot train-draft --device cuda`: templated questions written by --workers processes for
-            --data-seconds, then --epochs of training; the head goes to --head-out
+            --data-seconds, then --epochs of training (the recipe of the shipped head: 24 epochs at
+            lr 2e-3, about 6 minutes on an H200); the head goes to --head-out
   head      eagle.py --device cuda with the head just trained (the shipped one compared): a chain
             of 4 and the default tree without prompt lookup, then the default tree with it
   stages    `specsot run --devices 127.0.0.1#0`: the stage processes on the GPU answer two questions
+            (run from /tmp: on a host where the project is installed with `pip --target`, the
+            checkout's own specsot_mq/ would hide the installed one's stages)
   profile   device_profile.py --device cuda: the GPU's devices.json profile, measured
 
     python benchmarks/gpu.py [--only decode,eagle] [--out results.json] [--budget 450]
@@ -128,7 +131,7 @@ def main(argv=None) -> dict:
     p.add_argument("--head-out", default="/tmp/gpu-head.safetensors", help="where train writes its head")
     p.add_argument("--train-questions", type=int, default=20000)
     p.add_argument("--data-seconds", type=float, default=100)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=24)
     p.add_argument("--workers", type=int, default=4)
     args = p.parse_args(argv)
     if args.part:
@@ -153,10 +156,10 @@ def main(argv=None) -> dict:
                   {"SPECSOT_CUDA_GRAPHS": "0"}),
         "train": ([*SPECSOT, "train-draft", *dev, "--prompts", "templates", "--questions", str(args.train_questions),
                    "--batch", "128", "--workers", str(args.workers), "--data-seconds", str(args.data_seconds),
-                   "--epochs", str(args.epochs), "--work-dir", "/tmp/gpu-train", "--out", args.head_out], 330, None),
+                   "--epochs", str(args.epochs), "--lr", "2e-3", "--work-dir", "/tmp/gpu-train", "--out", args.head_out], 480, None),
         "head": ([py, "benchmarks/eagle.py", *dev, "--draft", args.head_out, "--compare-draft", str(SHIPPED),
                   "--questions", str(QUESTIONS), "--limit", "3", "--new-tokens", "160", "--sweep", "4x4x1,2x1x2"], 100, None),
-        "stages": (["bash", "-c", f"printf '{ASK}\\nName three planets and one fact about each.\\n' | "
+        "stages": (["bash", "-c", f"cd /tmp && printf '{ASK}\\nName three planets and one fact about each.\\n' | "
                     f"{' '.join(SPECSOT)} run --devices {stage_device} --run gpu"], 80, None),
         "profile": ([py, "benchmarks/device_profile.py", *dev, "--tokens", "32", "--max-batch", "64"], 70, None),
     }
