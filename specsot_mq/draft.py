@@ -151,7 +151,6 @@ class DraftHead(nn.Module):
         [B, T, draft_vocab], or [R, draft_vocab] of step.logit_rows)."""
         b, t = tokens.shape
         kv_len = max(step.starts) + t
-        bias = attention_bias(step.mask, step.starts, t, kv_len, None, self.layer.cfg.q_per_kv, self.dtype, self.device)
         cos = self.rope_cos[step.positions].unsqueeze(2).to(self.dtype)
         sin = self.rope_sin[step.positions].unsqueeze(2).to(self.dtype)
         features = features.to(self.dtype)
@@ -159,6 +158,10 @@ class DraftHead(nn.Module):
             parts = features.unflatten(-1, (len(self.cfg.feature_layers), -1))
             features = self.fuse(F.rms_norm(parts, parts.shape[-1:]).flatten(-2))
         x = self.fc(torch.cat([self.embed(tokens).to(self.dtype), features], dim=-1))
+        if step.mask is None and self.layer.runs_whole(x, cache, step.slots):
+            bias = None  # causal, by each row's start: no bias to build (as the base's native stack)
+        else:
+            bias = attention_bias(step.mask, step.starts, t, kv_len, None, self.layer.cfg.q_per_kv, self.dtype, self.device)
         hidden = self.layer(x, cos, sin, cache, 0, step.slots, step.starts, kv_len, bias)
         if step.logit_rows is not None:
             return hidden, self.lm_head(hidden.reshape(b * t, -1)[step.logit_rows])

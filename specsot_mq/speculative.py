@@ -37,7 +37,7 @@ from specsot_mq.prefix_store import Entry, Kept
 from specsot_mq.sampling import Sampler, greedy_tokens
 from specsot_mq.sequence import Sequence
 from specsot_mq.slots import SlotManager
-from specsot_mq.tree import DraftTree, TreeSearch, graft, grow_search, make_tree, root_only, select_nodes, start_search
+from specsot_mq.tree import DraftTree, TreeSearch, graft, grow_search, make_tree, one_level, root_only, select_nodes, start_search
 from specsot_mq.verify import Acceptance, SpecStats, accept_greedy, accept_sampled
 
 
@@ -300,6 +300,11 @@ class EagleDecoder(Decoder):
             return [root_only(seq.last, n) for seq, n in zip(seqs, lengths)]
         gen = None if self.sampler.params.greedy else self.sampler.generator
         logq, q = self._draft_dist(torch.stack([seq.logits for seq in seqs]))
+        if gen is None and min(tp.depth, budget) == 1:  # greedy, one level: the root's best guesses
+            best, ids = logq.topk(min(tp.topk, budget, logq.shape[-1]), dim=-1)
+            ids, ok = head.d2t[ids].tolist(), torch.isfinite(best).tolist()
+            return [one_level(seq.last, n, [t for t, fine in zip(ids[i], ok[i]) if fine], dev)
+                    for i, (seq, n) in enumerate(zip(seqs, lengths))]  # fmt: skip
         search = start_search(logq, tp.topk, gen)
         qs = [None if q is None else q[:, None]]  # draft distributions of the expanded nodes...
         expanded = [torch.full((len(seqs), 1), -1, device=dev)]  # ...and their search nodes (-1 = root)

@@ -162,6 +162,15 @@ def make_tree(search: TreeSearch, row: int, kept: list[int], root_token: int, ro
     return DraftTree(tokens, parents, depths, mask, [root_position + d for d in depths], q)
 
 
+def one_level(root_token: int, root_position: int, children: list[int], device) -> DraftTree:
+    """A greedy tree of one level: the root and its children (base ids, best first), what
+    make_tree builds from a search that stopped at its first level, without the search."""
+    parents = [-1] + [0] * len(children)
+    depths = [0] + [1] * len(children)
+    return DraftTree([root_token, *children], parents, depths, _ancestor_mask(parents, device),
+                     [root_position + d for d in depths], None)  # fmt: skip
+
+
 def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
     """The tree with one more path from its root: `chain`'s tokens (base ids; prompt lookup, see
     lookup.py). Where the tree already holds a prefix of the chain, the path follows it, so no

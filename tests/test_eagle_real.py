@@ -42,3 +42,31 @@ def test_eagle_greedy_equals_plain_greedy_on_mt_bench(default_model_dir):
         copied += decoder.stats.lookup_accepted
     assert sum(taus) / len(taus) > 1.3  # the head is trained: it gets drafts accepted
     assert copied > 0  # and the trees' prompt-lookup paths (on by default) got tokens accepted too
+
+
+def test_the_heads_causal_forward_needs_no_bias_on_the_native_kernels(default_model_dir):
+    """With no mask (a draft_extend, a chain) the head's layer runs with no bias tensor, causal by
+    each row's start, as the base's native stack does: the same bits as with the causal bias."""
+    from specsot_mq.model import Step, attention_bias
+
+    model = load_model(default_model_dir, dtype=torch.float32)
+    head = DraftHead.load(resolve_draft("auto", default_model_dir), model).prepack()
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 1000, (2, 5))
+    feats = torch.randn(2, 5, len(head.cfg.feature_layers) * model.cfg.hidden_size)
+    step = Step([0, 1], [3, 0], torch.tensor([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]]))
+    outs = []
+    for forced in (False, True):
+        cache = head.new_cache(2, 16)
+        torch.manual_seed(1)
+        cache.k.normal_(), cache.v.normal_()  # an earlier prefix in slot 0 (entries 0-2), the same both times
+        if forced:  # the bias attention_bias builds for a causal step, handed to the layer
+            real = head.layer.forward
+            bias = attention_bias(None, step.starts, 5, 8, None, head.layer.cfg.q_per_kv, head.dtype, head.device)
+            head.layer.forward = lambda x, cos, sin, c, layer, slots, starts, kv_len, _: real(x, cos, sin, c, layer, slots, starts, kv_len, bias)
+        with torch.inference_mode():
+            outs.append(head(tokens, feats, cache, step))
+        head.layer.__dict__.pop("forward", None)
+    with torch.inference_mode():  # the no-bias path is the one that ran
+        assert head.layer.runs_whole(torch.zeros(1, 1, model.cfg.hidden_size), head.new_cache(1, 4), [0])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

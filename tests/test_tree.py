@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from specsot_mq.tree import graft, grow_search, make_tree, root_only, select_nodes, start_search
+from specsot_mq.tree import graft, grow_search, make_tree, one_level, root_only, select_nodes, start_search
 from specsot_mq.sampling import greedy_tokens
 from specsot_mq.verify import accept_greedy, accept_sampled
 
@@ -239,3 +239,20 @@ def test_chi_square_helper_rejects_a_wrong_distribution():
     observed = torch.tensor([600.0, 400.0])
     assert chi_square_p(observed, torch.tensor([500.0, 500.0])) < 1e-6
     assert math.isclose(chi_square_p(torch.tensor([500.0, 500.0]), torch.tensor([500.0, 500.0])), 1.0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_one_level_tree_is_what_the_search_keeps_of_its_first_level(k):
+    """Speculative.draft's greedy one-level path (topk of the root's draft log-probs, one_level)
+    builds the tree make_tree builds from the search stopped at its first level."""
+    torch.manual_seed(k)
+    logq = torch.log_softmax(torch.randn(3, 50), dim=-1)
+    d2t = torch.randperm(200)[:50]
+    search = start_search(logq, k)
+    kept = select_nodes(search, k)
+    best = logq.topk(k, dim=-1).indices
+    for row in range(3):
+        want = make_tree(search, row, kept[row], 7, 40, d2t)
+        got = one_level(7, 40, d2t[best[row]].tolist(), "cpu")
+        assert (got.tokens, got.parents, got.depths, got.positions) == (want.tokens, want.parents, want.depths, want.positions)
+        assert (got.mask is None and want.mask is None) or torch.equal(got.mask, want.mask)
