@@ -73,6 +73,7 @@ class Captured:
     seconds: float = 0.0  # what capturing it cost
     replays: int = 0
     copied: object = None  # on a GPU, the event after the last step's copies from `host`
+    features: torch.Tensor | None = None  # [B, T, width] a draft head's input features (replay_head)
 
     @property
     def tokens(self) -> int:
@@ -104,7 +105,65 @@ def replay(model, cache, input_ids: torch.Tensor, step):
     key = shape_key(model, cache, input_ids, step)
     if key is None:
         return None
-    entry = cache.graphs.get(key) or _capture(model, cache, key)
+    rows, tokens, keys, hidden_layers = key
+    entry = cache.graphs.get(key) or _capture(cache, key, rows, tokens, lambda e: functools.partial(
+        model.forward_static, *_static_inputs(e), e.mask, keys, cache, hidden_layers))  # fmt: skip
+    b, t = input_ids.shape
+    out = _play(entry, cache, input_ids, step)
+    return type(out)(_rows(out.logits[:b, :t], step.logit_rows), [h[:b, :t].clone() for h in out.hidden])
+
+
+def head_key(head, cache, tokens: torch.Tensor, features: torch.Tensor, step) -> tuple | None:
+    """The bucket of a draft head's step (its own buckets, over its own cache), or None where it
+    runs eagerly: a mask over cache entries (a tree level's, which sees only its ancestors among
+    the levels before) has no captured form."""
+    b, t = tokens.shape
+    if step.mask is not None and tuple(step.mask.shape) != (b, t, t):
+        return None
+    rows, width = bucket(b), bucket(t, base=4)
+    if rows > MAX_BATCH or width > MAX_TOKENS or rows * width > MAX_CELLS:
+        return None
+    keys = min(bucket(max(step.starts) + width, MIN_KEYS), cache.k.shape[3])
+    return rows, width, keys, features.shape[-1]
+
+
+def replay_head(head, cache, tokens: torch.Tensor, features: torch.Tensor, step):
+    """A draft head's (hidden, logits) from its bucket's graph (DraftHead.forward's), or None
+    where the step runs eagerly (head_key). The features, already on the device, are copied into
+    the graph's own buffer; padding rows read whatever finite features were left there."""
+    key = head_key(head, cache, tokens, features, step)
+    if key is None:
+        return None
+    rows, width, keys, feature_width = key
+
+    def run(e: Captured):
+        e.features = torch.zeros(rows, width, feature_width, dtype=head.dtype, device=cache.k.device)
+        return functools.partial(head.forward_static, *_static_inputs(e), e.mask, keys, cache, e.features)
+
+    entry = cache.graphs.get(key) or _capture(cache, key, rows, width, run)
+    b, t = tokens.shape
+    entry.features[:b, :t].copy_(features)
+    hidden, logits = _play(entry, cache, tokens, step)
+    return hidden[:b, :t].clone(), _rows(logits[:b, :t], step.logit_rows)
+
+
+def _rows(logits: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+    """A step's logits [B, T, V] as it asked for them: all (a copy: the next replay overwrites
+    the graph's), or the rows `rows` of the flattened [B * T, V]."""
+    return logits.clone() if rows is None else logits.reshape(-1, logits.shape[-1])[rows]
+
+
+def _static_inputs(entry: Captured) -> tuple[torch.Tensor, ...]:
+    """The views of entry.inputs a static forward reads: ids, positions, slots, starts."""
+    tokens = entry.tokens
+    inputs = entry.inputs
+    return inputs[:, :tokens], inputs[:, tokens : 2 * tokens], inputs[:, 2 * tokens], inputs[:, 2 * tokens + 1]
+
+
+def _play(entry: Captured, cache, input_ids: torch.Tensor, step):
+    """The step's inputs staged on the host and copied over in one go (padding rows in the spare
+    slot, padding tokens seeing themselves alone), then the graph replayed (on a CPU: the static
+    forward run as it is); returns the static outputs."""
     b, t = input_ids.shape
     tokens = entry.tokens
     host = entry.host
@@ -123,16 +182,11 @@ def replay(model, cache, input_ids: torch.Tensor, step):
         entry.mask.copy_(entry.host_mask, non_blocking=True)
     if entry.copied is not None:
         entry.copied.record()
+    entry.replays += 1
     if entry.graph is not None:
         entry.graph.replay()
-        out = entry.out
-    else:
-        out = entry.run()
-    entry.replays += 1
-    logits = out.logits[:b, :t]
-    rows = step.logit_rows
-    logits = logits.clone() if rows is None else logits.reshape(b * t, -1)[rows]
-    return type(out)(logits, [h[:b, :t].clone() for h in out.hidden])
+        return entry.out
+    return entry.run()
 
 
 def capture_report(cache) -> str:
@@ -153,8 +207,8 @@ def _eye(t: int) -> torch.Tensor:
     return torch.eye(t, dtype=torch.bool)
 
 
-def _capture(model, cache, key: tuple) -> Captured:
-    rows, tokens, keys, hidden_layers = key
+def _capture(cache, key: tuple, rows: int, tokens: int, make_run) -> Captured:
+    """A new bucket's buffers and graph: make_run(entry) gives the static forward over them."""
     dev = cache.k.device
     pinned = dev.type == "cuda"
     entry = Captured(
@@ -164,13 +218,7 @@ def _capture(model, cache, key: tuple) -> Captured:
         host_mask=torch.zeros(rows, tokens, tokens, dtype=torch.bool, pin_memory=pinned),
     )
     entry.inputs[:, 2 * tokens] = cache.num_slots  # warm-up and capture write to the spare slot
-    ids, positions = entry.inputs[:, :tokens], entry.inputs[:, tokens : 2 * tokens]
-    slots, starts = entry.inputs[:, 2 * tokens], entry.inputs[:, 2 * tokens + 1]
-
-    def run():
-        return model.forward_static(ids, positions, slots, starts, entry.mask, keys, cache, hidden_layers)
-
-    entry.run = run
+    entry.run = make_run(entry)
     if dev.type == "cuda":
         with _capture_mode():
             _record(entry, cache, dev)

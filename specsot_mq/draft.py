@@ -26,10 +26,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specsot_mq import cuda_graphs
 from specsot_mq.config import ModelConfig
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.model import DecoderLayer, Linear, LlamaModel, NativeForm, Step, attention_bias
+from specsot_mq.model import DecoderLayer, Linear, LlamaModel, NativeForm, Step, attention_bias, static_bias
 from specsot_mq.quant import QLinear, onto_huge_pages, quantize
 
 FORMAT = "specsot-eagle-1"
@@ -141,23 +142,37 @@ class DraftHead(nn.Module):
         onto_huge_pages(self)
         return self
 
-    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
-        return KVCache.for_model(self.cfg.layer_config(), num_slots, capacity, self.dtype, self.device)
+    def new_cache(self, num_slots: int, capacity: int, graphs: bool | None = None) -> KVCache:
+        """The head's own cache; `graphs` as in LlamaModel.new_cache (default: on CUDA, the
+        head's steps replay captured graphs: cuda_graphs.replay_head)."""
+        graphs = cuda_graphs.wanted(self.device) if graphs is None else graphs
+        cfg = self.cfg.layer_config()
+        cache = KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, capacity, cfg.head_dim, self.dtype, self.device,
+                        cuda_graphs.SPARE if graphs else (0, 0))  # fmt: skip
+        cache.graphs = {} if graphs else None
+        return cache
+
+    def _input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The layer's input: fc over [the tokens' embeddings; the features], base features fused
+        first (their layers RMS-normalised, then one linear)."""
+        features = features.to(self.dtype)
+        if self.fuse is not None and features.shape[-1] != self.hidden_size:
+            parts = features.unflatten(-1, (len(self.cfg.feature_layers), -1))
+            features = self.fuse(F.rms_norm(parts, parts.shape[-1:]).flatten(-2))
+        return self.fc(torch.cat([self.embed(tokens).to(self.dtype), features], dim=-1))
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache, step: Step):
         """tokens [B, T] (base ids of token i+1), features at i: base features [B, T, F*H] or
         the head's own predictions [B, T, H]; where they go and what comes back as in
         LlamaModel.forward. Returns (predicted last-layer features [B, T, H], draft logits
         [B, T, draft_vocab], or [R, draft_vocab] of step.logit_rows)."""
+        if getattr(cache, "graphs", None) is not None and (out := cuda_graphs.replay_head(self, cache, tokens, features, step)):
+            return out
         b, t = tokens.shape
         kv_len = max(step.starts) + t
         cos = self.rope_cos[step.positions].unsqueeze(2).to(self.dtype)
         sin = self.rope_sin[step.positions].unsqueeze(2).to(self.dtype)
-        features = features.to(self.dtype)
-        if self.fuse is not None and features.shape[-1] != self.hidden_size:
-            parts = features.unflatten(-1, (len(self.cfg.feature_layers), -1))
-            features = self.fuse(F.rms_norm(parts, parts.shape[-1:]).flatten(-2))
-        x = self.fc(torch.cat([self.embed(tokens).to(self.dtype), features], dim=-1))
+        x = self._input(tokens, features)
         if step.mask is None and self.layer.runs_whole(x, cache, step.slots):
             bias = None  # causal, by each row's start: no bias to build (as the base's native stack)
         else:
@@ -165,6 +180,18 @@ class DraftHead(nn.Module):
         hidden = self.layer(x, cos, sin, cache, 0, step.slots, step.starts, kv_len, bias)
         if step.logit_rows is not None:
             return hidden, self.lm_head(hidden.reshape(b * t, -1)[step.logit_rows])
+        return hidden, self.lm_head(hidden)
+
+    def forward_static(self, ids, positions, slots, starts, mask, keys: int, cache: KVCache, features):
+        """forward as a captured step runs it (cuda_graphs.replay_head): every per-step value a
+        tensor on the device, as in LlamaModel.forward_static; (hidden, logits) for every row."""
+        b, t = ids.shape
+        at = positions.reshape(-1)
+        cos = self.rope_cos.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
+        sin = self.rope_sin.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
+        bias = static_bias(mask, starts, keys, self.layer.cfg.q_per_kv, self.dtype)
+        entries = starts[:, None] + torch.arange(t, device=ids.device)  # where each new entry goes, [B, T]
+        hidden = self.layer(self._input(ids, features), cos, sin, cache, 0, slots, entries, keys, bias)
         return hidden, self.lm_head(hidden)
 
     # -- checkpoints -------------------------------------------------------------------------

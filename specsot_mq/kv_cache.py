@@ -43,10 +43,6 @@ class KVCache:
         self._where: tuple = ((), None, None)  # (slots, starts, T) of the last scattered write, its indices
         self._gather: tuple = ((), None)  # the slots of the last scattered read, their index tensor
 
-    @classmethod
-    def for_model(cls, config, num_slots: int, capacity: int, dtype, device) -> "KVCache":
-        return cls(config.num_layers, num_slots, config.num_kv_heads, capacity, config.head_dim, dtype, device)
-
     @property
     def num_layers(self) -> int:
         return self.k.shape[0]

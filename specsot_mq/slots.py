@@ -66,7 +66,9 @@ class SlotManager:
         """The draft cache, made for `head` (with `room` entries past the base capacity for the
         trees) unless the one there already is."""
         if self.draft is None or self.draft_head is not head or self.draft.capacity < self.capacity + room:
-            self.draft, self.draft_head = head.new_cache(self.num_slots, self.capacity + room), head
+            # its steps captured where the base's are (cuda_graphs.py)
+            graphs = getattr(self.cache, "graphs", None) is not None
+            self.draft, self.draft_head = head.new_cache(self.num_slots, self.capacity + room, graphs), head
             self.forget_claims()  # their draft entries are gone
             for slot in self.slots:
                 slot.draft_length = 0

@@ -37,7 +37,8 @@ from specsot_mq.prefix_store import Entry, Kept
 from specsot_mq.sampling import Sampler, greedy_tokens
 from specsot_mq.sequence import Sequence
 from specsot_mq.slots import SlotManager
-from specsot_mq.tree import DraftTree, TreeSearch, graft, grow_search, make_tree, one_level, root_only, select_nodes, start_search
+from specsot_mq.tree import (DraftTree, TreeSearch, chain, graft, grow_search, make_tree, one_level, root_only,
+                             select_nodes, start_search)
 from specsot_mq.verify import Acceptance, SpecStats, accept_greedy, accept_sampled
 
 
@@ -305,6 +306,8 @@ class EagleDecoder(Decoder):
             ids, ok = head.d2t[ids].tolist(), torch.isfinite(best).tolist()
             return [one_level(seq.last, n, [t for t, fine in zip(ids[i], ok[i]) if fine], dev)
                     for i, (seq, n) in enumerate(zip(seqs, lengths))]  # fmt: skip
+        if gen is None and tp.topk == 1:  # greedy chain: each level the head's best guess
+            return self._draft_chain(seqs, min(tp.depth, budget), logq, lengths)
         search = start_search(logq, tp.topk, gen)
         qs = [None if q is None else q[:, None]]  # draft distributions of the expanded nodes...
         expanded = [torch.full((len(seqs), 1), -1, device=dev)]  # ...and their search nodes (-1 = root)
@@ -332,6 +335,23 @@ class EagleDecoder(Decoder):
             make_tree(search, i, kept[i], seq.last, n, head.d2t, None if gen is None else qs[i])
             for i, (seq, n) in enumerate(zip(seqs, lengths))
         ]
+
+    def _draft_chain(self, seqs: list[Sequence], depth: int, logq: torch.Tensor, lengths: list[int]) -> list[DraftTree]:
+        """draft()'s greedy chain of `depth` levels: each level one token, seeing its sequence's
+        entries and the levels before it, which is causal from each slot's draft entries (no mask:
+        a captured step on a GPU, no bias on the CPU's native kernels)."""
+        head, mgr, dev = self.head, self.slots, self.model.device
+        slots = [seq.slot for seq in seqs]
+        guess = logq.argmax(-1)  # [B] draft ids: the search's one child a level (topk 1)
+        chosen = [guess]
+        feature = torch.stack([seq.feature for seq in seqs])[:, None]
+        for level in range(1, depth):
+            positions = torch.tensor(lengths, device=dev)[:, None] + level - 1
+            step = Step(slots, [mgr[s].draft_length + level - 1 for s in slots], positions)
+            feature, logits = head(head.d2t[chosen[-1]][:, None], feature, mgr.draft, step)
+            chosen.append(logits[:, 0].argmax(-1))
+        ids = head.d2t[torch.stack(chosen, 1)].tolist()
+        return [chain(seq.last, n, ids[i]) for i, (seq, n) in enumerate(zip(seqs, lengths))]
 
     def graft_lookup(self, seqs: list[Sequence], trees: list[DraftTree]) -> list[DraftTree]:
         """Each tree with its sequence's prompt-lookup guess grafted on (tree.graft): up to

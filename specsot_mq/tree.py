@@ -171,6 +171,14 @@ def one_level(root_token: int, root_position: int, children: list[int], device) 
                      [root_position + d for d in depths], None)  # fmt: skip
 
 
+def chain(root_token: int, root_position: int, tokens: list[int]) -> DraftTree:
+    """A greedy chain (top-k 1): the root and each level's one guess (base ids), what make_tree
+    builds from a search of one child a level, without the search; causal, so no mask."""
+    n = len(tokens)
+    return DraftTree([root_token, *tokens], list(range(-1, n)), list(range(n + 1)), None,
+                     [root_position + d for d in range(n + 1)], None)  # fmt: skip
+
+
 def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
     """The tree with one more path from its root: `chain`'s tokens (base ids; prompt lookup, see
     lookup.py). Where the tree already holds a prefix of the chain, the path follows it, so no

@@ -7,7 +7,7 @@ import torch
 
 from conftest import ours_from_hf, tiny_hf
 from test_generate import CharTokenizer
-from test_speculative import BOS, GREEDY, LOOKUP, TREE, random_head
+from test_speculative import BOS, CHAIN, GREEDY, LOOKUP, TREE, random_head
 from specsot_mq import cuda_graphs
 from specsot_mq.generate import Generator
 from specsot_mq.model import Step
@@ -84,7 +84,7 @@ def test_graphs_are_off_on_a_cpu_and_with_the_flag(monkeypatch):
     assert not cuda_graphs.wanted("cuda:0")
 
 
-@pytest.mark.parametrize("tree", [None, TREE, LOOKUP], ids=["plain", "tree", "tree+lookup"])
+@pytest.mark.parametrize("tree", [None, TREE, LOOKUP, CHAIN], ids=["plain", "tree", "tree+lookup", "chain"])
 def test_greedy_generation_over_bucketed_steps_equals_eager(model, tree, monkeypatch):
     prompts = [[BOS, 5, 6, 7, 8, 9], [BOS, 12], [BOS, 40, 41, 42]]
 
@@ -101,6 +101,37 @@ def test_greedy_generation_over_bucketed_steps_equals_eager(model, tree, monkeyp
     gen, got = generate()
     assert got == want
     assert gen.cache.graphs and sum(e.replays for e in gen.cache.graphs.values()) > 0
+    if tree is not None:  # the head's steps (draft_extend's; a chain's levels too) replayed its own buckets
+        assert sum(e.replays for e in gen.slots.draft.graphs.values()) > 0
+    if tree is CHAIN:  # a level reads the head's own feature, one token a row
+        assert any(key[1] == 1 and key[3] == model.cfg.hidden_size for key in gen.slots.draft.graphs)
+
+
+def test_a_draft_heads_bucketed_steps_equal_its_eager_steps(model):
+    """The head's forward over a cache with graphs (cuda_graphs.replay_head): a draft_extend's
+    causal step with the newest rows' logits, a one-level tree's [B, T, T] mask over the new
+    tokens, and its own predicted features; a tree level's mask over cache entries runs eagerly."""
+    head = random_head(model, layers=(0, 1, model.cfg.num_layers))  # base features fused (EAGLE-3 style)
+    eager, static = head.new_cache(4, 64), head.new_cache(4, 64, graphs=True)
+    assert eager.graphs is None and static.num_slots == 4
+    width = len(head.cfg.feature_layers) * model.cfg.hidden_size
+    torch.manual_seed(1)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
+    steps = [
+        (torch.randint(3, 90, (3, 5)), torch.randn(3, 5, width), Step([0, 1, 3], [0, 0, 0], torch.arange(5).expand(3, 5), logit_rows=[4, 9, 14])),
+        (torch.randint(3, 90, (2, 3)), torch.randn(2, 3, width), Step([3, 0], [5, 5], torch.tensor([[5, 6, 6], [5, 6, 6]]), mask)),
+        (torch.randint(3, 90, (1, 1)), torch.randn(1, 1, model.cfg.hidden_size), Step([1], [5], torch.tensor([[5]]))),
+        (torch.randint(3, 90, (1, 2)), torch.randn(1, 2, model.cfg.hidden_size),
+         Step([1], [6], torch.tensor([[6, 6]]), torch.ones(1, 2, 8, dtype=torch.bool))),  # a mask over cache entries
+    ]
+    with torch.inference_mode():
+        for tokens, feats, step in steps:
+            (h1, l1), (h2, l2) = head(tokens, feats, eager, step), head(tokens, feats, static, step)
+            assert same(h2, h1) and same(l2, l1) and l2.shape == l1.shape
+    # (keys: the cache holds 64 + 64 spare entries a row, fewer than a bucket's 256)
+    assert set(static.graphs) == {(4, 16, 128, width), (2, 4, 128, width), (1, 1, 128, model.cfg.hidden_size)}
+    for slot, n in ((0, 8), (1, 8), (3, 8)):  # every sequence's entries as the eager steps left them
+        assert same(static.k[:, slot, :, :n], eager.k[:, slot, :, :n])
 
 
 FUSED_CHECK = """

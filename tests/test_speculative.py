@@ -33,8 +33,8 @@ class OracleHead:
         self.cfg = DraftConfig.for_base(base.cfg, base.cfg.vocab_size)
         self.d2t = torch.arange(base.cfg.vocab_size)
 
-    def new_cache(self, num_slots, capacity):
-        self.kv = self.base.new_cache(num_slots, capacity + 1)
+    def new_cache(self, num_slots, capacity, graphs=None):  # (graphs: never captured, as on a CPU)
+        self.kv = self.base.new_cache(num_slots, capacity + 1, graphs=False)
         return KVCache(1, num_slots, 1, capacity, 1)  # a stand-in: the private cache holds the entries
 
     def __call__(self, tokens, features, cache, step):
@@ -86,9 +86,11 @@ GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 TREE = TreeParams(num_draft_tokens=12, depth=5, topk=4, lookup=0, adaptive=False)
 # The same with prompt lookup: chains copied from earlier in the sequence grafted onto each tree.
 LOOKUP = TreeParams(num_draft_tokens=12, depth=5, topk=4, lookup=6, adaptive=False)
+# A chain of guesses (top-k 1: draft()'s greedy chain, its levels causal, no search).
+CHAIN = TreeParams(num_draft_tokens=4, depth=4, topk=1, lookup=0, adaptive=False)
 
 
-@pytest.mark.parametrize("tree", [TREE, LOOKUP], ids=["tree", "tree+lookup"])
+@pytest.mark.parametrize("tree", [TREE, LOOKUP, CHAIN], ids=["tree", "tree+lookup", "chain"])
 @pytest.mark.parametrize("kind", ["random", "fused", "oracle"])
 def test_greedy_speculative_equals_plain_greedy(base, kind, tree):
     prompt = [BOS, 5, 6, 7, 8]
