@@ -17,7 +17,8 @@ Runs, each as its own process with a time limit, so one failure leaves the rest 
             --data-seconds, then --epochs of training (the recipe of the shipped head: 24 epochs at
             lr 2e-3, about 6 minutes on an H200); the head goes to --head-out
   head      eagle.py --device cuda with the head just trained (the shipped one compared): a chain
-            of 4 and the default tree without prompt lookup, then the default tree with it
+            of 4, the default tree, a chain of 2 and one guess, each without prompt lookup, then the
+            default tree with it and the chooser
   stages    `specsot run --devices 127.0.0.1#0`: the stage processes on the GPU answer two questions
             (run from /tmp: on a host where the project is installed with `pip --target`, the
             checkout's own specsot_mq/ would hide the installed one's stages)
@@ -158,7 +159,7 @@ def main(argv=None) -> dict:
                    "--batch", "128", "--workers", str(args.workers), "--data-seconds", str(args.data_seconds),
                    "--epochs", str(args.epochs), "--lr", "2e-3", "--work-dir", "/tmp/gpu-train", "--out", args.head_out], 480, None),
         "head": ([py, "benchmarks/eagle.py", *dev, "--draft", args.head_out, "--compare-draft", str(SHIPPED),
-                  "--questions", str(QUESTIONS), "--limit", "3", "--new-tokens", "160", "--sweep", "4x4x1,2x1x2"], 100, None),
+                  "--questions", str(QUESTIONS), "--limit", "3", "--new-tokens", "160", "--sweep", "4x4x1,2x1x2,2x2x1,1x1x1"], 120, None),
         "stages": (["bash", "-c", f"cd /tmp && printf '{ASK}\\nName three planets and one fact about each.\\n' | "
                     f"{' '.join(SPECSOT)} run --devices {stage_device} --run gpu"], 80, None),
         "profile": ([py, "benchmarks/device_profile.py", *dev, "--tokens", "32", "--max-batch", "64"], 70, None),

@@ -172,18 +172,23 @@ class DecoderLayer(NativeForm):
         return kernel.Layer(*first, qkv, o, *second, gate_up, down, self.cfg.num_heads, self.cfg.num_kv_heads,
                             self.qkv.bias)
 
+    def _kernel(self, x: torch.Tensor, cache, slots):
+        """The native kernels where they run this layer's parts on x, else None."""
+        # (slots as a tensor: a captured step's, cuda_graphs.py: torch ops, or the fused kernels on a GPU)
+        if self.q_norm is None and isinstance(cache, KVCache) and not torch.is_tensor(slots):
+            return _native_for(x)
+        return None
+
     def runs_whole(self, x: torch.Tensor, cache, slots) -> bool:
         """Whether forward runs the whole layer in one native call (where bias None means causal,
         each row seeing its slot's entries up to its own: LlamaModel.forward's stack)."""
-        # (slots as a tensor: a captured step's, cuda_graphs.py: torch ops, or the fused kernels on a GPU)
-        return (self.q_norm is None and isinstance(cache, KVCache) and not torch.is_tensor(slots)
-                and _native_for(x) is not None and self.native_weights() is not None)  # fmt: skip
+        return self._kernel(x, cache, slots) is not None and self.native_weights() is not None
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, slots, starts, kv_len, bias):
         cfg = self.cfg
         b, t, _ = x.shape
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        kernel = _native_for(x) if self.q_norm is None and isinstance(cache, KVCache) and not torch.is_tensor(slots) else None
+        kernel = self._kernel(x, cache, slots)
         if kernel is not None and (weights := self.native_weights()) is not None:
             # the whole layer in one native call: the same steps as below, with no Python between
             return kernel.decoder_layers(x, [weights], layer, cos, sin, cache.k, cache.v, slots, starts, bias, [])[0]

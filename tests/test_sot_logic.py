@@ -560,7 +560,9 @@ def test_the_shipped_devices_file_loads_and_covers_cpu_and_cuda():
     profiles = load_profiles(default_profiles_path())
     assert {"cpu", "cuda", "h100", "h200"} <= set(profiles)
     assert profile_of("127.0.0.1#cpu", profiles).max_parallel == 8
-    assert profile_of("127.0.0.1#0", profiles).compute == 200
+    gpu = profile_of("127.0.0.1#0", profiles)  # a GPU device falls back to the cuda profile
+    assert (gpu.compute, gpu.memory_gb) == (profiles["cuda"].compute, profiles["cuda"].memory_gb)
+    assert gpu.compute > profiles["cpu"].compute  # one unit for every profile: decode tokens/s
 
 
 @pytest.mark.parametrize("name", ["sot", "plan"])

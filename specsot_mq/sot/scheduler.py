@@ -13,8 +13,9 @@ compute; equal times: the device listed first). This is the classic greedy for m
 different speeds, within a factor of two of the best possible finishing time.
 
 Device profiles live in devices.json at the repository root (see default_profiles_path):
-{"profiles": {"cpu": {"compute": 40, "memory_gb": 23, "bandwidth_gb_s": 20, "max_parallel": 8}, ...},
+{"profiles": {"cpu": {"compute": 1095.2, "memory_gb": 25.3, "bandwidth_gb_s": 58.5, "max_parallel": 8}, ...},
  "devices": {"127.0.0.1#cpu": "cpu", "10.0.0.2#0": "h100"}}
+(`python benchmarks/device_profile.py --device cuda --name h200 --write devices.json` measures one.)
 A device "ip#gpu" takes the profile it is mapped to under "devices", else "cpu" for "ip#cpu" and
 "cuda" for "ip#N".
 """
