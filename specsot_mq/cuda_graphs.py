@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from specsot_mq import cuda_kernels
+from specsot_mq.kv_cache import KVCache
 
 MAX_TOKENS = 64  # new tokens per row (a draft tree with its lookup; a short prefill)
 MAX_BATCH = 128  # rows (a serving stage's batch, or train-draft writing its data)
@@ -83,19 +84,36 @@ class Captured:
 def shape_key(model, cache, input_ids: torch.Tensor, step) -> tuple | None:
     """The bucket a step runs in, or None where it runs eagerly (a cache with graphs has the spare
     slot and positions: model.new_cache makes both)."""
-    b, t = input_ids.shape[:2]
     if input_ids.dim() != 2 or model.first_layer != 0 or model.last_layer != model.cfg.num_layers:
         return None
-    if step.logit_rows == [] or (step.mask is not None and tuple(step.mask.shape) != (b, t, t)):
+    if step.logit_rows == [] or (sizes := _sizes(cache, input_ids, step)) is None:
+        return None
+    window = model.cfg.sliding_window
+    if window is not None and sizes[2] > window:
+        return None
+    return *sizes, tuple(step.hidden_layers)
+
+
+def _sizes(cache, input_ids: torch.Tensor, step) -> tuple[int, int, int] | None:
+    """A step's bucket of (rows, new tokens, cache entries attended), or None past every bucket
+    or where its mask covers more than its new tokens (a [B, T, K] mask has no captured form)."""
+    b, t = input_ids.shape[:2]
+    if step.mask is not None and tuple(step.mask.shape) != (b, t, t):
         return None
     rows, tokens = bucket(b), bucket(t, base=4)  # (a padding row or token costs a GPU next to nothing)
     if rows > MAX_BATCH or tokens > MAX_TOKENS or rows * tokens > MAX_CELLS:
         return None
-    keys = min(bucket(max(step.starts) + tokens, MIN_KEYS), cache.k.shape[3])
-    window = model.cfg.sliding_window
-    if window is not None and keys > window:
-        return None
-    return rows, tokens, keys, tuple(step.hidden_layers)
+    return rows, tokens, min(bucket(max(step.starts) + tokens, MIN_KEYS), cache.k.shape[3])
+
+
+def new_cache(layers: int, num_slots: int, kv_heads: int, capacity: int, head_dim: int, dtype, device,
+              graphs: bool | None) -> KVCache:  # fmt: skip
+    """A KV cache whose steps replay captured graphs (`graphs`; None: `wanted` on its device),
+    with the spare slot and positions their padding writes to, or run eagerly."""
+    graphs = wanted(device) if graphs is None else graphs
+    cache = KVCache(layers, num_slots, kv_heads, capacity, head_dim, dtype, device, SPARE if graphs else (0, 0))
+    cache.graphs = {} if graphs else None
+    return cache
 
 
 def replay(model, cache, input_ids: torch.Tensor, step):
@@ -117,14 +135,8 @@ def head_key(head, cache, tokens: torch.Tensor, features: torch.Tensor, step) ->
     """The bucket of a draft head's step (its own buckets, over its own cache), or None where it
     runs eagerly: a mask over cache entries (a tree level's, which sees only its ancestors among
     the levels before) has no captured form."""
-    b, t = tokens.shape
-    if step.mask is not None and tuple(step.mask.shape) != (b, t, t):
-        return None
-    rows, width = bucket(b), bucket(t, base=4)
-    if rows > MAX_BATCH or width > MAX_TOKENS or rows * width > MAX_CELLS:
-        return None
-    keys = min(bucket(max(step.starts) + width, MIN_KEYS), cache.k.shape[3])
-    return rows, width, keys, features.shape[-1]
+    sizes = _sizes(cache, tokens, step)
+    return None if sizes is None else (*sizes, features.shape[-1])
 
 
 def replay_head(head, cache, tokens: torch.Tensor, features: torch.Tensor, step):

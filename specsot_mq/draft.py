@@ -30,7 +30,7 @@ from specsot_mq import cuda_graphs
 from specsot_mq.config import ModelConfig
 from specsot_mq.errors import SpecSotError
 from specsot_mq.kv_cache import KVCache
-from specsot_mq.model import DecoderLayer, Linear, LlamaModel, NativeForm, Step, attention_bias, static_bias
+from specsot_mq.model import DecoderLayer, Linear, LlamaModel, NativeForm, Step, attention_bias, rope_at, static_bias
 from specsot_mq.quant import QLinear, onto_huge_pages, quantize
 
 FORMAT = "specsot-eagle-1"
@@ -145,12 +145,9 @@ class DraftHead(nn.Module):
     def new_cache(self, num_slots: int, capacity: int, graphs: bool | None = None) -> KVCache:
         """The head's own cache; `graphs` as in LlamaModel.new_cache (default: on CUDA, the
         head's steps replay captured graphs: cuda_graphs.replay_head)."""
-        graphs = cuda_graphs.wanted(self.device) if graphs is None else graphs
         cfg = self.cfg.layer_config()
-        cache = KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, capacity, cfg.head_dim, self.dtype, self.device,
-                        cuda_graphs.SPARE if graphs else (0, 0))  # fmt: skip
-        cache.graphs = {} if graphs else None
-        return cache
+        return cuda_graphs.new_cache(cfg.num_layers, num_slots, cfg.num_kv_heads, capacity, cfg.head_dim, self.dtype,
+                                     self.device, graphs)  # fmt: skip
 
     def _input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The layer's input: fc over [the tokens' embeddings; the features], base features fused
@@ -170,8 +167,7 @@ class DraftHead(nn.Module):
             return out
         b, t = tokens.shape
         kv_len = max(step.starts) + t
-        cos = self.rope_cos[step.positions].unsqueeze(2).to(self.dtype)
-        sin = self.rope_sin[step.positions].unsqueeze(2).to(self.dtype)
+        cos, sin = rope_at(self.rope_cos, self.rope_sin, step.positions.to(self.device), self.dtype)
         x = self._input(tokens, features)
         if step.mask is None and self.layer.runs_whole(x, cache, step.slots):
             bias = None  # causal, by each row's start: no bias to build (as the base's native stack)
@@ -185,12 +181,9 @@ class DraftHead(nn.Module):
     def forward_static(self, ids, positions, slots, starts, mask, keys: int, cache: KVCache, features):
         """forward as a captured step runs it (cuda_graphs.replay_head): every per-step value a
         tensor on the device, as in LlamaModel.forward_static; (hidden, logits) for every row."""
-        b, t = ids.shape
-        at = positions.reshape(-1)
-        cos = self.rope_cos.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
-        sin = self.rope_sin.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
+        cos, sin = rope_at(self.rope_cos, self.rope_sin, positions, self.dtype)
         bias = static_bias(mask, starts, keys, self.layer.cfg.q_per_kv, self.dtype)
-        entries = starts[:, None] + torch.arange(t, device=ids.device)  # where each new entry goes, [B, T]
+        entries = starts[:, None] + torch.arange(ids.shape[1], device=ids.device)  # where each new entry goes, [B, T]
         hidden = self.layer(self._input(ids, features), cos, sin, cache, 0, slots, entries, keys, bias)
         return hidden, self.lm_head(hidden)
 

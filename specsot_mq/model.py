@@ -278,6 +278,14 @@ def _native_for(x: torch.Tensor):
     return None
 
 
+def rope_at(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, T, 1, D] at positions [B, T] from rope_tables' tables, in `dtype`."""
+    b, t = positions.shape
+    at = positions.reshape(-1)
+    cos = cos_table.index_select(0, at).view(b, t, 1, -1).to(dtype)
+    return cos, sin_table.index_select(0, at).view(b, t, 1, -1).to(dtype)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rope on x [B, T, heads, D] with cos and sign-folded sin [B, T, 1, D]
     (rope_tables): x * cos + [-x2, x1] * sin, written as [x2, x1] * [-sin1, sin2], the same bits
@@ -404,12 +412,9 @@ class LlamaModel(NativeForm):
         cache_dtype's choice for this model); `graphs`: whether steps over it replay captured CUDA
         graphs (default: on CUDA, cuda_graphs.wanted; on a CPU the same steps run uncaptured)."""
         dtype = dtype or cache_dtype(self.dtype, self.device)
-        graphs = cuda_graphs.wanted(self.device) if graphs is None else graphs
         cfg = self.cfg
-        cache = KVCache(len(self.layers), num_slots, cfg.num_kv_heads, capacity, cfg.head_dim, dtype, self.device,
-                        cuda_graphs.SPARE if graphs else (0, 0))  # fmt: skip
-        cache.graphs = {} if graphs else None
-        return cache
+        return cuda_graphs.new_cache(len(self.layers), num_slots, cfg.num_kv_heads, capacity, cfg.head_dim, dtype,
+                                     self.device, graphs)  # fmt: skip
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, step: Step) -> ForwardOutput:
         """Run the decoder over new tokens input_ids [B, T] (a range after the first: the hidden
@@ -480,11 +485,7 @@ class LlamaModel(NativeForm):
         return self._head(x, None, hidden_layers, saved)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [B, T, 1, D] at positions [B, T], in the activations' dtype."""
-        b, t = positions.shape
-        at = positions.reshape(-1)
-        cos = self.rope_cos.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
-        return cos, self.rope_sin.index_select(0, at).view(b, t, 1, -1).to(self.dtype)
+        return rope_at(self.rope_cos, self.rope_sin, positions, self.dtype)
 
     def _layers(self, x, cos, sin, cache, slots, starts, kv_len, bias, want: set[int], depth: int, saved: dict,
                 skip: int = 0):  # fmt: skip

@@ -345,9 +345,9 @@ class EagleDecoder(Decoder):
         guess = logq.argmax(-1)  # [B] draft ids: the search's one child a level (topk 1)
         chosen = [guess]
         feature = torch.stack([seq.feature for seq in seqs])[:, None]
+        roots = torch.tensor(lengths, device=dev)[:, None]
         for level in range(1, depth):
-            positions = torch.tensor(lengths, device=dev)[:, None] + level - 1
-            step = Step(slots, [mgr[s].draft_length + level - 1 for s in slots], positions)
+            step = Step(slots, [mgr[s].draft_length + level - 1 for s in slots], roots + level - 1)
             feature, logits = head(head.d2t[chosen[-1]][:, None], feature, mgr.draft, step)
             chosen.append(logits[:, 0].argmax(-1))
         ids = head.d2t[torch.stack(chosen, 1)].tolist()

@@ -131,6 +131,11 @@ def _questions(gen: Generator, cfg: TrainConfig, done: int, n: int, prefix: list
     return [q for q in qs if len(q) > 10] or ["Give me some advice for learning to cook."]
 
 
+def _source(cfg: TrainConfig) -> str:
+    """What the data bars say they write."""
+    return "self-written data" if cfg.prompts == "self" else "templated questions"
+
+
 def data_path(work: Path, writer: int) -> Path:
     """Writer 0's data is data.jsonl, writer w's data-<w>.jsonl."""
     return work / ("data.jsonl" if writer == 0 else f"data-{writer}.jsonl")
@@ -165,13 +170,15 @@ def all_rows(work: Path, batch: int) -> list[dict]:
 
 
 def generate_data(gen: Generator, cfg: TrainConfig, path: Path, writer: int = 0, done: set | None = None,
-                  deadline: float | None = None, bar: bool = True) -> list[dict]:
+                  deadline: float | None = None, counter=None) -> list[dict]:
     """Rows {kind, question, prompt, output (token ids), chunk} for the chunks of `cfg.batch`
     questions that are this writer's (chunk c is writer c mod cfg.workers') and not yet in
     `done` (every writer's saved chunks; this file's when not given).
     Appends to `path`; resumes where it stopped. SoT rows carry the prompt format's stamp: rows
     written with another format (the prompts changed since) are written again from their
-    questions, keeping the answers. `deadline` (time.time()): no chunk is started after it."""
+    questions, keeping the answers. `deadline` (time.time()): no chunk is started after it.
+    `counter` (a shared multiprocessing Value): questions asked are added to it instead of shown on
+    a bar here (a writer process; write_data shows them all)."""
     rows = read_rows(path, cfg.batch)
     tok = gen.tokenizer
     fmt = load_format("sot")
@@ -189,21 +196,24 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path, writer: int = 0,
     answered = {r["question"]: r["chunk"] for r in rows if r["kind"] == "answer"}
     chunks = [c for c in range(math.ceil(cfg.questions / cfg.batch))
               if c % cfg.workers == writer and (c, min(cfg.batch, cfg.questions - c * cfg.batch)) not in done]  # fmt: skip
+    bar = counter is None
+    tokens = sum(len(r["output"]) for r in rows)
     with _progress() if bar else contextlib.nullcontext() as progress, path.open("a") as out:
 
         def save(new: list[dict]) -> None:
+            nonlocal tokens
             for r in new:
                 out.write(json.dumps(r) + "\n")
             out.flush()
             rows.extend(new)
+            tokens += sum(len(r["output"]) for r in new)
 
         planned = {r["question"] for r in rows if r["kind"] == "skeleton"}
         missing = [q for q in answered if q not in planned]
         for i in range(0, len(missing), 4 * cfg.batch):
             chunk = missing[i : i + 4 * cfg.batch]
             save(_sot_rows(chunk, [answered[q] for q in chunk], fmt, stamp, gen, cfg))
-        source = "self-written data" if cfg.prompts == "self" else "templated questions"
-        task = progress.add_task(source, total=len(chunks) * cfg.batch, info="") if bar else None
+        task = progress.add_task(_source(cfg), total=len(chunks) * cfg.batch, info="") if bar else None
         prefix = _magpie_prefix(tok)
         for c in chunks:
             if deadline is not None and time.time() >= deadline:
@@ -218,7 +228,10 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path, writer: int = 0,
                    "chunk": c, "asked": asked} for i, q in enumerate(qs)])  # fmt: skip
             save(_sot_rows(qs, [c] * len(qs), fmt, stamp, gen, cfg))
             if bar:
-                progress.update(task, advance=asked, info=f"{sum(len(r['output']) for r in rows)} tokens")
+                progress.update(task, advance=asked, info=f"{tokens} tokens")
+            else:
+                with counter.get_lock():
+                    counter.value += asked
     return rows
 
 
@@ -231,42 +244,38 @@ def load_base(folder: Path, dtype: torch.dtype, device) -> tuple[LlamaModel, obj
     return load_model(folder, dtype=dtype, device=device), load_tokenizer(folder)
 
 
-def _write_chunks(loader, cfg: TrainConfig, work: Path, writer: int, done: set, deadline: float | None) -> None:
+def _write_chunks(loader, cfg: TrainConfig, work: Path, writer: int, done: set, deadline: float | None, counter) -> None:
     """A data writer process: its own copy of the base, its share of the chunks."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.workers))
     base, tokenizer = loader()
     gen = Generator(base, tokenizer, max_len=1024, num_slots=cfg.batch)
-    generate_data(gen, cfg, data_path(work, writer), writer, done, deadline, bar=False)
+    generate_data(gen, cfg, data_path(work, writer), writer, done, deadline, counter)
 
 
 def write_data(base: LlamaModel, tokenizer, cfg: TrainConfig, work: Path, loader=None) -> list[dict]:
     """Every chunk's rows, written here (one writer) or by cfg.workers processes each loading the
-    base with `loader` (a progress bar here counts the answers they save)."""
+    base with `loader` (a progress bar here counts the questions they ask)."""
     work.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + cfg.data_seconds if cfg.data_seconds else None
+    done = written_chunks(work, cfg.batch)
     if cfg.workers == 1:
         gen = Generator(base, tokenizer, max_len=1024, num_slots=cfg.batch)
-        generate_data(gen, cfg, data_path(work, 0), done=written_chunks(work, cfg.batch), deadline=deadline)
+        generate_data(gen, cfg, data_path(work, 0), done=done, deadline=deadline)
         return all_rows(work, cfg.batch)
     if loader is None:
         raise SpecSotError(f"workers={cfg.workers}: writing data in several processes needs a loader of the base")
-    done = written_chunks(work, cfg.batch)
     spawn = torch.multiprocessing.get_context("spawn")
-    procs = [spawn.Process(target=_write_chunks, args=(loader, cfg, work, w, done, deadline), daemon=True)
+    asked = spawn.Value("q", sum(n for _, n in done))  # questions asked so far, every writer adding its own
+    procs = [spawn.Process(target=_write_chunks, args=(loader, cfg, work, w, done, deadline, asked), daemon=True)
              for w in range(cfg.workers)]  # fmt: skip
     for p in procs:
         p.start()
-
-    def answers() -> int:
-        return sum(f.read_text().count('"kind": "answer"') for f in work.glob("data*.jsonl"))
-
     with _progress() as progress:
-        source = "self-written data" if cfg.prompts == "self" else "templated questions"
-        task = progress.add_task(f"{source}, {cfg.workers} writers", total=cfg.questions, info="")
+        task = progress.add_task(f"{_source(cfg)}, {cfg.workers} writers", total=cfg.questions, info="")
         while any(p.is_alive() for p in procs):
-            progress.update(task, completed=answers())
+            progress.update(task, completed=asked.value)
             time.sleep(2)
-        progress.update(task, completed=answers())
+        progress.update(task, completed=asked.value)
     failed = [w for w, p in enumerate(procs) if p.exitcode]
     if failed:
         raise SpecSotError(f"data writer(s) {failed} failed (exit codes {[procs[w].exitcode for w in failed]}): "
@@ -356,7 +365,6 @@ def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...]
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]) + len(rows[i]["output"]))
     longest = max(len(r["prompt"]) + len(r["output"]) for r in rows)
     cache = base.new_cache(batch, longest)
-    keep = "cpu" if base.device.type == "cpu" else base.device
     with _progress() as bar:
         task = bar.add_task("base features", total=len(rows), info="")
         for k in range(0, len(order), batch):
@@ -369,7 +377,7 @@ def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...]
             feats = torch.cat(res.hidden, dim=-1).to(torch.bfloat16)
             for row, (i, s) in enumerate(zip(idx, seqs)):
                 cut = max(0, len(rows[i]["prompt"]) - context)
-                out[i] = (torch.tensor(s[cut:]), feats[row, cut : len(s)].to(keep, copy=True), len(rows[i]["prompt"]) - cut)
+                out[i] = (torch.tensor(s[cut:]), feats[row, cut : len(s)].clone(), len(rows[i]["prompt"]) - cut)
             bar.advance(task, len(idx))
     return out
 
