@@ -65,10 +65,11 @@ class Sample:
         return (len(self.token_ids) - 1) / self.decode_s
 
 
-def load_prompts(path: Path | None, limit: int, per_category: int = 0) -> tuple[list[str], str]:
+def load_prompts(path: Path | None, limit: int, per_category: int = 0, label: str | None = None) -> tuple[list[str], str]:
     """The first `limit` prompts and where they came from. MT-bench lines give their first turn;
     other JSONL lines give their `question`. per_category > 0 takes at most that many of each
-    line's `category` (MT-bench's first 10 are all writing: a spread needs this)."""
+    line's `category` (MT-bench's first 10 are all writing: a spread needs this); `label` keeps only
+    the lines of that `label` (router_heldout.jsonl's direct or plan)."""
     if path is None and not DEFAULT_QUESTIONS.is_file():
         return BUILTIN_PROMPTS[:limit], "built-in"
     path = path or DEFAULT_QUESTIONS
@@ -88,14 +89,15 @@ def load_prompts(path: Path | None, limit: int, per_category: int = 0) -> tuple[
             raise SpecSotError(
                 f"{path}:{number} is not a question: each line must be JSON with 'turns' (MT-bench) or 'question'"
             ) from None
-        if per_category and taken.get(category, 0) >= per_category:
+        if (per_category and taken.get(category, 0) >= per_category) or (label and row.get("label") != label):
             continue
         taken[category] = taken.get(category, 0) + 1
         prompts.append(question)
         if len(prompts) == limit:
             break
     if not prompts:
-        raise SpecSotError(f"{path} holds no questions: give a JSONL file with 'turns' or 'question' per line")
+        raise SpecSotError(f"{path} holds no questions{f' labelled {label}' if label else ''}: give a JSONL file with "
+                           "'turns' or 'question' per line")
     return prompts, str(path)
 
 

@@ -11,6 +11,7 @@ acceptance) and the default tree's shape (2x1x2); beside them, the share of the 
 (one sequence) that the speed chooser gave the tree.
 
     python benchmarks/eagle.py [--limit 5] [--new-tokens 256] [--dtype auto|bf16|fp32] [--sweep 8x4x3,12x5x4+8]
+                               [--questions benchmarks/router_heldout.jsonl --label direct]  # what a router answers directly
                                [--compare-draft PATH]   # the sweep runs a second head too, side by side
 
 A tree is NODESxDEPTHxTOPK, with +N for N prompt-lookup tokens grafted on each tree (4x2x2 alone
@@ -75,6 +76,7 @@ def main(argv=None) -> dict:
     p.add_argument("--draft", default="auto", help="draft head: auto (shipped) or a .safetensors path")
     p.add_argument("--questions", type=Path, default=None)
     p.add_argument("--limit", type=int, default=5)
+    p.add_argument("--label", default=None, help="only the questions of this label (router_heldout.jsonl: direct, plan)")
     p.add_argument("--new-tokens", type=int, default=256)
     add_dtype_option(p)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -87,7 +89,7 @@ def main(argv=None) -> dict:
     out = Console(quiet=args.json_only, soft_wrap=True)
     torch.set_num_threads(args.threads)
     dtype = chosen_dtype(args)
-    prompts, source = load_prompts(args.questions, args.limit)
+    prompts, source = load_prompts(args.questions, args.limit, label=args.label)
     main_tree = parse_tree(args.tree) if args.tree else TreeParams()
     sweep = [parse_tree(t) for t in args.sweep.split(",") if t.strip()]
     n = args.new_tokens
@@ -117,7 +119,7 @@ def main(argv=None) -> dict:
     floor_text, floor = floor_line(model, dtype, args.device)
     out.print(
         f"{machine(args)} | {args.dtype} | {floor_text} | "
-        f"{len(prompts)} prompts ({source}), {n} new tokens | draft {draft_path.name} "
+        f"{len(prompts)} prompts ({source}{f', label {args.label}' if args.label else ''}), {n} new tokens | draft {draft_path.name} "
         f"(vocab {head.cfg.draft_vocab_size}) | tree {main_tree}"
     )
     rows = {"hf": [], "plain": [], "lookup": [], "eagle": []}

@@ -13,7 +13,8 @@ Runs, each as its own process with a time limit, so one failure leaves the rest 
   exact     fp32 on the GPU: EAGLE greedy decoding of the default model, one sequence and four
             together, gives plain greedy decoding's tokens
   curve     step.py --device cuda: one step's time over rows x new tokens, captured and eager
-  train     `specsot train-draft --device cuda`: templated questions written by --workers processes for
+  train     `specsot train-draft --device cuda`: templated questions of every kind (--prompts mixed)
+            written by --workers processes for
             --data-seconds, then --epochs of training (the recipe of the shipped head: 24 epochs at
             lr 2e-3, about 6 minutes on an H200); the head goes to --head-out
   head      eagle.py --device cuda with the head just trained (the shipped one compared): a chain
@@ -155,7 +156,7 @@ def main(argv=None) -> dict:
                    "--sweep", "4x4x1,2x1x2,8x4x2+4,16x5x4+8"], 150, None),
         "eager": ([py, "benchmarks/decode.py", *dev, "--limit", "1", "--new-tokens", "128", "--runs", "1"], 90,
                   {"SPECSOT_CUDA_GRAPHS": "0"}),
-        "train": ([*SPECSOT, "train-draft", *dev, "--prompts", "templates", "--questions", str(args.train_questions),
+        "train": ([*SPECSOT, "train-draft", *dev, "--prompts", "mixed", "--questions", str(args.train_questions),
                    "--batch", "128", "--workers", str(args.workers), "--data-seconds", str(args.data_seconds),
                    "--epochs", str(args.epochs), "--lr", "2e-3", "--work-dir", "/tmp/gpu-train", "--out", args.head_out], 480, None),
         "head": ([py, "benchmarks/eagle.py", *dev, "--draft", args.head_out, "--compare-draft", str(SHIPPED),

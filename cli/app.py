@@ -96,8 +96,10 @@ def train_draft(
              "starting from the base's last layer.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the self-written questions: another seed, other questions.")] = 0,
     prompts: Annotated[str, typer.Option(
-        help="Where the questions come from: self (the model writes them) or templates (23k from templates over "
-             "topics written for this project, specsot_mq/prompts/train_questions.json).")] = "self",
+        help="Where the questions come from: self (the model writes them), templates (23k asking for advice and "
+             "explanations, from templates over topics written for this project, "
+             "specsot_mq/prompts/train_questions.json), families (8k, the same file's code, maths, writing, "
+             "rewriting, facts, estimates, roleplay and comparisons) or mixed (both, 31k).")] = "self",
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay after 50 warm-up steps).")] = 1e-3,
     workers: Annotated[int, typer.Option(
         help="Processes writing the data, each with its own copy of the model (on a GPU, 4 keep it busy).")] = 1,

@@ -2,7 +2,8 @@
 
 1. data: the base model writes its own user questions (Magpie-style: the chat template up to the
    user turn, sampled), or takes templated ones (`--prompts templates`: 23k questions from
-   templates over topics written for this project, prompts/train_questions.json), answers them
+   templates over topics written for this project, prompts/train_questions.json; `--prompts
+   families`: 8k of code, maths, writing and other kinds; `--prompts mixed`: both), answers them
    greedily, and also writes Skeleton-of-Thought skeletons and point expansions for them, since
    those are what the head will draft. Saved as JSONL, resumable.
 2. features: one base forward per sequence captures the hidden states the head reads (by default
@@ -19,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
 import random
+import string
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -72,8 +75,9 @@ class TrainConfig:
     # the head learning exact training features (and a head's own, inexact, deeper predictions).
     feature_noise: float = 0.0
     seed: int = 0  # the self-written questions and the training order; another seed, other questions
-    # Where the questions come from: "self" (the base writes them, Magpie-style) or "templates"
-    # (every template of prompts/train_questions.json with every topic, shuffled by the seed)
+    # Where the questions come from: "self" (the base writes them, Magpie-style), or
+    # prompts/train_questions.json's "templates", "families" or both ("mixed"), shuffled by the
+    # seed (template_questions)
     prompts: str = "self"
     # A saved head to start from (fine-tuning: its draft vocabulary and feature layers are kept)
     # instead of the base's last layer.
@@ -105,17 +109,35 @@ def _magpie_prefix(tokenizer) -> list[int]:
     return tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
 
 
-PROMPT_SOURCES = ("self", "templates")
+PROMPT_SOURCES = ("self", "templates", "families", "mixed")
+
+
+def _filled(templates: list[str], fills: dict[str, list]) -> list[str]:
+    """Every template with every combination of the fills it names (the first fill named in
+    `fills` varying slowest)."""
+    out = []
+    for template in templates:
+        used = {name for _, name, _, _ in string.Formatter().parse(template) if name}
+        names = [name for name in fills if name in used]
+        out += [template.format(**dict(zip(names, values))) for values in itertools.product(*(fills[n] for n in names))]
+    return out
 
 
 @functools.cache
-def template_questions(seed: int) -> tuple[str, ...]:
-    """Every template of prompts/train_questions.json with every topic ({n}: each count from 3 to
-    7), shuffled by `seed`: about 23,000 questions, written for this project (no benchmark's); built
-    once per seed (the data writer takes a batch of them at a time)."""
+def template_questions(seed: int, source: str = "templates") -> tuple[str, ...]:
+    """The questions of prompts/train_questions.json, shuffled by `seed`, for `source`:
+    "templates", every template with every topic ({n}: each count from 3 to 7), about 23,000
+    asking for advice and explanations; "families", every family's templates with every
+    combination of their fills, 8,000 of the kinds a router answers directly, where the head does
+    all the speeding up (code, maths, writing, rewriting and translation, facts, concepts,
+    estimates and counterfactuals, roleplay, comparisons); "mixed", both. Written for this project
+    (no benchmark's); built once per seed (the data writer takes a batch of them at a time)."""
     data = json.loads((Path(__file__).parent / "prompts" / "train_questions.json").read_text())
-    questions = [template.format(topic=topic, n=n) for template in data["templates"] for topic in data["topics"]
-                 for n in (range(3, 8) if "{n}" in template else [0])]  # fmt: skip
+    questions = []
+    if source in ("templates", "mixed"):
+        questions += _filled(data["templates"], {"topic": data["topics"], "n": range(3, 8)})
+    if source in ("families", "mixed"):
+        questions += [q for family in data["families"] for q in _filled(family["templates"], family["fills"])]
     random.Random(seed).shuffle(questions)
     return tuple(questions)
 
@@ -123,8 +145,8 @@ def template_questions(seed: int) -> tuple[str, ...]:
 def _questions(gen: Generator, cfg: TrainConfig, done: int, n: int, prefix: list[int]) -> list[str]:
     """The next n questions after the first `done`, drawn from the position (a resumed run asks
     what an uninterrupted one would): the next templated ones, or ones the base writes itself."""
-    if cfg.prompts == "templates":
-        return list(template_questions(cfg.seed)[done : done + n])
+    if cfg.prompts != "self":
+        return list(template_questions(cfg.seed, cfg.prompts)[done : done + n])
     seed = random.Random(f"{cfg.seed}/{done}").randrange(1 << 30)
     ask = SamplingParams(max_tokens=64, temperature=1.0, top_p=0.95, seed=seed)
     qs = [c.text.strip() for c in gen.generate_many([prefix] * n, ask)]

@@ -200,16 +200,19 @@ def test_fine_tuning_starts_from_the_saved_head_and_keeps_its_vocabulary_and_lay
         feature_layers(base, TrainConfig(init=str(saved), feature_layers=(1, 2)))
 
 
-def test_templated_questions_are_many_distinct_seeded_and_no_benchmarks():
+@pytest.mark.parametrize("source,least", [("templates", 20000), ("families", 8000), ("mixed", 30000)])
+def test_templated_questions_are_many_distinct_seeded_and_no_benchmarks(source, least):
     root = Path(__file__).resolve().parents[1]
-    questions = template_questions(0)
-    assert len(questions) >= 20000 and len(set(questions)) == len(questions)
+    questions = template_questions(0, source)
+    assert len(questions) >= least and len(set(questions)) == len(questions)
     # built again (not the cached one): the same order for a seed, another for another seed
-    assert template_questions.__wrapped__(0) == questions and template_questions(1) != questions
+    assert template_questions.__wrapped__(0, source) == questions and template_questions(1, source) != questions
     assert not [q for q in questions if "{" in q or "}" in q]
+    if source == "mixed":  # both, and nothing else
+        assert set(questions) == set(template_questions(0)) | set(template_questions(0, "families"))
     evaluated = set()
-    for name in ("general_questions.jsonl", "router_heldout.jsonl", "count_questions.jsonl"):
-        for line in (root / "benchmarks" / name).read_text().splitlines():
+    for path in (root / "benchmarks").glob("*.jsonl"):  # every question file a benchmark reads
+        for line in path.read_text().splitlines():
             evaluated.add(json.loads(line)["question"].strip().lower())
     mt_bench = root.parent / "shared/data/mt_bench_questions.jsonl"  # where the checkout has it beside
     if mt_bench.exists():
