@@ -12,6 +12,7 @@ this checkout is faster), and the total seconds and answer tokens of each (a cha
 answers shorter shows there); the last line is JSON.
 
     python benchmarks/versus.py [--base HEAD~1] [--engine specsot|eagle|plain] [--limit 40] [--rounds 2]
+                                [--questions benchmarks/router_heldout.jsonl --label direct]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def serve(args) -> None:
     from specsot_mq.sot.flow import SoTConfig, answer_tokens
     from specsot_mq.tokenizer import chat_prompt_ids
 
-    questions, _ = load_prompts(args.questions, args.limit, args.per_category)
+    questions, _ = load_prompts(args.questions, args.limit, args.per_category, args.label)
     gen = load_generator(num_slots=8, draft="none" if args.engine == "plain" else "auto")
     engine = SoTEngine(gen, SoTConfig(max_parallel=8))
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
@@ -110,6 +111,7 @@ def main(argv=None) -> dict:
     p.add_argument("--questions", type=Path, default=None)
     p.add_argument("--limit", type=int, default=40)
     p.add_argument("--per-category", type=int, default=5)
+    p.add_argument("--label", default=None, help="only the questions of this label (router_heldout.jsonl: direct, plan)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeat-stop", type=int, default=16)
@@ -119,6 +121,8 @@ def main(argv=None) -> dict:
         return serve(args)
     worker_argv = ["--engine", args.engine, "--limit", str(args.limit), "--per-category", str(args.per_category),
                    "--max-tokens", str(args.max_tokens), "--repeat-stop", str(args.repeat_stop)]  # fmt: skip
+    if args.label:  # (a base from before --label cannot take it)
+        worker_argv += ["--label", args.label]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from decode import DEFAULT_QUESTIONS
 
