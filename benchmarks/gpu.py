@@ -20,6 +20,8 @@ Runs, each as its own process with a time limit, so one failure leaves the rest 
   head      eagle.py --device cuda with the head just trained (the shipped one compared): a chain
             of 4, the default tree, a chain of 2 and one guess, each without prompt lookup, then the
             default tree with it and the chooser
+  direct    the same on held-out questions a router answers directly (maths, code, estimates, facts):
+            router_heldout.jsonl --label direct, a chain of 4 and the default tree
   stages    `specsot run --devices 127.0.0.1#0`: the stage processes on the GPU answer two questions
             (run from /tmp: on a host where the project is installed with `pip --target`, the
             checkout's own specsot_mq/ would hide the installed one's stages)
@@ -27,6 +29,9 @@ Runs, each as its own process with a time limit, so one failure leaves the rest 
 
     python benchmarks/gpu.py [--only decode,eagle] [--out results.json] [--budget 450]
     python benchmarks/gpu.py --only train,head,tests,stages,profile --head-out $OUT/head.safetensors
+    # 20,000 questions of every kind in two commands: the data (and one epoch), then the training
+    python benchmarks/gpu.py --only train --workers 6 --data-seconds 330 --epochs 1 --budget 580
+    rm /tmp/gpu-train/checkpoint-*; python benchmarks/gpu.py --only train,head,direct --data-seconds 0.01 --epochs 10 --budget 580 --head-out $OUT/head.safetensors
 
 A GPU host that reaches no package registry needs the default model's folder under
 $SPECSOT_HOME/models (benchmarks/README.md says how it travels) and the wheels of the packages its
@@ -158,9 +163,12 @@ def main(argv=None) -> dict:
                   {"SPECSOT_CUDA_GRAPHS": "0"}),
         "train": ([*SPECSOT, "train-draft", *dev, "--prompts", "mixed", "--questions", str(args.train_questions),
                    "--batch", "128", "--workers", str(args.workers), "--data-seconds", str(args.data_seconds),
-                   "--epochs", str(args.epochs), "--lr", "2e-3", "--work-dir", "/tmp/gpu-train", "--out", args.head_out], 480, None),
+                   "--epochs", str(args.epochs), "--lr", "2e-3", "--work-dir", "/tmp/gpu-train", "--out", args.head_out], 570, None),
         "head": ([py, "benchmarks/eagle.py", *dev, "--draft", args.head_out, "--compare-draft", str(SHIPPED),
                   "--questions", str(QUESTIONS), "--limit", "3", "--new-tokens", "160", "--sweep", "4x4x1,2x1x2,2x2x1,1x1x1"], 120, None),
+        "direct": ([py, "benchmarks/eagle.py", *dev, "--draft", args.head_out, "--compare-draft", str(SHIPPED),
+                    "--questions", str(ROOT / "benchmarks/router_heldout.jsonl"), "--label", "direct", "--limit", "4",
+                    "--new-tokens", "160", "--sweep", "4x4x1,2x1x2"], 120, None),
         "stages": (["bash", "-c", f"cd /tmp && printf '{ASK}\\nName three planets and one fact about each.\\n' | "
                     f"{' '.join(SPECSOT)} run --devices {stage_device} --run gpu"], 80, None),
         "profile": ([py, "benchmarks/device_profile.py", *dev, "--tokens", "32", "--max-batch", "64"], 70, None),
