@@ -274,10 +274,24 @@ def _write_chunks(loader, cfg: TrainConfig, work: Path, writer: int, done: set, 
     generate_data(gen, cfg, data_path(work, writer), writer, done, deadline, counter)
 
 
+def _same_source(work: Path, cfg: TrainConfig) -> None:
+    """A work folder holds the questions of one source and seed (resuming draws the next ones by
+    position): a run asking for others is stopped before it writes anything."""
+    path, source = work / "source.json", {"prompts": cfg.prompts, "seed": cfg.seed}
+    if not path.exists():
+        path.write_text(json.dumps(source) + "\n")
+        return
+    was = json.loads(path.read_text())
+    if was != source:
+        raise SpecSotError(f"{work} holds data for --prompts {was['prompts']} --seed {was['seed']}: pass those to resume "
+                           f"it, or another --work-dir for --prompts {cfg.prompts} --seed {cfg.seed}")
+
+
 def write_data(base: LlamaModel, tokenizer, cfg: TrainConfig, work: Path, loader=None) -> list[dict]:
     """Every chunk's rows, written here (one writer) or by cfg.workers processes each loading the
     base with `loader` (a progress bar here counts the questions they ask)."""
     work.mkdir(parents=True, exist_ok=True)
+    _same_source(work, cfg)
     deadline = time.time() + cfg.data_seconds if cfg.data_seconds else None
     done = written_chunks(work, cfg.batch)
     if cfg.workers == 1:

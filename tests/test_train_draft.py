@@ -234,6 +234,22 @@ def test_data_from_templates_asks_the_templated_questions_in_order(tmp_path, def
     assert [r["question"] for r in rows if r["kind"] == "answer"] == list(template_questions(0)[:3])
 
 
+def test_a_work_folder_resumes_only_its_own_question_source(tmp_path, default_model_dir):
+    """Resuming draws the next questions by position, so a folder written for one --prompts and
+    --seed refuses another before writing anything; the same ones resume."""
+    from specsot_mq.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir)
+    base = ours_from_hf(tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=1024))
+    small = dict(questions=2, batch=2, answer_tokens=4, skeleton_tokens=4, point_tokens=4, prompts="templates")
+    rows = write_data(base, tok, TrainConfig(**small), tmp_path)
+    assert [r["question"] for r in rows if r["kind"] == "answer"] == list(template_questions(0)[:2])
+    for other in (dict(small, prompts="mixed"), dict(small, seed=1)):
+        with pytest.raises(SpecSotError, match="--prompts templates --seed 0"):
+            write_data(base, tok, TrainConfig(**other), tmp_path)
+    assert write_data(base, tok, TrainConfig(**dict(small, questions=4)), tmp_path)[: len(rows)] == rows
+
+
 @pytest.mark.slow
 def test_data_writers_in_other_processes_write_what_one_writer_writes(tmp_path, default_model_dir):
     """Two writer processes (chunk c is writer c mod 2's) give the rows, in the order, that one
