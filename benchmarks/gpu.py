@@ -148,6 +148,11 @@ def main(argv=None) -> dict:
     py = sys.executable
     dev = ["--device", args.device]
     stage_device = "127.0.0.1#0" if args.device.startswith("cuda") else "127.0.0.1#cpu"
+
+    def heads_on(*questions: str) -> list[str]:
+        """eagle.py: the head train wrote against the shipped one, on these questions and trees."""
+        return [py, "benchmarks/eagle.py", *dev, "--draft", args.head_out, "--compare-draft", str(SHIPPED),
+                "--new-tokens", "160", *questions]
     parts = {  # in the order they run: the budget leaves out the last first
         "tests": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py", "tests/test_cuda_graphs.py",
                    "-k", "not fused"], 120, None),  # (the fused kernels: their interpreter test is for a CPU)
@@ -164,11 +169,9 @@ def main(argv=None) -> dict:
         "train": ([*SPECSOT, "train-draft", *dev, "--prompts", "mixed", "--questions", str(args.train_questions),
                    "--batch", "128", "--workers", str(args.workers), "--data-seconds", str(args.data_seconds),
                    "--epochs", str(args.epochs), "--lr", "2e-3", "--work-dir", "/tmp/gpu-train", "--out", args.head_out], 570, None),
-        "head": ([py, "benchmarks/eagle.py", *dev, "--draft", args.head_out, "--compare-draft", str(SHIPPED),
-                  "--questions", str(QUESTIONS), "--limit", "3", "--new-tokens", "160", "--sweep", "4x4x1,2x1x2,2x2x1,1x1x1"], 120, None),
-        "direct": ([py, "benchmarks/eagle.py", *dev, "--draft", args.head_out, "--compare-draft", str(SHIPPED),
-                    "--questions", str(ROOT / "benchmarks/router_heldout.jsonl"), "--label", "direct", "--limit", "4",
-                    "--new-tokens", "160", "--sweep", "4x4x1,2x1x2"], 120, None),
+        "head": (heads_on("--questions", str(QUESTIONS), "--limit", "3", "--sweep", "4x4x1,2x1x2,2x2x1,1x1x1"), 120, None),
+        "direct": (heads_on("--questions", str(ROOT / "benchmarks/router_heldout.jsonl"), "--label", "direct",
+                            "--limit", "4", "--sweep", "4x4x1,2x1x2"), 120, None),
         "stages": (["bash", "-c", f"cd /tmp && printf '{ASK}\\nName three planets and one fact about each.\\n' | "
                     f"{' '.join(SPECSOT)} run --devices {stage_device} --run gpu"], 80, None),
         "profile": ([py, "benchmarks/device_profile.py", *dev, "--tokens", "32", "--max-batch", "64"], 70, None),
