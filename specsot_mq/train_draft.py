@@ -40,6 +40,7 @@ from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Generator, Job
 from specsot_mq.model import LlamaModel, Step
+from specsot_mq.openmp import release_freed_memory
 from specsot_mq.prompts import load_format
 from specsot_mq.quant import QEmbedding, QLinear
 from specsot_mq.sampling import SamplingParams
@@ -414,6 +415,9 @@ def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...]
             for row, (i, s) in enumerate(zip(idx, seqs)):
                 cut = max(0, len(rows[i]["prompt"]) - context)
                 out[i] = (torch.tensor(s[cut:]), feats[row, cut : len(s)].clone(), len(rows[i]["prompt"]) - cut)
+            # Batches grow in length; without handing freed pages back, the heap kept their
+            # transients and the process grew to 4.5 times the features it holds.
+            release_freed_memory()
             bar.advance(task, len(idx))
     return out
 
@@ -601,6 +605,7 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
                 torch.nn.utils.clip_grad_norm_(params, 0.5)
                 opt.step()
                 sched.step()
+                release_freed_memory()  # batches of every shape: see capture_features
                 sums += torch.tensor([res[0][0].item(), res[0][1].item(), res[0][2].item(), res[0][3].item()])
                 bar.update(task, advance=1, info=f"epoch {epoch + 1} loss {loss.item():.3f} acc1 {sums[2] / max(sums[3], 1):.3f}")
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1}, ckpt)
