@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ import time
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from specsot_mq.messages import Abort, Down, Heartbeat, Ready  # noqa: E402
+from specsot_mq.openmp import release_freed_memory  # noqa: E402
 from specsot_mq.stages.base import RunSpec, Stage, stage_class  # noqa: E402
 from specsot_mq.transports import make_transport  # noqa: E402
 
@@ -40,20 +40,6 @@ def rss_mb() -> float:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:  # not Linux
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-except OSError:  # not glibc
-    _LIBC = None
-
-
-def release_free_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim), so that after a burst of
-    requests with varying tensor shapes the stage's RSS shows what it holds, not what it once
-    held. A no-op elsewhere."""
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
 
 
 async def serve(name: str, spec: RunSpec, ctx=None, keys: dict | None = None) -> None:
@@ -72,7 +58,7 @@ async def serve(name: str, spec: RunSpec, ctx=None, keys: dict | None = None) ->
     except (NotImplementedError, RuntimeError):  # not the main thread (tests run stages in threads)
         pass
     await stage.start()
-    release_free_memory()  # what loading freed (a tokenizer's JSON, a model's conversion) goes back to the OS
+    release_freed_memory()  # what loading freed (a tokenizer's JSON, a model's conversion) goes back to the OS
     host = spec.hosts.get(name, socket.gethostname())
     if name != "gateway":
         await transport.send_direct("gateway", Ready(name, os.getpid(), host, spec.devices.get(name, "")))
@@ -89,7 +75,7 @@ async def serve(name: str, spec: RunSpec, ctx=None, keys: dict | None = None) ->
                 last_tokens, last_time = stage.tokens, now
             inflight = stage.inflight()
             if was_busy and not inflight:
-                release_free_memory()
+                release_freed_memory()
             was_busy = inflight > 0
             # The peak is sampled here: ru_maxrss would count the launcher's memory from before exec.
             now_mb = rss_mb()
