@@ -416,7 +416,7 @@ def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...]
                 cut = max(0, len(rows[i]["prompt"]) - context)
                 out[i] = (torch.tensor(s[cut:]), feats[row, cut : len(s)].clone(), len(rows[i]["prompt"]) - cut)
             # Batches grow in length; without handing freed pages back, the heap kept their
-            # transients and the process grew to 4.5 times the features it holds.
+            # transients: 3,000 questions' 6.3 GB of features had the process past 22 GB.
             release_freed_memory()
             bar.advance(task, len(idx))
     return out
