@@ -166,6 +166,14 @@ static inline __m512i bcast4(const int8_t* p) {
     return _mm512_set1_epi32(v);
 }
 
+// acc + dpbusd(w, x's 4 bytes at p broadcast to every lane), the broadcast folded into the
+// instruction's memory operand ({1to16}): the compiler emitted a separate vpbroadcastd for each,
+// one more vector instruction for every dpbusd of the tile.
+static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+    return acc;
+}
+
 // A tile: R rows by one group of 16 columns (one 512-bit vector), over every record of the inputs.
 // Unsigned weights: dpbusd adds each lane's 4 weight x int8 products into its int32 sum. 8-bit
 // weights: dpbusd takes x + 128 (x's sign bit flipped) as its unsigned side, and 128 * sum(q) per
@@ -209,11 +217,11 @@ static inline void tile(const uint8_t* w, int nrec, const int8_t* const* xq, con
                     for (int r = 0; r < R; ++r) {
                         const int8_t* x = xq[r] + 32 * b + 4 * v;
                         if constexpr (F::split) {
-                            isum[r] = _mm512_dpbusd_epi32(isum[r], lo, bcast4(x));
-                            isum_hi[r] = _mm512_dpbusd_epi32(isum_hi[r], hi, bcast4(x + 16));
+                            isum[r] = dpbusd_bcast(isum[r], lo, x);
+                            isum_hi[r] = dpbusd_bcast(isum_hi[r], hi, x + 16);
                             SPECSOT_PIN(isum_hi[r]);
                         } else {
-                            isum[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r], lo, bcast4(x)), hi, bcast4(x + 16));
+                            isum[r] = dpbusd_bcast(dpbusd_bcast(isum[r], lo, x), hi, x + 16);
                         }
                         SPECSOT_PIN(isum[r]);
                     }
