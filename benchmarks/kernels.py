@@ -6,10 +6,11 @@ the cache like ours) and loaded into this one process, over the same weights and
 k the two forwards run in turn, call after call, and the medians are compared, so the machine's
 drift (10-25% between runs here) falls on both alike. A forward is what a decode step, a k-row
 verify or a k-row prefill costs: every decoder layer in one native call, then the output layer on
-the last row. Prints a table with each side's median ms and the base's over ours (above 1: this
+the last row (on every row with --all-logits, as a verify step or sequences decoding together
+have it). Prints a table with each side's median ms and the base's over ours (above 1: this
 checkout is faster); the last line is JSON.
 
-    python benchmarks/kernels.py [--base HEAD~1] [--rows 1,2,4,6,8,12,16,32] [--runs 40] [--context 300]
+    python benchmarks/kernels.py [--base HEAD~1] [--rows 1,2,4,6,8,12,16,32] [--runs 40] [--context 300] [--all-logits]
 
 SPECSOT_KERNEL_ISA=avx2 holds both sides to their AVX2 code on an AVX-512 machine.
 """
@@ -98,6 +99,7 @@ def main(argv=None) -> dict:
     p.add_argument("--runs", type=int, default=40)
     p.add_argument("--context", type=int, default=300, help="cache entries before the new rows")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--all-logits", action="store_true", help="the output layer on every new row, as a verify step")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Console(soft_wrap=True)
@@ -140,19 +142,22 @@ def main(argv=None) -> dict:
         model(ids[:, : args.context], cache, Step.fresh(torch.arange(args.context)[None], logit_rows=[args.context - 1]))
         for k in track(rows, description="forwards by rows", console=out):
             new, positions = ids[:, args.context : args.context + k], torch.arange(args.context, args.context + k)[None]
+            rows_out = list(range(k)) if args.all_logits else [k - 1]
             for run in range(-5, args.runs):  # 5 untimed rounds first: the threads and caches warm up
                 for side in kernels:
                     use(side)
                     start = time.perf_counter()
-                    model(new, cache, Step([0], [args.context], positions, logit_rows=[k - 1]))
+                    model(new, cache, Step([0], [args.context], positions, logit_rows=rows_out))
                     if run >= 0:
                         times[(side, k)].append(time.perf_counter() - start)
     quant._native = ours
-    title = f"whole forward of k new rows over {args.context} cached, median ms ({args.runs} runs each, in turn)"
+    title = (f"whole forward of k new rows over {args.context} cached, logits of {'every' if args.all_logits else 'the last'}"
+             f" row, median ms ({args.runs} runs each, in turn)")
     table = Table(title=title)
     for col in ("k", f"base ({args.base})", "ours", "base / ours"):
         table.add_column(col, justify="right")
-    result = {"base": args.base, "cpu": cpu_name(), "kernel_isa": ours.isa(), "threads": args.threads, "rows": []}
+    result = {"base": args.base, "cpu": cpu_name(), "kernel_isa": ours.isa(), "threads": args.threads,
+              "all_logits": args.all_logits, "rows": []}
     for k in rows:
         base, mine = (statistics.median(times[(side, k)]) * 1e3 for side in ("base", "ours"))
         table.add_row(str(k), f"{base:.2f}", f"{mine:.2f}", f"{base / mine:.3f}")
