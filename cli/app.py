@@ -94,9 +94,6 @@ def train_draft(
     init: Annotated[Optional[str], typer.Option(
         help="Fine-tune this saved head (keeping its draft vocabulary and feature layers) instead of "
              "starting from the base's last layer.")] = None,
-    draft_ffn: Annotated[Optional[int], typer.Option(
-        help="The head's feed-forward width (default: the base's, or the --init head's); wider than that, "
-             "the head starts computing what it did and training grows the new units.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the self-written questions: another seed, other questions.")] = 0,
     prompts: Annotated[str, typer.Option(
         help="Where the questions come from: self (the model writes them), templates (23k asking for advice and "
@@ -149,15 +146,8 @@ def train_draft(
     per_batch = tokens_per_batch or (1024 if base.device.type == "cpu" else 16384)
     cfg = recipe.TrainConfig(questions=questions, epochs=epochs, batch=batch, draft_vocab=draft_vocab, feature_layers=layers,
                              feature_noise=feature_noise, seed=seed, lr=lr, init=init, prompts=prompts, workers=workers,
-                             data_seconds=data_seconds, tokens_per_batch=per_batch, draft_ffn=draft_ffn)  # fmt: skip
+                             data_seconds=data_seconds, tokens_per_batch=per_batch)  # fmt: skip
     recipe.feature_layers(base, cfg)  # a wrong list fails now, not after the data is written
-    if draft_ffn is not None:  # as is a width the head cannot start from
-        from specsot_mq.draft import DraftConfig
-
-        now = DraftConfig.read(init).layer["intermediate_size"] if init else base.cfg.intermediate_size
-        if draft_ffn < now or draft_ffn % 32:
-            raise SpecSotError(f"--draft-ffn {draft_ffn}: give a multiple of 32 from {now} (the width the head starts "
-                               f"from) up, e.g. {2 * now}")
     out_path = Path(out) if out else specsot_home() / "drafts" / f"{name}.safetensors"
     work = Path(work_dir) if work_dir else specsot_home() / "train" / name
     loader = functools.partial(recipe.load_base, folder, torch_dtype, dev)

@@ -83,10 +83,6 @@ class TrainConfig:
     # A saved head to start from (fine-tuning: its draft vocabulary and feature layers are kept)
     # instead of the base's last layer.
     init: str | None = None
-    # The head's feed-forward width (None: the base's). Wider than where it starts (the base's last
-    # layer, or the `init` head), it starts computing the same function: the new units' outputs
-    # are zero (widen_ffn).
-    draft_ffn: int | None = None
     # Processes writing the data, each with its own copy of the base on the same device (a GPU
     # step of 128 rows is short next to the host's per-token work, so several writers keep it
     # busy); chunk c of `batch` questions is written by writer c mod workers. Not part of the
@@ -544,27 +540,6 @@ def noisy(feats: torch.Tensor, head: DraftHead, noise: float) -> torch.Tensor:
     return (parts + (torch.rand_like(parts) * 2 - 1) * noise * rms).flatten(-2)
 
 
-def widen_ffn(head: DraftHead, width: int | None) -> DraftHead:
-    """`head` with its feed-forward layer `width` units wide (None or its own width: as it is),
-    computing what it computed: the new units' gate and up rows are small random numbers, their
-    columns of the down projection zero, so training grows them from a working head."""
-    now = head.cfg.layer["intermediate_size"]
-    if width is None or width == now:
-        return head
-    if width < now:
-        raise SpecSotError(f"--draft-ffn {width}: the head starts {now} units wide; give {now} or more")
-    cfg = replace(head.cfg, layer={**head.cfg.layer, "intermediate_size": width})
-    wide = DraftHead(cfg)
-    state = head.state_dict()
-    h, extra = head.hidden_size, width - now
-    gate, up = state["layer.gate_up.weight"].float().split(now)
-    new = torch.randn(2, extra, h) * 0.02
-    state["layer.gate_up.weight"] = torch.cat([gate, new[0], up, new[1]])
-    state["layer.down.weight"] = torch.cat([state["layer.down.weight"].float(), torch.zeros(h, extra)], dim=1)
-    wide.load_state_dict(state, strict=False)
-    return wide
-
-
 def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> tuple[DraftHead, dict]:
     """Train on `train` samples (resuming from this recipe's checkpoint in `work`); score on `evals`."""
     torch.manual_seed(cfg.seed)
@@ -573,7 +548,6 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
         saved = DraftHead.load(cfg.init, base)
         head = DraftHead(replace(saved.cfg, training=None))
         head.load_state_dict(saved.state_dict(), strict=False)
-        head = widen_ffn(head, cfg.draft_ffn)
         d2t = head.d2t
     else:
         d2t = draft_vocabulary(train, cfg.draft_vocab, base.cfg.eos_token_ids)
@@ -585,7 +559,6 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
             h = base.cfg.hidden_size
             torch.nn.init.zeros_(head.fuse.weight)
             head.fuse.weight.data[:, -h:] = torch.eye(h)
-        head = widen_ffn(head, cfg.draft_ffn)
     t2d = torch.full((base.cfg.vocab_size,), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(len(d2t))
     generated = sum(len(s[0]) - s[2] for s in train)

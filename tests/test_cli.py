@@ -55,14 +55,6 @@ def test_train_draft_checks_its_feature_layers_before_writing_data(default_model
     assert not (tmp_path / "work").exists()
 
 
-def test_train_draft_checks_its_ffn_width_before_writing_data(default_model_dir, tmp_path):
-    """The default model's layers are 1,536 units wide: a head cannot start narrower."""
-    out = specsot("train-draft", "--draft-ffn", "1000", "--work-dir", str(tmp_path / "work"))
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "--draft-ffn 1000: give a multiple of 32 from 1536" in out.stderr
-    assert not (tmp_path / "work").exists()
-
-
 @pytest.mark.slow
 def test_ask_streams_an_answer_and_a_summary(default_model_dir):
     out = specsot("ask", "-", "--max-tokens", "12", "--dtype", "fp32", stdin="Name a primary colour.")

@@ -200,36 +200,6 @@ def test_fine_tuning_starts_from_the_saved_head_and_keeps_its_vocabulary_and_lay
         feature_layers(base, TrainConfig(init=str(saved), feature_layers=(1, 2)))
 
 
-def test_a_widened_head_computes_what_it_did_until_training_grows_its_new_units(tmp_path):
-    """--draft-ffn: the head with a wider feed-forward layer gives the same features and logits at
-    first (float32, a random head: the new units' down columns are zero), saves and loads at its
-    new width, and a narrower width is refused."""
-    from specsot_mq.train_draft import widen_ffn
-
-    base = ours_from_hf(tiny_hf("llama"))
-    torch.manual_seed(0)
-    head = DraftHead(DraftConfig.for_base(base.cfg, 50, (0, 1, 2)))
-    head.d2t.copy_(torch.randperm(base.cfg.vocab_size)[:50])
-    now = head.cfg.layer["intermediate_size"]
-    wide = widen_ffn(head, 2 * now)
-    assert widen_ffn(head, None) is head and widen_ffn(head, now) is head
-    assert wide.layer.gate_up.weight.shape[0] == 4 * now and wide.layer.down.weight.shape[1] == 2 * now
-    tokens = torch.randint(0, base.cfg.vocab_size, (1, 10))
-    feats = torch.randn(1, 10, 3 * base.cfg.hidden_size)
-    outs = []
-    for h in (head, wide):
-        h = h.attach(base).eval().requires_grad_(False)
-        with torch.no_grad():
-            outs.append(h(tokens, feats, h.new_cache(1, 16), Step.fresh(torch.arange(10)[None])))
-    torch.testing.assert_close(outs[1][0], outs[0][0])
-    torch.testing.assert_close(outs[1][1], outs[0][1])
-    path = tmp_path / "wide.safetensors"
-    wide.save(path)
-    assert DraftHead.load(path, base).cfg.layer["intermediate_size"] == 2 * now
-    with pytest.raises(SpecSotError, match="--draft-ffn"):
-        widen_ffn(head, now - 32)
-
-
 @pytest.mark.parametrize("source,least", [("templates", 20000), ("families", 8000), ("mixed", 30000)])
 def test_templated_questions_are_many_distinct_seeded_and_no_benchmarks(source, least):
     root = Path(__file__).resolve().parents[1]
