@@ -168,9 +168,10 @@ static inline __m512i bcast4(const int8_t* p) {
 
 // acc + dpbusd(w, x's 4 bytes at p broadcast to every lane), the broadcast folded into the
 // instruction's memory operand ({1to16}): the compiler emitted a separate vpbroadcastd for each,
-// one more vector instruction for every dpbusd of the tile.
+// one more vector instruction for every dpbusd of the tile. (The operand names the 4 bytes as a
+// char array, which may alias the int8 activations.)
 static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
-    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const char(*)[4]>(p)));
     return acc;
 }
 
