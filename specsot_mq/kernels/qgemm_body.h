@@ -217,14 +217,13 @@ static inline void tile(const uint8_t* w, int nrec, const int8_t* const* xq, con
                     read_weights<C>(w, v, 0, lo, hi);
                     for (int r = 0; r < R; ++r) {
                         const int8_t* x = xq[r] + 32 * b + 4 * v;
+                        // (each dpbusd_bcast is an asm statement: the chains stay as written, no PIN)
                         if constexpr (F::split) {
                             isum[r] = dpbusd_bcast(isum[r], lo, x);
                             isum_hi[r] = dpbusd_bcast(isum_hi[r], hi, x + 16);
-                            SPECSOT_PIN(isum_hi[r]);
                         } else {
                             isum[r] = dpbusd_bcast(dpbusd_bcast(isum[r], lo, x), hi, x + 16);
                         }
-                        SPECSOT_PIN(isum[r]);
                     }
                 }
             }
