@@ -30,10 +30,8 @@ class SamplingParams:
     # End the output (finish "repeat") at the end of a line that repeats an earlier line, ignoring
     # case, a leading list number and punctuation: a SoT skeleton listing its points again.
     stop_repeated_line: bool = False
-    # With stop_repeated_line, for an output that is a numbered list (a SoT skeleton): a list item
-    # that runs on inside a line ("1. a 2. b") starts a line of its own, so a skeleton that lists
-    # its points again on one line ends too, and so does an item whose title says what an earlier
-    # item's says, as the skeleton's parser reads titles (stopping.LineWatch).
+    # With stop_repeated_line: a list item that runs on inside a line ("1. a 2. b") starts a line
+    # of its own, so a skeleton that lists its points again on one line ends too.
     stop_repeated_item: bool = False
     # End the output (finish "length") once one line of it runs past this many characters; 0 = off:
     # a SoT skeleton whose first "point" is a paragraph is no plan of short points.

@@ -65,15 +65,9 @@ class LoopWatch:
 class LineWatch:
     """SamplingParams.stop_repeated_line's rule. Fed an output's text piece by piece, add() says
     whether a line just completed repeats an earlier one, ignoring case, a leading list number and
-    punctuation (a plan that has begun to list its points again).
-
-    With `items` (SamplingParams.stop_repeated_item; the output is a numbered list whose first
-    item's "1." was prefilled, a SoT skeleton): a list item that runs on inside a line ("1. a 2. b")
-    also ends the line before it, so a plan that lists its points again on one line ends too; and
-    a completed item whose title says what an earlier item's says, as the parser reads titles
-    (sot.parser.item_title, sot.overlap.same_point: "Silk Road: Technology" after "Silk Road: Trade
-    and commerce", both "Silk Road"), ends the output as an exact repeat does: the parser would
-    drop it, and the items after it are mostly more of the same."""
+    punctuation (a plan that has begun to list its points again). With `items`
+    (SamplingParams.stop_repeated_item), a list item that runs on inside a line ("1. a 2. b") also
+    ends the line before it: a plan that lists its points again on one line."""
 
     MARK = re.compile(r"^[\W_]*(?:\d+[.)])?")
     INLINE_ITEM = re.compile(r"[ \t]+(?=[0-9]{1,3}[.)][ \t])")  # the space before "N. " inside a line
@@ -82,8 +76,6 @@ class LineWatch:
         self.items = items
         self.partial = ""
         self.seen: set[str] = set()
-        self.titles: list[str] = []  # with items: the titles of the items so far
-        self.lines = 0  # lines completed so far
 
     @classmethod
     def key(cls, line: str) -> str:
@@ -97,32 +89,10 @@ class LineWatch:
         *done, self.partial = text.split("\n")
         for line in done:
             key = self.key(line)
-            if key in self.seen or (self.items and self._says_again(line)):
+            if key in self.seen:
                 return True
             if key:
                 self.seen.add(key)
-            self.lines += 1
-        return False
-
-    def _says_again(self, line: str) -> bool:
-        """Whether a completed line is a list item (the first line is: its "1." was prefilled)
-        whose title says what an earlier item's says; else its title is one more."""
-        from specsot_mq.sot.overlap import same_point
-        from specsot_mq.sot.parser import item_starts, item_title
-
-        starts = item_starts(line)
-        if starts and not line[: starts[0][0]].strip(" \t>#-*+•"):
-            body = line[starts[0][1] :]
-        elif self.lines == 0:
-            body = line
-        else:
-            return False  # a line under an item (the parser reads an item's title off its first line)
-        title = item_title(body)
-        if not any(c.isalpha() for c in title):
-            return False
-        if any(same_point(earlier, title) for earlier in self.titles):
-            return True
-        self.titles.append(title)
         return False
 
 

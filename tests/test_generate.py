@@ -441,22 +441,6 @@ def test_line_watch_with_items_splits_a_list_that_runs_on_in_one_line():
     assert LineWatch(items=True).add("x 1.5 kg 1.5 kg\n") is False
 
 
-def test_line_watch_with_items_ends_at_an_item_whose_title_says_what_an_earlier_one_says():
-    """Seen from SmolLM2-135M on a held-out question: items that differ as lines but whose titles,
-    as the parser reads them, say the same ("Silk Road"): the list ends at the second."""
-    def ends(text: str) -> str | None:  # the output up to where the watch ends it, else None
-        watch = LineWatch(items=True)
-        return next((text[: i + 1] for i, c in enumerate(text) if watch.add(c)), None)
-
-    looped = " Silk Road: Trade and commerce\n2. Silk Road: Cultural exchange and diplomacy\n3. Silk Road: Medicine\n"
-    assert ends(looped) == " Silk Road: Trade and commerce\n2. Silk Road: Cultural exchange and diplomacy\n"
-    assert ends(" Use a beehive\n2. Use a beehive to make a small garden\n3. Plant lavender\n").count("\n") == 2
-    assert ends(" Use a blanket\n2. Use a fireplace\n3. Use a window\n4. Thick socks\n") is None  # distinct
-    # a line under an item is no item; without items only whole lines count
-    assert ends(" Sleep\nSleep more each night\n2. Exercise\n") is None
-    assert LineWatch().add(looped) is False
-
-
 @pytest.mark.parametrize("items", [True, False])
 def test_stop_repeated_item_ends_an_output_that_lists_its_point_again_in_one_line(items):
     tok = CharTokenizer()

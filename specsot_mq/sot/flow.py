@@ -442,9 +442,8 @@ def skeleton_params(config: SoTConfig, params: SamplingParams, count: int | None
     number of points asked of the model where the question names one: that and SPARE; else
     max_points), the prompt format's own stops
     ("DIRECT]" in the plan format), and an end at a point listed again, on a line of its own or
-    run on inside a line, or one whose title says what an earlier one's says as the parser reads
-    titles (the parser would drop it, and a small model that repeats one point tends to repeat
-    them all), but for a counted list, which needs its count of distinct items.
+    run on inside a line (the parser would drop it, and a small model that repeats one point
+    tends to repeat them all), but for a counted list, which needs its count of distinct items.
     A line past SKELETON_LINE_CHARS ends it too, cut off: a "point" that is a paragraph means the
     model is answering, not planning (its unfinished line is left out; with it the first, the
     plan has too few points and the question goes direct, without decoding the rest)."""

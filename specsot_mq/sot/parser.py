@@ -186,12 +186,6 @@ def _items(text: str) -> list[tuple[int, str]]:
     return [(number, text[end:stop]) for (_, end, number), stop in zip(starts, ends)]
 
 
-def item_title(body: str) -> str:
-    """The title the parser reads off one item's body (the text after its "N."), cleaned as a plan's
-    titles are."""
-    return _clean_title(body)[0]
-
-
 def item_titles(text: str) -> list[str]:
     """The title of every numbered item, in order, as a plan names it (repeats and all)."""
     titles = [_clean_title(body)[0] for _, body in _items(text)]
