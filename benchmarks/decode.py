@@ -68,8 +68,9 @@ class Sample:
 def load_prompts(path: Path | None, limit: int, per_category: int = 0, label: str | None = None) -> tuple[list[str], str]:
     """The first `limit` prompts and where they came from. MT-bench lines give their first turn;
     other JSONL lines give their `question`. per_category > 0 takes at most that many of each
-    line's `category` (MT-bench's first 10 are all writing: a spread needs this); `label` keeps only
-    the lines of that `label` (router_heldout.jsonl's direct or plan)."""
+    line's `category` (MT-bench's first 10 are all writing: a spread needs this); a line without
+    one is not capped (the project's question files have none: `--limit 24` takes 24 of them);
+    `label` keeps only the lines of that `label` (router_heldout.jsonl's direct or plan)."""
     if path is None and not DEFAULT_QUESTIONS.is_file():
         return BUILTIN_PROMPTS[:limit], "built-in"
     path = path or DEFAULT_QUESTIONS
@@ -89,7 +90,8 @@ def load_prompts(path: Path | None, limit: int, per_category: int = 0, label: st
             raise SpecSotError(
                 f"{path}:{number} is not a question: each line must be JSON with 'turns' (MT-bench) or 'question'"
             ) from None
-        if (per_category and taken.get(category, 0) >= per_category) or (label and row.get("label") != label):
+        capped = per_category and category is not None and taken.get(category, 0) >= per_category
+        if capped or (label and row.get("label") != label):
             continue
         taken[category] = taken.get(category, 0) + 1
         prompts.append(question)

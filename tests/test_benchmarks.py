@@ -1,0 +1,38 @@
+"""The benchmarks' shared input reading (benchmarks/decode.py): what their commands take."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from decode import load_prompts  # noqa: E402
+
+from specsot_mq.errors import SpecSotError  # noqa: E402
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_per_category_caps_only_lines_that_have_a_category(tmp_path):
+    """peer.py takes 2 a category by default (MT-bench's first 10 are all writing). A file whose
+    lines name no category, as the project's question files, is not capped: `--limit 24` takes
+    24 (it had taken 2, all of them one category None)."""
+    plain = write(tmp_path / "q.jsonl", [{"question": f"Question {i}?"} for i in range(30)])
+    assert load_prompts(plain, 24, per_category=2)[0] == [f"Question {i}?" for i in range(24)]
+    bench = write(tmp_path / "mt.jsonl", [{"turns": [f"T{i}"], "category": "writing" if i < 10 else "math"}
+                                          for i in range(20)])  # fmt: skip
+    assert load_prompts(bench, 24, per_category=2)[0] == ["T0", "T1", "T10", "T11"]
+    assert len(load_prompts(bench, 24, per_category=0)[0]) == 20
+    labelled = write(tmp_path / "l.jsonl", [{"question": f"Q{i}", "label": "plan" if i % 2 else "direct"} for i in range(9)])
+    assert load_prompts(labelled, 3, per_category=2, label="plan")[0] == ["Q1", "Q3", "Q5"]
+
+
+def test_a_line_that_is_no_question_is_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "Fine?"}\n{"prompt": "no"}\n')
+    with pytest.raises(SpecSotError, match="bad.jsonl:2 is not a question"):
+        load_prompts(bad, 10)
