@@ -585,35 +585,6 @@ static inline __m256 load8(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-#if SPECSOT_VNNI
-// The attention's AVX-512 forms keep AVX2's arithmetic lane for lane: two 8-float vectors side by
-// side in one 16-float vector (two keys' partial dot products, or two 8-wide column chunks of the
-// weighted values), each lane the same multiply-adds in the same order, so the bits are the same
-// and only the instruction count is halved.
-// Keys a[d..d+8) and b[d..d+8) side by side (as two load8s).
-static inline __m512 load8x2(const float* a, const float* b) {
-    const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a)));
-    return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
-}
-static inline __m512 load8x2(const uint16_t* a, const uint16_t* b) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
-}
-// 16 consecutive floats of a cache row (as two load8s).
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-// p[0..8) in both halves.
-static inline __m512 twice8(const float* p) {
-    const __m512 v = _mm512_castps256_ps512(_mm256_loadu_ps(p));
-    return _mm512_shuffle_f32x4(v, v, 0x44);
-}
-static inline __m256 low8(__m512 v) { return _mm512_castps512_ps256(v); }
-static inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
-#endif
-
 // The sums of 4 vectors' 8 lanes each: [sum a0, sum a1, sum a2, sum a3], every one in the same tree.
 static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     const __m256 w = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -654,27 +625,6 @@ static inline void prefetch_row(const E* row, int64_t D) {
 template <class E, int G, int C>
 static inline void weigh_values(const E* values, int64_t stride, const int32_t* keys_at, int64_t n,
                                 const float* scores, int64_t room, const float* inv, int64_t D, float* out) {
-#if SPECSOT_VNNI
-    if constexpr (C % 2 == 0) {  // chunks c and c + 1 of 8 columns side by side
-        __m512 acc[G][C / 2];
-        for (int g = 0; g < G; ++g)
-            for (int c = 0; c < C / 2; ++c) acc[g][c] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-            const E* v = values + keys_at[j] * stride;
-            if (j + 32 < n) prefetch_row(values + keys_at[j + 32] * stride, 8 * C);
-            __m512 p[G];
-            for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * room + j]);
-            for (int c = 0; c < C / 2; ++c) {
-                const __m512 vv = load16(v + 16 * c);
-                for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], vv, acc[g][c]);
-            }
-        }
-        for (int g = 0; g < G; ++g)
-            for (int c = 0; c < C / 2; ++c)
-                _mm512_storeu_ps(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
-        return;
-    }
-#endif
     __m256 acc[G][C];
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
@@ -710,22 +660,6 @@ static inline void attend_heads(const float* q, const E* keys, const E* values, 
         const E* k[4];
         for (int j = 0; j < 4; ++j) k[j] = keys + keys_at[i + j < n ? i + j : i] * stride;
         for (int j = 32; j < 36 && i + j < n; ++j) prefetch_row(keys + keys_at[i + j] * stride, D);
-#if SPECSOT_VNNI
-        __m512 acc2[G][2];  // keys 0 and 1, then 2 and 3, side by side
-        for (int g = 0; g < G; ++g) acc2[g][0] = acc2[g][1] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-            const __m512 k01 = load8x2(k[0] + d, k[1] + d), k23 = load8x2(k[2] + d, k[3] + d);
-            for (int g = 0; g < G; ++g) {
-                const __m512 qd = twice8(q + g * D + d);
-                acc2[g][0] = _mm512_fmadd_ps(qd, k01, acc2[g][0]);
-                acc2[g][1] = _mm512_fmadd_ps(qd, k23, acc2[g][1]);
-            }
-        }
-        for (int g = 0; g < G; ++g)
-            _mm_storeu_ps(scores + g * room + i,
-                          hsum4x8(low8(acc2[g][0]), high8(acc2[g][0]), low8(acc2[g][1]), high8(acc2[g][1])));
-        continue;
-#endif
         __m256 acc[G][4];
         for (int g = 0; g < G; ++g)
             for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();

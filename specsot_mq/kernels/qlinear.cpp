@@ -21,18 +21,13 @@
               const float*, int64_t, float*, int64_t);                                                \
     double int8_peak(int64_t);                                                                        \
     }
-#define SPECSOT_DECLARE_ATTEND(ISA)                                                                   \
-    namespace ISA {                                                                                   \
-    void attend_group(const float*, const float*, const float*, int64_t, int64_t, const int32_t*, int64_t, int64_t, \
-                      float*, float*);                                                                \
-    void attend_group(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, const int32_t*, int64_t, \
-                      int64_t, float*, float*);                                                       \
-    }
 SPECSOT_DECLARE(avx2)
 SPECSOT_DECLARE(vnni)
-SPECSOT_DECLARE_ATTEND(avx2)
-SPECSOT_DECLARE_ATTEND(vnni)
 namespace avx2 {
+void attend_group(const float*, const float*, const float*, int64_t, int64_t, const int32_t*, int64_t, int64_t, float*,
+                  float*);
+void attend_group(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, const int32_t*, int64_t, int64_t,
+                  float*, float*);
 void to_half(const float*, int64_t, uint16_t*);
 void quantize_input(const float*, int64_t, const float*, float, bool, float*, int8_t*, float*, float*, float*);
 void rms_norm(const float*, int64_t, const float*, float, float*);
@@ -354,17 +349,14 @@ void attend_items(int64_t i0, int64_t i1, const float* q, int64_t T, int64_t H, 
                   int64_t L, const int32_t* lists, const int64_t* counts, KeyBase key_base, ValueBase value_base,
                   int64_t kstride, int64_t vstride, float* scores, float* out) {
     const int64_t per_row = H / g, G = H / KV;
-    const bool vnni = cpu_has_vnni();  // its AVX-512 form computes the same bits (qgemm_body.h)
     for (int64_t i = i0, j; i < i1; i = j) {
         const int64_t r = i / per_row, first = (i % per_row) * g, h = first / G, b = r / T;
         // this thread's consecutive items [i, j) of the same row and kv head run as one call, so
         // each key and value row is loaded and converted once for all their heads
         for (j = i + 1; j < i1 && j / per_row == r && (j % per_row) * g / G == h; ++j) {
         }
-        if (vnni)
-            vnni::attend_group(q + (r * H + first) * D, key_base(b) + h * kstride, value_base(b) + h * vstride, D, D, lists + r * L, counts[r], (j - i) * g, scores, out + (r * H + first) * D);
-        else
-            avx2::attend_group(q + (r * H + first) * D, key_base(b) + h * kstride, value_base(b) + h * vstride, D, D, lists + r * L, counts[r], (j - i) * g, scores, out + (r * H + first) * D);
+        avx2::attend_group(q + (r * H + first) * D, key_base(b) + h * kstride, value_base(b) + h * vstride, D, D,
+                           lists + r * L, counts[r], (j - i) * g, scores, out + (r * H + first) * D);
     }
 }
 
