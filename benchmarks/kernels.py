@@ -97,10 +97,12 @@ def main(argv=None) -> dict:
     p.add_argument("--base", default="HEAD~1")
     p.add_argument("--rows", default="1,2,4,6,8,12,16,32")
     p.add_argument("--runs", type=int, default=40)
-    p.add_argument("--context", type=int, default=300, help="cache entries before the new rows")
+    p.add_argument("--context", type=int, default=300, help="cache entries before the new rows (0 or more)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--all-logits", action="store_true", help="the output layer on every new row, as a verify step")
     args = p.parse_args(argv)
+    if args.context < 0:
+        p.error(f"--context must be 0 or more, got {args.context}")
     torch.set_num_threads(args.threads)
     out = Console(soft_wrap=True)
     ours = quant.native()
@@ -139,7 +141,8 @@ def main(argv=None) -> dict:
     times = {(side, k): [] for side in kernels for k in rows}
     with torch.inference_mode():
         use("ours")
-        model(ids[:, : args.context], cache, Step.fresh(torch.arange(args.context)[None], logit_rows=[args.context - 1]))
+        if args.context:  # (0: the rows start an empty cache, as a prompt's prefill does)
+            model(ids[:, : args.context], cache, Step.fresh(torch.arange(args.context)[None], logit_rows=[args.context - 1]))
         for k in track(rows, description="forwards by rows", console=out):
             new, positions = ids[:, args.context : args.context + k], torch.arange(args.context, args.context + k)[None]
             rows_out = list(range(k)) if args.all_logits else [k - 1]
