@@ -34,7 +34,7 @@ http://127.0.0.1:8080/v1), a pairwise judge compares the two answers in FastChat
 counts as a tie). Prints a table per question, a summary, and one JSON line.
 
     python benchmarks/quality.py [--questions FILE ...] [--limit N] [--per-category N] [--max-tokens 256]
-        [--sot always|auto] [--judge PATH|URL] [--judge-model NAME] [--json-only]
+        [--sot always|auto] [--prompt-format sot|plan|FILE.json] [--judge PATH|URL] [--judge-model NAME] [--json-only]
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ def main(argv=None) -> dict:
     p.add_argument("--per-category", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--sot", choices=["always", "auto"], default="always", help="how the planned answer is routed")
+    p.add_argument("--prompt-format", default="sot",
+                   help="the planned answer's prompt format: sot, plan, or a format file's path (.json)")
     p.add_argument("--repeat-stop", type=int, default=REPEAT_STOP, help="end an output at its first repeated run of N tokens")
     add_dtype_option(p)
     p.add_argument("--judge", default=None, help="a local model (folder or name) or an OpenAI-compatible base URL")
@@ -108,6 +110,7 @@ def main(argv=None) -> dict:
         questions += qs
         sources.append(source)
     judge = make_judge(args.judge, args.judge_model) if args.judge else None
+    planned_config = SoTConfig(sot=args.sot, prompt_format=args.prompt_format)  # a bad format fails before the model loads
 
     from specsot_mq.loader import load_generator
     from specsot_mq.sot.engine import SoTEngine
@@ -118,7 +121,7 @@ def main(argv=None) -> dict:
     # every earlier question), so that a question the router sends direct is decoded alike.
     gen = load_generator(args.model, args.dtype, "cpu", 2048, 8, args.draft, quantize=args.quantize, prefix_cache_mb=0)
     args.dtype = str(gen.model.dtype).removeprefix("torch.")
-    planned_engine = SoTEngine(gen, SoTConfig(sot=args.sot))
+    planned_engine = SoTEngine(gen, planned_config)
     direct_engine = SoTEngine(gen, SoTConfig(sot="never"))
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
     out.print(f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | {len(questions)} questions "
@@ -157,7 +160,8 @@ def main(argv=None) -> dict:
 
     result = summarize(rows, out)
     result.update(questions=len(rows), sources=sources, cpu=cpu_name(), threads=torch.get_num_threads(),
-                  dtype=args.dtype, max_tokens=args.max_tokens, sot=args.sot, judge=args.judge,
+                  dtype=args.dtype, max_tokens=args.max_tokens, sot=args.sot, prompt_format=planned_config.prompt_format,
+                  judge=args.judge,
                   direct_asks_count=args.direct_asks_count, per_question=rows)  # fmt: skip
     print(json.dumps(result), flush=True)
     return result

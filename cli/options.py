@@ -25,7 +25,9 @@ QuantizeOpt = Annotated[str, typer.Option(envvar="SPECSOT_QUANTIZE",
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda if present).")]
 RepeatOpt = Annotated[int, typer.Option(
     help="End an output (each phase's) when its last N tokens already ran earlier in it: a loop. 0 = off.")]
-FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan) or plan (the model picks [PLAN] or [DIRECT]).")]
+FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan), plan (the model picks [PLAN] or "
+                                              "[DIRECT]), or the path of your own format file (.json, a copy of "
+                                              "specsot_mq/prompts/sot.json changed).")]
 
 
 @dataclasses.dataclass(slots=True)

@@ -74,7 +74,7 @@ def start_topology(options: LaunchOptions) -> tuple[Launcher, RunSpec]:
 
     sot = {"max_points": options.max_points, "point_tokens": options.point_tokens,
            "skeleton_tokens": options.skeleton_tokens, "prompt_format": options.prompt_format}  # fmt: skip
-    SoTConfig(**sot)  # validates
+    sot["prompt_format"] = SoTConfig(**sot).prompt_format  # validates; a format file by its resolved path
     if options.prefix_cache_mb < 0:
         raise SpecSotError(f"--prefix-cache-mb must be 0 (off) or more, got {options.prefix_cache_mb}")
     if options.max_len < 1:

@@ -11,7 +11,7 @@ import pytest
 from specsot_mq.devices import device_profiles, parse_devices
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta
-from specsot_mq.prompts import load_format
+from specsot_mq.prompts import FOLDER, load_format
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.messages import Ask, Skeleton
 from specsot_mq.sot.flow import (SKELETON_LINE_CHARS, Flow, SoTConfig, finished_lines, point_params, points_asked,
@@ -238,8 +238,34 @@ def test_prompt_formats_are_data_files_with_their_parser_and_stops():
     params = SamplingParams(max_tokens=500)
     assert skeleton_params(SoTConfig(prompt_format="plan"), params).stop == ("\n9.", "DIRECT]")
     assert skeleton_params(SoTConfig(), params).stop == ("\n9.", "\n\n")  # the list ends at a blank line
-    with pytest.raises(SpecSotError, match="unknown prompt format 'nope': use one of plan, sot"):
+    with pytest.raises(SpecSotError, match="unknown prompt format 'nope': use one of plan, sot, or a format file"):
         SoTConfig(prompt_format="nope")
+
+
+def test_a_user_s_own_format_file_is_read_by_its_path_and_a_bad_one_is_named(tmp_path, monkeypatch):
+    """--prompt-format takes a format file's path (a copy of sot.json changed); SoTConfig holds it
+    resolved, so every stage process reads the same file. A missing file, a missing template or a
+    misspelt placeholder fails at once, saying what to fix."""
+    shipped = json.loads((FOLDER / "sot.json").read_text())
+    mine = dict(shipped, name="mine", point=dict(shipped["point"], user="Q: {question}\nPlan:\n{skeleton}\nBe brief."))
+    (tmp_path / "mine.json").write_text(json.dumps(mine))
+    monkeypatch.chdir(tmp_path)
+    config = SoTConfig(prompt_format="mine.json")
+    assert config.prompt_format == str(tmp_path / "mine.json")  # resolved where it was given
+    fmt = load_format(config.prompt_format)
+    assert fmt.name == "mine" and fmt.point_user.endswith("Be brief.") and fmt.examples == load_format("sot").examples
+    assert Flow(config).format is fmt
+    with pytest.raises(SpecSotError, match="prompt format file .*/gone.json not found"):
+        SoTConfig(prompt_format="gone.json")
+    (tmp_path / "nouser.json").write_text(json.dumps(dict(shipped, point={"assistant_prefix": "{index}."})))
+    with pytest.raises(SpecSotError, match="lacks 'user'.*point.user"):
+        load_format(str(tmp_path / "nouser.json"))
+    (tmp_path / "typo.json").write_text(json.dumps(dict(shipped, counted_direct="{question} ({cuont})")))
+    with pytest.raises(SpecSotError, match="counted_direct has a bad placeholder.*cuont"):
+        load_format(str(tmp_path / "typo.json"))
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(SpecSotError, match="broken.json cannot be read"):
+        load_format(str(tmp_path / "broken.json"))
 
 
 def test_the_format_s_own_stop_stays_in_the_skeleton_text():

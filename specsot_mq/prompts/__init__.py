@@ -1,4 +1,5 @@
-"""Prompt formats as data files: `<name>.json` beside this module."""
+"""Prompt formats as data files: `<name>.json` beside this module, or a user's own file (any path
+ending in .json: `--prompt-format my_format.json`, read once per process)."""
 
 from __future__ import annotations
 
@@ -163,30 +164,56 @@ def common_prefix(prompts: list[list[int]]) -> list[int]:
 
 @cache
 def load_format(name: str = "sot") -> PromptFormat:
-    path = FOLDER / f"{name}.json"
-    if not path.exists():
-        known = ", ".join(sorted(p.stem for p in FOLDER.glob("*.json")))
-        raise SpecSotError(f"unknown prompt format '{name}': use one of {known}")
-    data = json.loads(path.read_text())
-    parser = data.get("parser", "numbered")
-    if parser not in PARSERS:
-        raise SpecSotError(f"prompt format {path} names parser '{parser}': use one of {', '.join(PARSERS)}")
-    return PromptFormat(
-        data["name"],
-        data["skeleton"]["user"],
-        data["skeleton"]["assistant_prefix"],
-        data["point"]["user"],
-        data["point"]["assistant_prefix"],
-        parser,
-        tuple(data["skeleton"].get("stop", ())),
-        tuple(data["point"].get("stop", ())),
-        examples(data["skeleton"].get("examples", ())),
-        data["skeleton"].get("points", "3 to 8"),
-        data["skeleton"].get("points_counted", "exactly {count}"),
-        data.get("counted_direct", "{question}"),
-        data["point"].get("user_counted", ""),
-        tuple(map(examples, data["skeleton"].get("variants", ()))),
-    )
+    """A shipped format by name (sot, plan), or a format file by its path (ending in .json: a
+    copy of a shipped one, changed). Raises SpecSotError naming what is wrong."""
+    # the shipped formats (the folder's other data file, train_questions.json, is none)
+    known = ", ".join(sorted(p.stem for p in FOLDER.glob("*.json") if '"skeleton"' in p.read_text()))
+    if name.endswith(".json"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise SpecSotError(f"prompt format file {name} not found: give the path of a JSON file like "
+                               f"{FOLDER / 'sot.json'}, or a shipped format's name ({known})")  # fmt: skip
+    else:
+        path = FOLDER / f"{name}.json"
+        if not path.exists():
+            raise SpecSotError(f"unknown prompt format '{name}': use one of {known}, or a format file's path (.json)")
+    try:
+        data = json.loads(path.read_text())
+        skeleton, point = data["skeleton"], data["point"]
+        fmt = PromptFormat(
+            data.get("name", path.stem),
+            skeleton["user"],
+            skeleton["assistant_prefix"],
+            point["user"],
+            point["assistant_prefix"],
+            data.get("parser", "numbered"),
+            tuple(skeleton.get("stop", ())),
+            tuple(point.get("stop", ())),
+            examples(skeleton.get("examples", ())),
+            skeleton.get("points", "3 to 8"),
+            skeleton.get("points_counted", "exactly {count}"),
+            data.get("counted_direct", "{question}"),
+            point.get("user_counted", ""),
+            tuple(map(examples, skeleton.get("variants", ()))),
+        )
+    except (OSError, ValueError) as e:
+        raise SpecSotError(f"prompt format {path} cannot be read ({e}): fix the file") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise SpecSotError(f"prompt format {path} lacks {e} or has it in the wrong shape: it needs skeleton.user, "
+                           "skeleton.assistant_prefix, point.user and point.assistant_prefix, as in "
+                           f"{FOLDER / 'sot.json'}") from None  # fmt: skip
+    if fmt.parser not in PARSERS:
+        raise SpecSotError(f"prompt format {path} names parser '{fmt.parser}': use one of {', '.join(PARSERS)}")
+    fields = {"question": "Q?", "skeleton": "1. A", "index": 1, "title": "A", "count": 3, "points": "3 to 8"}
+    for key, template in (("skeleton.user", fmt.skeleton_user), ("skeleton.points_counted", fmt.points_counted),
+                          ("point.user", fmt.point_user), ("point.user_counted", fmt.point_counted),
+                          ("point.assistant_prefix", fmt.point_prefix), ("counted_direct", fmt.counted_direct)):  # fmt: skip
+        try:
+            template.format(**fields)
+        except (KeyError, IndexError, ValueError) as e:
+            raise SpecSotError(f"prompt format {path}: {key} has a bad placeholder ({e!r}); the fields are "
+                               "{question}, {skeleton}, {index}, {title}, {count}, {points}") from None
+    return fmt
 
 
 def examples(listed: list[dict]) -> tuple[tuple[str, str], ...]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specsot_mq.errors import SpecSotError
@@ -60,7 +61,9 @@ class SoTConfig:
     point_tokens: int = 160
 
     def __post_init__(self):
-        load_format(self.prompt_format)  # an unknown name fails here, naming the known ones
+        if self.prompt_format.endswith(".json"):  # a user's format file: the same file for every stage process
+            self.prompt_format = str(Path(self.prompt_format).expanduser().resolve())
+        load_format(self.prompt_format)  # an unknown name or a bad file fails here, saying what is wrong
         if self.sot not in MODES:
             raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got '{self.sot}'")
         for flag, value, low in (("--max-points", self.max_points, 2), ("--max-parallel", self.max_parallel, 1)):
