@@ -261,8 +261,12 @@ def test_a_user_s_own_format_file_is_read_by_its_path_and_a_bad_one_is_named(tmp
     with pytest.raises(SpecSotError, match="lacks 'user'.*point.user"):
         load_format(str(tmp_path / "nouser.json"))
     (tmp_path / "typo.json").write_text(json.dumps(dict(shipped, counted_direct="{question} ({cuont})")))
-    with pytest.raises(SpecSotError, match="counted_direct has a bad placeholder.*cuont"):
+    with pytest.raises(SpecSotError, match="counted_direct has a bad placeholder.*cuont.*its fields are {question}, {count}"):
         load_format(str(tmp_path / "typo.json"))
+    # a field that another template has is no field of this one: the skeleton's request has no {title}
+    (tmp_path / "other.json").write_text(json.dumps(dict(shipped, skeleton=dict(shipped["skeleton"], user="{title}"))))
+    with pytest.raises(SpecSotError, match="skeleton.user has a bad placeholder.*title"):
+        load_format(str(tmp_path / "other.json"))
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(SpecSotError, match="broken.json cannot be read"):
         load_format(str(tmp_path / "broken.json"))

@@ -204,15 +204,20 @@ def load_format(name: str = "sot") -> PromptFormat:
                            f"{FOLDER / 'sot.json'}") from None  # fmt: skip
     if fmt.parser not in PARSERS:
         raise SpecSotError(f"prompt format {path} names parser '{fmt.parser}': use one of {', '.join(PARSERS)}")
-    fields = {"question": "Q?", "skeleton": "1. A", "index": 1, "title": "A", "count": 3, "points": "3 to 8"}
-    for key, template in (("skeleton.user", fmt.skeleton_user), ("skeleton.points_counted", fmt.points_counted),
-                          ("point.user", fmt.point_user), ("point.user_counted", fmt.point_counted),
-                          ("point.assistant_prefix", fmt.point_prefix), ("counted_direct", fmt.counted_direct)):  # fmt: skip
+    # each template formatted once with the fields it is given (skeleton_ids, point_ids, Flow.assign)
+    a_point = {"question": "Q?", "skeleton": "1. A", "index": 1, "title": "A"}
+    templates = (("skeleton.user", fmt.skeleton_user, {"question": "Q?", "points": "3 to 8"}),
+                 ("skeleton.points_counted", fmt.points_counted, {"count": 3}),
+                 ("point.user", fmt.point_user, a_point), ("point.user_counted", fmt.point_counted, a_point),
+                 ("point.assistant_prefix", fmt.point_prefix, a_point),
+                 ("counted_direct", fmt.counted_direct, {"question": "Q?", "count": 3}))  # fmt: skip
+    for key, template, fields in templates:
         try:
             template.format(**fields)
         except (KeyError, IndexError, ValueError) as e:
-            raise SpecSotError(f"prompt format {path}: {key} has a bad placeholder ({e!r}); the fields are "
-                               "{question}, {skeleton}, {index}, {title}, {count}, {points}") from None
+            named = ", ".join("{" + f + "}" for f in fields)
+            raise SpecSotError(f"prompt format {path}: {key} has a bad placeholder ({e!r}); "
+                               f"its fields are {named}") from None
     return fmt
 
 
