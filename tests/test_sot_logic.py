@@ -267,6 +267,9 @@ def test_a_user_s_own_format_file_is_read_by_its_path_and_a_bad_one_is_named(tmp
     (tmp_path / "other.json").write_text(json.dumps(dict(shipped, skeleton=dict(shipped["skeleton"], user="{title}"))))
     with pytest.raises(SpecSotError, match="skeleton.user has a bad placeholder.*title"):
         load_format(str(tmp_path / "other.json"))
+    (tmp_path / "number.json").write_text(json.dumps(dict(shipped, counted_direct=7)))
+    with pytest.raises(SpecSotError, match="counted_direct must be a string, got 7"):
+        load_format(str(tmp_path / "number.json"))
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(SpecSotError, match="broken.json cannot be read"):
         load_format(str(tmp_path / "broken.json"))

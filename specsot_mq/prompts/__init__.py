@@ -212,6 +212,8 @@ def load_format(name: str = "sot") -> PromptFormat:
                  ("point.assistant_prefix", fmt.point_prefix, a_point),
                  ("counted_direct", fmt.counted_direct, {"question": "Q?", "count": 3}))  # fmt: skip
     for key, template, fields in templates:
+        if not isinstance(template, str):
+            raise SpecSotError(f"prompt format {path}: {key} must be a string, got {template!r}")
         try:
             template.format(**fields)
         except (KeyError, IndexError, ValueError) as e:
