@@ -166,17 +166,16 @@ def common_prefix(prompts: list[list[int]]) -> list[int]:
 def load_format(name: str = "sot") -> PromptFormat:
     """A shipped format by name (sot, plan), or a format file by its path (ending in .json: a
     copy of a shipped one, changed). Raises SpecSotError naming what is wrong."""
-    # the shipped formats (the folder's other data file, train_questions.json, is none)
-    known = ", ".join(sorted(p.stem for p in FOLDER.glob("*.json") if '"skeleton"' in p.read_text()))
     if name.endswith(".json"):
         path = Path(name).expanduser()
         if not path.is_file():
             raise SpecSotError(f"prompt format file {name} not found: give the path of a JSON file like "
-                               f"{FOLDER / 'sot.json'}, or a shipped format's name ({known})")  # fmt: skip
+                               f"{FOLDER / 'sot.json'}, or a shipped format's name ({shipped_formats()})")  # fmt: skip
     else:
         path = FOLDER / f"{name}.json"
         if not path.exists():
-            raise SpecSotError(f"unknown prompt format '{name}': use one of {known}, or a format file's path (.json)")
+            raise SpecSotError(f"unknown prompt format '{name}': use one of {shipped_formats()}, or a format file's "
+                               "path (.json)")  # fmt: skip
     try:
         data = json.loads(path.read_text())
         skeleton, point = data["skeleton"], data["point"]
@@ -221,6 +220,12 @@ def load_format(name: str = "sot") -> PromptFormat:
             raise SpecSotError(f"prompt format {path}: {key} has a bad placeholder ({e!r}); "
                                f"its fields are {named}") from None
     return fmt
+
+
+def shipped_formats() -> str:
+    """The names of the formats beside this module, for an error message (the folder's other data
+    file, train_questions.json, is none)."""
+    return ", ".join(sorted(p.stem for p in FOLDER.glob("*.json") if '"skeleton"' in p.read_text()))
 
 
 def examples(listed: list[dict]) -> tuple[tuple[str, str], ...]:
