@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from specsot_mq.messages import Answer, MergePlan, PointEnd, PointText, Reassign, SkeletonText
+from specsot_mq.messages import Again, Answer, MergePlan, PointEnd, PointText, Reassign, SkeletonText
 from specsot_mq.sampling_params import SamplingParams
 
 COMMON = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
@@ -197,6 +197,8 @@ def progress(msg) -> dict | None:
         return {"point": {"index": msg.index, "text": msg.text}}
     if isinstance(msg, PointEnd):
         return {"point_end": {"index": msg.index, "finish": msg.finish, "tokens": msg.tokens}}
+    if isinstance(msg, Again):  # points a counted answer left out, written again under new indices
+        return {"again": {"points": [{"index": i, "of": of, "title": t} for i, of, t in msg.points]}}
     if isinstance(msg, Reassign):  # their stage died: these points start again from nothing
         return {"restart": {"indices": msg.indices, "stage": msg.stage}}
     return None

@@ -232,6 +232,16 @@ class Reassign(Message):
     dead: str  # the one that died
 
 
+class Again(Message):
+    """Points of a counted answer that said nothing, written again from a prompt of their own
+    (sot/ordered.py): merge -> schedule, which gives them to a branch stage, then schedule ->
+    merge -> gateway -> client with `stage` naming it."""
+
+    rid: str
+    points: list[tuple[int, int, str]]  # (its new index, the plan's point it writes again, title)
+    stage: str = ""  # the branch stage that decodes them (set by schedule)
+
+
 class PointText(Message):
     """New text of one point (branch -> merge -> gateway -> client). Index 0: a direct answer."""
 
@@ -284,8 +294,9 @@ class Failed(Message):
 
 # What a client sees of a request, in order, from the stages or the in-process engine alike
 # (sot/flow.py): the skeleton's text, the plan, each point's text and end (Reassign: points that
-# start again elsewhere), the merged answer's text, then the Answer or Failed.
-ClientEvent = SkeletonText | MergePlan | PointText | PointEnd | Reassign | AnswerText | Answer | Failed
+# start again elsewhere; Again: points written again), the merged answer's text, then the Answer
+# or Failed.
+ClientEvent = SkeletonText | MergePlan | PointText | PointEnd | Reassign | Again | AnswerText | Answer | Failed
 
 
 # -- client <-> gateway only -------------------------------------------------------------------
@@ -310,7 +321,7 @@ class Status(Message):
 
 KINDS: dict[str, type[Message]] = {cls.__name__: cls for cls in (
     Ready, Heartbeat, Membership, Down, Abort, Ask, SkeletonText, Skeleton, Planned, BranchTask, KvAsk, KvPart, MergePlan,
-    Reroute, Reassign, PointText, PointEnd, AnswerText, Answer, Failed, Cancel, StatusQuery, Status)}  # fmt: skip
+    Reroute, Reassign, Again, PointText, PointEnd, AnswerText, Answer, Failed, Cancel, StatusQuery, Status)}  # fmt: skip
 
 
 class Envelope(msgspec.Struct):

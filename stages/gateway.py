@@ -35,7 +35,7 @@ import zmq.asyncio
 from msgspec.structs import asdict, replace
 
 from specsot_mq.messages import (
-    Abort, Answer, AnswerText, Ask, Down, Reassign, Reroute, Cancel, Failed, Heartbeat, Membership, MergePlan, PointEnd, PointText, Ready,
+    Abort, Again, Answer, AnswerText, Ask, Down, Reassign, Reroute, Cancel, Failed, Heartbeat, Membership, MergePlan, PointEnd, PointText, Ready,
     SkeletonText, Status, StatusQuery, WireError, decode, encode,
 )  # fmt: skip
 from specsot_mq.client import secure
@@ -180,6 +180,9 @@ class Gateway(Stage):
             if msg.index not in request.shown.ended:  # a redo ends it again
                 request.shown.ended.add(msg.index)
                 await self._send_client(request.client, replace(msg, rid=rid))
+        elif isinstance(msg, Again):  # points written again, on this stage
+            request.holders.add(msg.stage)
+            await self._send_client(request.client, replace(msg, rid=rid))
         elif isinstance(msg, Reassign):
             request.holders.add(msg.stage)
             for index in msg.indices:

@@ -1,10 +1,11 @@
 """The merge stage: collects every point of a request, streams each point's text on to the gateway
 as it grows, streams the merged answer in plan order as far as it is certain (AnswerText, see
-sot/ordered.py), and sends the whole answer once the last point ends (sot/flow.py's Merging)."""
+sot/ordered.py), asks the scheduler to have the points a counted answer left out written again
+(Again), and sends the whole answer once the last point ends (sot/flow.py's Merging)."""
 
 from __future__ import annotations
 
-from specsot_mq.messages import MergePlan, PointEnd, PointText, Reassign
+from specsot_mq.messages import Again, MergePlan, PointEnd, PointText, Reassign
 from specsot_mq.prompts import load_format
 from specsot_mq.sot.flow import Merging, SoTConfig, merged
 from specsot_mq.stages.base import Stage
@@ -28,11 +29,12 @@ class MergeStage(Stage):
 
     async def handle(self, env) -> None:
         msg = env.msg
-        if not isinstance(msg, (MergePlan, PointText, PointEnd, Reassign)) or msg.rid in self.aborted:
+        if not isinstance(msg, (MergePlan, PointText, PointEnd, Reassign, Again)) or msg.rid in self.aborted:
             return
         state = self.requests.setdefault(msg.rid, Merging(self.format, self.replaced))
         for out in state.feed(msg, env.src):
-            await self.send("gateway", out)
+            # points to write again go to the scheduler; it sends them back naming their stage
+            await self.send(self.spec.named("schedule")[0] if isinstance(out, Again) and not out.stage else "gateway", out)
         if state.done:
             del self.requests[msg.rid]
 

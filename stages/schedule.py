@@ -1,7 +1,8 @@
 """The schedule stage: spreads a plan's points over the live branch stages (sot/flow.py's assign
 step: longest predicted first by each device's profile, one shared prefix and a short suffix per
 point), tells the merge stage what to wait for, and keeps the tasks it sent to reroute a dead
-stage's. A direct answer goes whole to one branch stage, in turn. Each task names the branch stage
+stage's, and gives the points a counted answer left out to a branch stage to write again (Again,
+from merge). A direct answer goes whole to one branch stage, in turn. Each task names the branch stage
 that kept the longest beginning of its prompts (a conversation's last turn), where that is another
 one: the receiver may have that KV shipped instead of recomputing it (kv_ship.py)."""
 
@@ -12,7 +13,7 @@ from collections import OrderedDict
 from msgspec.structs import replace
 
 from specsot_mq.errors import SpecSotError
-from specsot_mq.messages import BranchTask, Failed, Membership, Planned, Reassign, Reroute
+from specsot_mq.messages import Again, BranchTask, Failed, Membership, Planned, PointEnd, Reassign, Reroute
 from specsot_mq.sot.flow import Flow, SoTConfig
 from specsot_mq.sot.scheduler import DeviceProfile
 from specsot_mq.stages.base import Stage
@@ -52,6 +53,7 @@ class ScheduleStage(Stage):
         self.turn = 0  # rotates the device order, so equal points spread over requests
         # rid -> branch stage -> the tasks sent to it, for rerouting when it dies (the newest requests)
         self.sent: OrderedDict[str, dict[str, list[BranchTask]]] = OrderedDict()
+        self.planned: OrderedDict[str, Planned] = OrderedDict()  # rid -> its plan, for its points written again
         self.holders = Holders()
 
     async def handle(self, env) -> None:
@@ -60,6 +62,8 @@ class ScheduleStage(Stage):
             self.alive = [name for name in self.spec.named("branch") if name in msg.branches]
         elif isinstance(msg, Reroute):
             await self._reroute(msg)
+        elif isinstance(msg, Again):
+            await self._again(msg)
         elif isinstance(msg, Planned):
             if not self.alive:
                 await self.send("gateway", Failed(msg.rid, "no branch stage is up: wait for the launcher to restart one"))
@@ -74,6 +78,8 @@ class ScheduleStage(Stage):
         k = self.turn % len(self.alive)
         order = self.alive[k:] + self.alive[:k]
         plan, prompts = self.flow.assign(msg, [DeviceProfile(name, **self.spec.profiles[name]) for name in order])
+        if plan.mode == "sot":
+            remember(self.planned, msg.rid, msg)
         await self.send(self.merge, plan)
         for branch, indices in plan.branches.items():
             await self._task(branch, self._held_elsewhere(branch, prompts.task(indices), prompts.prompt(indices[0])))
@@ -90,11 +96,24 @@ class ScheduleStage(Stage):
 
     async def _task(self, branch: str, task: BranchTask) -> None:
         """Send a task, and remember it while its request may still need it again."""
-        self.sent.setdefault(task.rid, {}).setdefault(branch, []).append(task)
-        self.sent.move_to_end(task.rid)
-        while len(self.sent) > 4096:
-            self.sent.popitem(last=False)
+        remember(self.sent, task.rid, self.sent.get(task.rid, {}))
+        self.sent[task.rid].setdefault(branch, []).append(task)
         await self.send(branch, task)
+
+    async def _again(self, msg: Again) -> None:
+        """Points a counted answer left out, written again by the next live branch stage in turn;
+        merge (and through it the gateway) learns which. Where this request's plan is no longer
+        known, or no branch stage is up, they end at once, saying nothing."""
+        planned = self.planned.get(msg.rid)
+        if planned is None or not self.alive:
+            for index, _, _ in msg.points:
+                await self.send(self.merge, PointEnd(msg.rid, index, "abort", 0, 0, 0.0))
+            return
+        self.turn += 1
+        branch = self.alive[self.turn % len(self.alive)]
+        task = self.flow.again(planned, msg).task([index for index, _, _ in msg.points])
+        await self.send(self.merge, replace(msg, stage=branch))
+        await self._task(branch, task)
 
     async def _reroute(self, msg: Reroute) -> None:
         """A dead branch stage's tasks of a request go to the survivor next in turn; merge (and
@@ -110,3 +129,11 @@ class ScheduleStage(Stage):
         for task in tasks:
             await self.send(self.merge, Reassign(msg.rid, task.indices, target, msg.dead))
             await self._task(target, replace(task, kv_from="", kv_tokens=0))  # (a redo recomputes: the keeper may be the dead one)
+
+
+def remember(recent: OrderedDict, key, value, limit: int = 4096) -> None:
+    """recent[key] = value, as the newest of at most `limit` entries."""
+    recent[key] = value
+    recent.move_to_end(key)
+    while len(recent) > limit:
+        recent.popitem(last=False)

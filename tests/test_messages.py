@@ -93,6 +93,7 @@ SAMPLES = {str: "x", int: 3, float: 1.5, bool: True, dict: {"a": [1, "b"]}, list
            list[dict]: [{"stage": "x"}], list[dict[str, str]]: [{"role": "user", "content": "hi"}],
            dict[str, list[int]]: {"branch@a": [1, 2]}, list[tuple[int, str]]: [(1, "t")],
            list[tuple[int, str, int]]: [(1, "t", 40)], list[tuple[int, str, str]]: [(1, "t", "text")],
+           list[tuple[int, int, str]]: [(3, 1, "t")],
            np.ndarray: ids([1, 2]), list[np.ndarray]: [ids([4]), ids([])],
            SamplingParams: SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=3, stop=("\n\n", "2.")),
            bytes: b"\x00\x01", Tensor | None: Tensor("float16", [1, 2], b"\x00\x3c\x00\x40"),

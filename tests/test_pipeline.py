@@ -885,6 +885,69 @@ def test_merge_takes_a_redone_points_text_from_its_new_stage_only_and_streams_it
     assert any(isinstance(m, Reassign) for m in sent)  # the client is told
 
 
+def test_merge_and_schedule_have_the_points_a_counted_answer_left_out_written_again(default_model_dir):
+    """Merge: a counted answer short of its count once its points ended asks the scheduler for
+    the points it left out (Again), waits for them under their new indices and shows those that
+    say something, numbered on. Schedule: it gives them to a live branch stage (their prompts the
+    format's again_ids), tells merge which, and keeps the task for a reroute; for a request it no
+    longer knows it ends them at once, so the answer never waits for ever."""
+    from collections import OrderedDict
+
+    from specsot_mq.messages import Again, Envelope, MergePlan, PointEnd, Planned
+    from specsot_mq.prompts import load_format
+    from specsot_mq.sot.flow import Flow, SoTConfig
+    from specsot_mq.stages.base import RunSpec
+    from specsot_mq.stages.merge import MergeStage
+    from specsot_mq.stages.schedule import ScheduleStage
+    from specsot_mq.tokenizer import load_tokenizer
+
+    sent = []
+
+    async def send(dst, msg):
+        sent.append((dst, msg))
+
+    question, points, b = "Give two tips for a hike.", [[1, "Boots"], [2, "Water"]], "branch@b"
+
+    async def merging():
+        spec = RunSpec("p2p", {"schedule": "ipc://s", "merge": "ipc://m"}, {"schedule": "schedule", "merge": "merge"},
+                       {}, {}, {}, "ipc://x")  # fmt: skip
+        stage = MergeStage("merge", spec, send)
+        await stage.start()
+        steps = [(MergePlan("r", "sot", "", "", points, {b: [1, 2]}, {}, question), "schedule"),
+                 (PointText("r", 1, " Wear boots with grip.", ids([1])), b), (PointEnd("r", 1, "stop", 5, 5, 0.1), b),
+                 (PointEnd("r", 2, "stop", 1, 1, 0.1), b)]  # fmt: skip
+        for msg, src in steps:
+            await stage.handle(Envelope(msg, "merge", src))
+        asked = [(dst, m) for dst, m in sent if isinstance(m, Again)]
+        assert asked == [("schedule", Again("r", [(3, 2, "Water")]))]
+        assert not any(isinstance(m, Answer) for _, m in sent)  # it waits for the point written again
+        for msg, src in [(Again("r", [(3, 2, "Water")], b), "schedule"), (PointText("r", 3, " Carry two litres.", ids([1])), b),
+                         (PointEnd("r", 3, "stop", 4, 4, 0.1), b)]:  # fmt: skip
+            await stage.handle(Envelope(msg, "merge", src))
+
+    asyncio.run(merging())
+    answer = next(m for _, m in sent if isinstance(m, Answer))
+    assert answer.answer == "1. Boots: Wear boots with grip.\n2. Water: Carry two litres."
+    assert "".join(m.text for _, m in sent if isinstance(m, AnswerText)) == answer.answer
+    assert ("gateway", Again("r", [(3, 2, "Water")], b)) in sent and answer.stats["written_again"] == [3]
+
+    tok = load_tokenizer(default_model_dir)
+    stage = object.__new__(ScheduleStage)  # its event-loop side only: no process
+    stage.flow, stage.merge, stage.alive, stage.turn = Flow(SoTConfig(), tok), "merge", [b], 0
+    stage.sent, stage.planned, stage.send = OrderedDict(), OrderedDict(), send
+    planned = Planned("r", question, PARAMS, "sot", "", "", [(1, "Boots", 0), (2, "Water", 0)], {})
+    stage.planned["r"] = planned
+    sent.clear()
+    asyncio.run(stage.handle(Envelope(Again("r", [(3, 2, "Water")]), "schedule", "merge")))
+    task = next(m for dst, m in sent if dst == b)
+    assert ("merge", Again("r", [(3, 2, "Water")], b)) in sent and stage.sent["r"][b] == [task]
+    assert task.indices == [3]
+    assert task.prefix.tolist() + task.suffixes[0].tolist() == load_format("sot").again_ids(tok, question, 2, "Water")
+    sent.clear()
+    asyncio.run(stage.handle(Envelope(Again("gone", [(3, 2, "Water")]), "schedule", "merge")))
+    assert sent == [("merge", PointEnd("gone", 3, "abort", 0, 0, 0.0))]
+
+
 def test_the_skeleton_stage_asks_a_short_counted_lists_variants_in_one_batch_and_posts_once_they_end(default_model_dir):
     """SkeletonStage.on_delta: when a counted skeleton short of points ends, the stage submits its
     variants' jobs as one batch; a variant that ends while the other decodes posts nothing; once

@@ -601,17 +601,20 @@ def test_the_shipped_devices_file_loads_and_covers_cpu_and_cuda():
 @pytest.mark.parametrize("name", ["sot", "plan"])
 def test_the_ordered_answer_streams_exactly_the_merged_answer(name):
     """Points growing and ending in any order and any way (stopped, cut by their cap or their loop
-    stop), with sentences, blank lines, repeated lines, trailing space and nothing to say: what is
-    released is never taken back (it only grows), and the pieces joined are the format's merge."""
+    stop), with sentences, blank lines, repeated lines, trailing space and nothing to say, then
+    (a counted answer short of its count) those it left out written again and growing the same
+    way: what is released is never taken back (it only grows), and the pieces joined are the
+    format's merge of the plan's points and those written again."""
     fmt = load_format(name)
     rng = random.Random(0)
     pieces = ["a", "b", " ", "\n", "x y", "\n\n", "A", "  ", "1. a", ". ", "Go.", "q", "!", "T", " dry", " feet"]
+    rounds = 0
     for _ in range(3000):
         points = [(i + 1, rng.choice(["T", "Two words", "", "Boots"])) for i in range(rng.randint(1, 4))]
         # the counted ones: at most that many points shown, and with no spare left a thin point stays
         question = rng.choice(["", "q?", "Why q b?", "Give two tips?", "Name three things for feet?"])
         ordered, texts, released = OrderedAnswer(fmt, points, question), {i: "" for i, _ in points}, ""
-        live, cut = [i for i, _ in points], set()
+        live, cut, listed = [i for i, _ in points], set(), list(points)
         while live:
             index = rng.choice(live)
             if rng.random() < 0.2:
@@ -623,7 +626,18 @@ def test_the_ordered_answer_streams_exactly_the_merged_answer(name):
                 text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 3)))
                 texts[index] += text
                 released += ordered.add(index, text)
-        assert released == fmt.merge([(i, t, texts[i]) for i, t in points], question, cut), (points, texts)
+            if not live and (left_out := ordered.again()):  # the second round, once
+                rounds += 1
+                again = [(len(points) + n, ordered.titles[i]) for n, i in enumerate(left_out, 1)]
+                assert asked_count(question) and set(left_out) <= {i for i, _ in points}
+                listed += again
+                texts |= {i: "" for i, _ in again}
+                live = [i for i, _ in again]
+                released += ordered.extend(again)
+        merged = fmt.merge([(i, t, texts[i]) for i, t in listed], question, cut, len(points))
+        assert released == merged, (listed, texts)
+        assert ordered.again() == []  # asked once at most
+    assert rounds > 100  # the second round ran often
 
 
 MERGE_CASES = [
@@ -732,3 +746,63 @@ def test_the_ordered_answer_names_the_points_it_will_never_show():
     ordered.end(2)  # said nothing: left out
     assert ordered.end(3) == "\n2. T3: Carry water." and ordered.unneeded() == [4, 5]
 
+
+
+class ScriptedGenerator:
+    """What SoTEngine asks of a Generator, each job's output scripted by its prompt: the text
+    `script` gives for its ids, in one piece, then its end (no model)."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.draft, self.prompts = tokenizer, script, None, []
+        self.cache = type("Cache", (), {"num_slots": 8, "capacity": 4096})()
+
+    def keep_prefix(self, ids):
+        pass
+
+    def new_decoder(self, params):
+        return None
+
+    def run_jobs(self, jobs, decoder, max_parallel=None, cancelled=None):
+        for job in jobs:
+            self.prompts.append(job.ids)
+            text = self.script(job.ids)
+            yield job.key, Delta(text, self.tokenizer.encode(text, add_special_tokens=False))
+            yield job.key, Delta("", [], "stop")
+
+
+def test_a_counted_answer_short_of_its_count_has_the_points_it_left_out_written_again(default_model_dir):
+    """A question naming three points, whose second point says nothing: once every point ended,
+    that point is written again from the format's point.user_again prompt (the question and its
+    title), and shown third, numbered on; the streamed answer is the merged one, the client is
+    told (Again) and the stats name it. An uncounted question's empty point is only left out."""
+    from specsot_mq.messages import Again, Answer, AnswerText
+    from specsot_mq.sot.engine import SoTEngine
+    from specsot_mq.tokenizer import load_tokenizer
+
+    tok, fmt = load_tokenizer(default_model_dir), load_format("sot")
+    texts = {"1. Boots:": " Wear boots with a firm grip.", "2. Water:": "", "3. Socks:": " Wool socks stay dry."}
+
+    def script(ids):
+        prompt = tok.decode(ids)
+        if prompt.endswith(fmt.skeleton_prefix):
+            return " Boots\n2. Water\n3. Socks"
+        if 'One item of the answer is "Water"' in prompt:
+            return " Carry two litres and drink often."
+        return next(text for head, text in texts.items() if prompt.endswith(head))
+
+    question = "Give me three tips for a day hike."
+    gen = ScriptedGenerator(tok, script)
+    events = list(SoTEngine(gen, SoTConfig(sot="always")).stream(question))
+    answer = events[-1]
+    assert isinstance(answer, Answer) and answer.mode == "sot"
+    assert answer.answer == ("1. Boots: Wear boots with a firm grip.\n2. Socks: Wool socks stay dry.\n"
+                             "3. Water: Carry two litres and drink often.")  # fmt: skip
+    assert "".join(e.text for e in events if isinstance(e, AnswerText)) == answer.answer
+    assert [e.points for e in events if isinstance(e, Again)] == [[(4, 2, "Water")]]
+    assert answer.stats["written_again"] == [4] and answer.stats["dropped_points"] == [2]
+    assert gen.prompts[-1] == fmt.again_ids(tok, question, 2, "Water")
+    # the same plan, with no count named: the empty point is left out, nothing is written again
+    gen = ScriptedGenerator(tok, script)
+    answer = list(SoTEngine(gen, SoTConfig(sot="always")).stream("What helps on a day hike?"))[-1]
+    assert answer.answer == "1. Boots: Wear boots with a firm grip.\n2. Socks: Wool socks stay dry."
+    assert "written_again" not in answer.stats and len(gen.prompts) == 4

@@ -45,19 +45,23 @@ class PromptFormat:
     # other sets of worked examples (none is a set too): the prompts a counted skeleton that lists
     # too few distinct points is asked again with, all in one batch (flow.Skeletoning.next_round)
     variants: tuple[tuple[tuple[str, str], ...], ...] = ()
+    # the request a point left out of a counted answer is written again from ({question} and its
+    # {title}, no plan: again_ids); "" = none is written again (sot/ordered.py)
+    point_again: str = ""
 
     def plan(self, skeleton: str, max_points: int, question: str = "") -> Plan:
         """The skeleton's text (prefilled part included) read into a Plan; never raises on text.
         `question`: the question it plans (its points must not restate it)."""
         return PARSERS[self.parser](skeleton, max_points, question)
 
-    def merge(self, points, question: str = "", cut=()) -> str:
+    def merge(self, points, question: str = "", cut=(), first: int | None = None) -> str:
         """The answer from (index, title, expansion) triples in plan order: each point's prefilled
         beginning, then what the model wrote after it, without a last line that repeats one of
         its earlier lines (where the point's loop stop ended it) and trailing whitespace; a point
         in `cut` (a cap or a loop stop ended it) keeps its complete sentences, and a point that
-        says nothing beyond the question and its title is left out (sot/ordered.py)."""
-        return merge_points(self, points, question, cut)
+        says nothing beyond the question and its title is left out; `first`: how many of the
+        points are the plan's, the rest written again (sot/ordered.py)."""
+        return merge_points(self, points, question, cut, first)
 
     def skeleton_ids(self, tokenizer, question: str, history: list[dict] = (), count: int | None = None,
                      examples: tuple[tuple[str, str], ...] | None = None) -> list[int]:  # fmt: skip
@@ -110,6 +114,15 @@ class PromptFormat:
         user = self.point_counted if self.point_counted and asked_count(question) else self.point_user
         ids = chat_prompt_ids(tokenizer, [*earlier, {"role": "user", "content": user.format(**fields)}])
         return ids + tokenizer.encode(self.point_prefix.format(**fields), add_special_tokens=False)
+
+
+    def again_ids(self, tokenizer, question: str, index: int, title: str, history: list[dict] = ()) -> list[int]:
+        """Chat prompt that writes a point again (point_again's request, then the point's
+        prefill), with the conversation's system message and earlier questions as point_ids."""
+        fields = {"question": question, "index": index, "title": title}
+        earlier = [m for m in history if m["role"] != "assistant"]
+        ids = chat_prompt_ids(tokenizer, [*earlier, {"role": "user", "content": self.point_again.format(**fields)}])
+        return ids + tokenizer.encode(self.point_prefix.format(**fields, skeleton=""), add_special_tokens=False)
 
 
 def direct_ids(tokenizer, question: str, history: list[dict] = ()) -> list[int]:
@@ -194,6 +207,7 @@ def load_format(name: str = "sot") -> PromptFormat:
             data.get("counted_direct", "{question}"),
             point.get("user_counted", ""),
             tuple(map(examples, skeleton.get("variants", ()))),
+            point.get("user_again", ""),
         )
     except (OSError, ValueError) as e:
         raise SpecSotError(f"prompt format {path} cannot be read ({e}): fix the file") from None
@@ -209,6 +223,7 @@ def load_format(name: str = "sot") -> PromptFormat:
                  ("skeleton.points_counted", fmt.points_counted, {"count": 3}),
                  ("point.user", fmt.point_user, a_point), ("point.user_counted", fmt.point_counted, a_point),
                  ("point.assistant_prefix", fmt.point_prefix, a_point),
+                 ("point.user_again", fmt.point_again, {"question": "Q?", "index": 1, "title": "A"}),
                  ("counted_direct", fmt.counted_direct, {"question": "Q?", "count": 3}))  # fmt: skip
     for key, template, fields in templates:
         if not isinstance(template, str):

@@ -24,9 +24,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
+from msgspec.structs import replace
+
 from specsot_mq.errors import SpecSotError
 from specsot_mq.generate import Delta, Generator, Job
-from specsot_mq.messages import Answer, Ask, ClientEvent, Planned, PointEnd, PointText, Skeleton, ids
+from specsot_mq.messages import Again, Answer, Ask, ClientEvent, Planned, PointEnd, PointText, Skeleton, ids
 from specsot_mq.sampling_params import SamplingParams
 from specsot_mq.sequence import Resume
 from specsot_mq.sot.flow import Flow, Merging, Progress, Skeletoning, SoTConfig
@@ -92,31 +94,41 @@ class SoTEngine:
         yield from self._points(planned, time.monotonic())
 
     def _points(self, planned: Planned, start: float) -> Iterator[ClientEvent]:
-        """The rest of a request once its plan is known: its points (or its direct answer), merged."""
-        rid = planned.rid
+        """The rest of a request once its plan is known: its points (or its direct answer), merged,
+        then those a counted answer left out written again (Merging's Again), where it asks."""
+        rid, device = planned.rid, self.device.name
         plan, prompts = self.flow.assign(planned, [self.device])
         merging = Merging(self.format)
-        yield from merging.feed(plan, self.device.name)
-        jobs = prompts.jobs(plan.branches[self.device.name])
+        yield from merging.feed(plan, device)
+        jobs = prompts.jobs(plan.branches[device])
         if plan.mode == "direct":  # the prefill goes on from the router's forward where it ran this prompt (layout.resumes)
             jobs[0].resume, self.routed = self.routed, None
-        progress = {job.key: Progress() for job in jobs}
-        # A counted plan's spares stop once the answer shows the question's count (the merged
-        # answer is the same: they come after every point it shows).
-        unneeded: set[int] = set()
-        for key, delta in self._run(jobs, lambda key: key[1] in unneeded):
-            _, index = key
-            progress[key].add(delta)
-            events = [PointText(rid, index, delta.text, ids(delta.token_ids))] if delta.text or delta.token_ids else []
-            if delta.finish_reason:
-                p = progress[key]
-                events.append(PointEnd(rid, index, delta.finish_reason, p.tokens, p.steps, p.seconds()))
-            for event in (out for msg in events for out in merging.feed(msg, self.device.name)):
-                if isinstance(event, Answer):
-                    event.stats["seconds"] = time.monotonic() - start
-                yield event
-            if merging.ordered is not None:
-                unneeded.update(merging.ordered.unneeded())
+        while jobs:
+            progress = {job.key: Progress() for job in jobs}
+            # A counted plan's spares stop once the answer shows the question's count (the merged
+            # answer is the same: they come after every point it shows).
+            unneeded: set[int] = set()
+            again = None
+            for key, delta in self._run(jobs, lambda key: key[1] in unneeded):
+                _, index = key
+                progress[key].add(delta)
+                events = [PointText(rid, index, delta.text, ids(delta.token_ids))] if delta.text or delta.token_ids else []
+                if delta.finish_reason:
+                    p = progress[key]
+                    events.append(PointEnd(rid, index, delta.finish_reason, p.tokens, p.steps, p.seconds()))
+                for event in (out for msg in events for out in merging.feed(msg, device)):
+                    if isinstance(event, Again):  # for this engine to write (after this round)
+                        again = replace(event, stage=device)
+                        continue
+                    if isinstance(event, Answer):
+                        event.stats["seconds"] = time.monotonic() - start
+                    yield event
+                if merging.ordered is not None:
+                    unneeded.update(merging.ordered.unneeded())
+            jobs = []
+            if again is not None:
+                yield from merging.feed(again, device)
+                jobs = self.flow.again(planned, again).jobs([index for index, _, _ in again.points])
 
     def _route(self, question: str) -> Route:
         if self.router is None:

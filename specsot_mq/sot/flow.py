@@ -11,8 +11,9 @@ as pure steps over the wire messages (specsot_mq/messages.py), with no model and
                                             # then next_round() (a counted list short of points: its variants)
     planned = flow.parse(skeleton)          # the points, or the direct way
     plan, prompts = flow.assign(planned, devices)  # a MergePlan, and the points' prompts
-    merging = Merging(flow.format)          # fed MergePlan, PointText, PointEnd and Reassign,
+    merging = Merging(flow.format)          # fed MergePlan, PointText, PointEnd, Reassign and Again,
     events = merging.feed(msg, src)         # returns what the client sees next, Answer last
+                                            # (and an Again: points to write again, flow.again)
 
 The stage processes run one step each (stages/skeleton|parse|schedule|branch|merge.py); the
 in-process engine (sot/engine.py) runs them in turn on one generator. A client gets the same
@@ -32,7 +33,8 @@ from typing import TYPE_CHECKING
 
 from specsot_mq.errors import SpecSotError
 from specsot_mq.messages import (
-    Answer, AnswerText, Ask, BranchTask, MergePlan, Planned, PointEnd, PointText, Reassign, Skeleton, SkeletonText, ids,
+    Again, Answer, AnswerText, Ask, BranchTask, MergePlan, Planned, PointEnd, PointText, Reassign, Skeleton, SkeletonText,
+    ids,
 )  # fmt: skip
 from specsot_mq.prompts import common_prefix, direct_ids, history_end, load_format
 from specsot_mq.sampling_params import SamplingParams
@@ -279,6 +281,17 @@ class Flow:
         keep = history_end(lambda h: fmt.point_ids(tok, msg.question, "", first.index, first.title, h), msg.history)
         return merge_plan, AnswerPrompts(msg.rid, point_params(self.config, msg.params, plan), prefix, suffixes, keep)
 
+    def again(self, msg: Planned, again: Again) -> AnswerPrompts:
+        """The prompts of points written again (Again.points: a counted answer's points that said
+        nothing; the format's point_again), with the plan's point settings: one shared prefix,
+        a short suffix each."""
+        fmt, tok = self.format, self.tokenizer
+        titles = dict((i, title) for i, title, _ in msg.points)
+        prefix, suffixes = shared_prefix({new: fmt.again_ids(tok, msg.question, index, titles[index], msg.history)
+                                          for new, index, _ in again.points})  # fmt: skip
+        plan = Plan("plan", [Point(i, title, predicted or None) for i, title, predicted in msg.points])
+        return AnswerPrompts(msg.rid, point_params(self.config, msg.params, plan), prefix, suffixes, 0)
+
 
 @dataclass(slots=True)
 class AnswerPrompts:
@@ -320,7 +333,10 @@ class Merging:
     """A request's points as they arrive, merged into its answer: fed MergePlan, PointText,
     PointEnd and Reassign (from `src`, a branch stage), it returns the messages for the client,
     the whole Answer last. A point's first text can overtake the plan (they come from different
-    stages). After a Reassign only the new stage's messages about those points count.
+    stages). After a Reassign only the new stage's messages about those points count. A counted
+    answer short of its count once every point ended returns an Again without a stage: the
+    points it left out, under new indices, for the caller to have written again (Flow.again);
+    the Again that names their stage comes back through feed, and the answer waits for them.
     `merge`: a replacement merger (plan, texts -> answer), whose answer is streamed whole at the end."""
 
     fmt: object
@@ -330,6 +346,7 @@ class Merging:
     ends: dict[int, PointEnd] = field(default_factory=dict)  # point index -> how it ended
     ordered: OrderedAnswer | None = None  # the merged answer's text released so far (a planned answer)
     owner: dict[int, str] = field(default_factory=dict)  # point index -> the branch stage that decodes it
+    again: list[tuple[int, str]] = field(default_factory=list)  # (index, title) of the points written again
     released: int = 0  # characters of a direct answer sent as AnswerText (a redo sends only what goes beyond)
     done: bool = False
 
@@ -342,6 +359,9 @@ class Merging:
                 self.ends.pop(index, None)
                 if self.ordered is not None:
                     self.ordered.restart(index)
+            return [msg]
+        if isinstance(msg, Again):  # the branch stage that writes them again
+            self.owner |= {index: msg.stage for index, _, _ in msg.points}
             return [msg]
         if isinstance(msg, (PointText, PointEnd)) and self.owner.get(msg.index, src) != src:
             return []  # from a stage that no longer decodes this point (it died; its last messages arrive late)
@@ -370,6 +390,12 @@ class Merging:
                 out.append(msg)
             if self.ordered is not None:
                 out.append(self.ordered.end(msg.index, msg.finish))
+        if self.ordered is not None and (left_out := self.ordered.again()):
+            # a counted answer short of its count: the points it left out are written again
+            base = max(i for i, _ in self.plan.points)
+            again = [(base + n, index, self.ordered.titles[index]) for n, index in enumerate(left_out, 1)]
+            self.again = [(new, title) for new, _, title in again]
+            out += [self.ordered.extend(self.again), Again(msg.rid, again)]
         # Released answer text (strings) goes out as AnswerText, where there is any.
         out = [AnswerText(msg.rid, m) if isinstance(m, str) else m for m in out if m != ""]
         return out + self._answer()
@@ -384,7 +410,7 @@ class Merging:
 
     def _answer(self) -> list:
         plan = self.plan
-        if plan is None or self.done or len(self.ends) < sum(len(v) for v in plan.branches.values()):
+        if plan is None or self.done or len(self.ends) < sum(len(v) for v in plan.branches.values()) + len(self.again):
             return []
         self.done = True
         texts = {i: "".join(parts) for i, parts in self.texts.items()}
@@ -395,22 +421,26 @@ class Merging:
             "seconds": max((e.seconds for e in ends), default=0.0)}  # fmt: skip
         if shipped := sum(e.kv_shipped for e in ends):
             stats["kv_shipped_tokens"] = shipped  # prompt tokens not recomputed: their KV came from another device
-        points = [(i, title, texts.get(i, "")) for i, title in plan.points] if plan.mode == "sot" else []
+        listed = [*plan.points, *self.again]
+        points = [(i, title, texts.get(i, "")) for i, title in listed] if plan.mode == "sot" else []
         finish = "length" if any(e.finish == "length" for e in ends) else "stop"
         cut = {i for i, e in self.ends.items() if e.finish in CUT_OFF}
         if plan.mode == "sot":  # the points the merged answer leaves out (they say nothing)
-            stats["dropped_points"] = dropped_points(points, plan.question, cut)
-        answer = self.merge(plan, texts) if self.merge is not None else merged(self.fmt, plan, texts, cut)
+            stats["dropped_points"] = dropped_points(points, plan.question, cut, len(plan.points))
+        if self.again:
+            stats["written_again"] = [i for i, _ in self.again]
+        answer = self.merge(plan, texts) if self.merge is not None else merged(self.fmt, plan, texts, cut, self.again)
         whole = [AnswerText(plan.rid, answer)] if self.merge is not None and answer else []
         return [*whole, Answer(plan.rid, answer, plan.mode, plan.reason, plan.skeleton, points, stats, finish)]
 
 
-def merged(fmt, plan: MergePlan, texts: dict[int, str], cut=()) -> str:
+def merged(fmt, plan: MergePlan, texts: dict[int, str], cut=(), again=()) -> str:
     """The answer from the plan and every point's text (index -> text); `cut`: the points that
-    a length cap or a loop stop ended."""
+    a length cap or a loop stop ended; `again`: (index, title) of the points written again."""
     if plan.mode != "sot":
         return texts.get(0, "")
-    return fmt.merge([(index, title, texts.get(index, "")) for index, title in plan.points], plan.question, cut)
+    points = [(index, title, texts.get(index, "")) for index, title in [*plan.points, *again]]
+    return fmt.merge(points, plan.question, cut, len(plan.points))
 
 
 def summary(answer: Answer) -> str:
@@ -493,8 +523,13 @@ def point_prompts(tokenizer, fmt, question: str, plan: Plan, history: list[dict]
     list: the longest beginning all their prompts have in common) and each point's suffix; a
     point's full prompt, prefix + suffix, is exactly `fmt.point_ids` of that point."""
     outline = "\n".join(f"{p.index}. {p.title}" for p in plan.points)
-    prompts = {p.index: fmt.point_ids(tokenizer, question, outline, p.index, p.title, history) for p in plan.points}
-    # Every suffix keeps at least one token.
+    return shared_prefix({p.index: fmt.point_ids(tokenizer, question, outline, p.index, p.title, history)
+                          for p in plan.points})  # fmt: skip
+
+
+def shared_prefix(prompts: dict[int, list[int]]) -> tuple[list[int], dict[int, list[int]]]:
+    """Prompts (index -> ids) as the longest beginning they all share and each one's suffix
+    (every suffix keeps at least one token)."""
     shared = min(len(common_prefix(list(prompts.values()))), min(map(len, prompts.values())) - 1)
     return next(iter(prompts.values()))[:shared], {index: p[shared:] for index, p in prompts.items()}
 

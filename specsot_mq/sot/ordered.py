@@ -17,6 +17,12 @@ newlines, with what is not worth reading left out:
   a copy of that one's: its title names an item of its own, and an answer short of its count
   serves the asker worse than a thin point ("3. Use a garden hose: A simple way to keep your
   garden tidy."), though not than one that repeats another's text;
+- where the question names its number of points and, once every point of the plan ended, fewer
+  are worth reading, the points left out are written again, each from a prompt of its own
+  (the format's point.user_again: the question and the point's title, without the plan), and
+  those that then say something are shown after the others, numbered on: the answer gets its
+  count where the model can write it (`first`: the number of points in the plan, the points
+  after them being those written again; a spare stands in within its own round only);
 - where no point is worth reading by these rules, the answer shows every point as it wrote it
   rather than nothing;
 - a point whose text opens with a line break goes on after its head with one space, or on the
@@ -75,18 +81,19 @@ def after_head(head: str, body: str) -> str:
     return head + ("\n" if LIST_ITEM.match(text) else " ") + text
 
 
-def merge_points(fmt, points, question: str = "", cut=()) -> str:
-    """The merged answer from (index, title, text) in plan order; `cut`: the indices of points
-    that a length cap or a loop stop ended."""
+def merge_points(fmt, points, question: str = "", cut=(), first: int | None = None) -> str:
+    """The merged answer from (index, title, text) in plan order, then the points written again;
+    `cut`: the indices of points that a length cap or a loop stop ended; `first`: how many of
+    the points are the plan's (the rest were written again; default: all)."""
     pieces = []
-    for _, title, body in _kept(points, question, cut):
+    for _, title, body in _kept(points, question, cut, first):
         pieces.append(after_head(fmt.point_prefix.format(index=len(pieces) + 1, title=title), body).rstrip())
     return "\n".join(pieces)
 
 
-def dropped_points(points, question: str = "", cut=()) -> list[int]:
+def dropped_points(points, question: str = "", cut=(), first: int | None = None) -> list[int]:
     """The indices of the points merge_points leaves out."""
-    kept = {index for index, _, _ in _kept(points, question, cut)}
+    kept = {index for index, _, _ in _kept(points, question, cut, first)}
     return [index for index, _, _ in points if index not in kept]
 
 
@@ -127,26 +134,26 @@ def _shown(body: str, title: str, question: set[str]) -> tuple[set[str], set[str
     return words, words - content_words(title) - question
 
 
-def _kept(points, question: str, cut) -> list:
+def _kept(points, question: str, cut, first: int | None = None) -> list:
     """(index, title, body) of the points merge_points shows, in order: those worth reading
     (_worth); where none is, rather than no answer at all, every point that wrote anything, as it
     wrote it (less a repeated last line; as many as the question names)."""
-    kept = list(_worth(points, question, cut))
+    kept = list(_worth(points, question, cut, len(points) if first is None else first))
     if kept or not points:
         return kept
     most = asked_count(question) or len(points)
     return [(i, title, body) for i, title, text in points if (body := without_repeated_last_line(text)).strip()][:most]
 
 
-def _worth(points, question: str, cut):
+def _worth(points, question: str, cut, first: int):
     """(index, title, body) of the points worth reading, in order: those that say something, as
     many as the question names where it names a number (the plan's spares stand in for points
-    that said nothing)."""
+    that said nothing; the points after the `first`, written again, for those left out)."""
     asked, shown, count = content_words(question), [], asked_count(question)
-    most = count or len(points)
+    most = count or first
     for n, (index, title, text) in enumerate(points):
         body = point_body(text, True, index in cut)
-        needed = no_spare_left(count is not None, len(points) - n, most - len(shown))
+        needed = no_spare_left(count is not None, (first if n < first else len(points)) - n, most - len(shown))
         if len(shown) < most and says_something(body, title, asked, shown, needed):
             shown.append(_shown(body, title, asked))
             yield index, title, body
@@ -164,6 +171,10 @@ class OrderedAnswer:
     def __init__(self, fmt, points: list[tuple[int, str]], question: str = ""):
         self.fmt, self.question = fmt, question
         self.order = [index for index, _ in points]
+        self.first = len(self.order)  # the plan's points; those after them are written again (extend)
+        self.dropped: list[int] = []  # the plan's points passed over, saying nothing
+        # whether the points left out are to be written again, once the plan's have all ended
+        self.writes_again = bool(fmt.point_again)
         self.titles = dict(points)
         self.texts = {index: "" for index in self.order}
         self.ended: dict[int, bool] = {}  # index -> whether it was cut off
@@ -192,6 +203,28 @@ class OrderedAnswer:
         names are shown already): their decoding may stop."""
         return self.order[self.cursor :] if self.shown >= self.most else []
 
+    def again(self) -> list[int]:
+        """Once, where the question names its count and every point of the plan ended with fewer
+        worth reading: the points it left out, in plan order, to be written again (then
+        `extend`); else []."""
+        if not self._short():
+            return []
+        self.writes_again = False
+        return list(self.dropped)
+
+    def extend(self, points: list[tuple[int, str]]) -> str:
+        """The points written again ((index, title): new indices), shown after the plan's;
+        returns the answer text that releases (the fallback, where none comes)."""
+        self.order += [index for index, _ in points]
+        self.titles |= dict(points)
+        self.texts |= {index: "" for index, _ in points}
+        return self._release()
+
+    def _short(self) -> bool:
+        """Whether the points left out are to be written again now (again)."""
+        return (self.writes_again and self.counted and self.cursor == len(self.order) == self.first
+                and self.shown < self.most and bool(self.dropped))  # fmt: skip
+
     def restart(self, index: int) -> None:
         """A point starts again from nothing (its stage died). What was released of it stays
         released: decoded again, greedily, it writes the same, and only what goes beyond is new."""
@@ -203,7 +236,8 @@ class OrderedAnswer:
         first point shown); "" while it has said nothing yet, None once it ended saying nothing."""
         ended = index in self.ended
         body = point_body(self.texts[index], ended, self.ended.get(index, False))
-        needed = no_spare_left(self.counted, len(self.order) - self.cursor, self.most - self.shown)
+        end = self.first if self.cursor < self.first else len(self.order)  # a spare stands in within its round
+        needed = no_spare_left(self.counted, end - self.cursor, self.most - self.shown)
         if not says_something(body, self.titles[index], self.asked, self.seen, needed, ended):
             return None if ended else ""
         head = self.fmt.point_prefix.format(index=self.shown + 1, title=self.titles[index])
@@ -223,12 +257,15 @@ class OrderedAnswer:
                 self.shown += 1
                 body = point_body(self.texts[index], True, self.ended[index])
                 self.seen.append(_shown(body, self.titles[index], self.asked))
+            elif self.cursor < self.first:
+                self.dropped.append(index)
             self.cursor += 1
             self.sent = 0
-        if self.cursor == len(self.order) and not self.shown and not self.fell_back:
+        if self.cursor == len(self.order) and not self.shown and not self.fell_back and not self._short():
             # Every point ended and none was worth reading (nothing released yet): the merge's
             # fallback, every point as it wrote it, comes out whole.
             self.fell_back = True
             cut = {index for index, was_cut in self.ended.items() if was_cut}
-            out.append(merge_points(self.fmt, [(i, self.titles[i], self.texts[i]) for i in self.order], self.question, cut))
+            out.append(merge_points(self.fmt, [(i, self.titles[i], self.texts[i]) for i in self.order], self.question,
+                                    cut, self.first))  # fmt: skip
         return "".join(out)
