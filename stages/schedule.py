@@ -15,6 +15,7 @@ from msgspec.structs import replace
 from specsot_mq.errors import SpecSotError
 from specsot_mq.messages import Again, BranchTask, Failed, Membership, Planned, PointEnd, Reassign, Reroute
 from specsot_mq.sot.flow import Flow, SoTConfig
+from specsot_mq.sot.parser import asked_count
 from specsot_mq.sot.scheduler import DeviceProfile
 from specsot_mq.stages.base import Stage
 
@@ -78,7 +79,7 @@ class ScheduleStage(Stage):
         k = self.turn % len(self.alive)
         order = self.alive[k:] + self.alive[:k]
         plan, prompts = self.flow.assign(msg, [DeviceProfile(name, **self.spec.profiles[name]) for name in order])
-        if plan.mode == "sot":
+        if plan.mode == "sot" and asked_count(msg.question):  # only a counted answer's points are written again
             remember(self.planned, msg.rid, msg)
         await self.send(self.merge, plan)
         for branch, indices in plan.branches.items():
