@@ -210,6 +210,37 @@ def test_topologies_answer_exactly_as_the_in_process_engine(tiny_model, referenc
     assert direct_got.mode == "direct" and direct_got.answer == direct.answer
 
 
+@pytest.mark.parametrize("topology", ["p2p", "ring"])
+def test_a_counted_answers_points_are_written_again_through_the_stages_as_in_process(tiny_model, topology):
+    """Points of one token (cut by their cap, so nothing complete to show) say nothing, so a
+    counted question's answer has them written again: through the stages (merge -> schedule -> a
+    branch stage) the client is told (Again), and the answer, its points and their texts are the
+    in-process engine's."""
+    from specsot_mq.loader import load_generator
+    from specsot_mq.messages import Again
+    from specsot_mq.sot.engine import SoTEngine
+    from specsot_mq.sot.flow import SoTConfig
+
+    model, draft = tiny_model
+    question = "Give me five tips for running."
+    gen = load_generator(str(model), "fp32", "cpu", 512, 8, str(draft))
+    want = list(SoTEngine(gen, SoTConfig(sot="always", point_tokens=1, skeleton_tokens=16)).expand(question, PLAN, PARAMS))
+    assert want[-1].stats["written_again"] == [6, 7, 8, 9, 10]
+    spec, run_dir = tiny_spec(tiny_model, topology, point_tokens=1)
+    with launched(spec, run_dir):
+
+        async def ask():
+            async with Client(spec.client_address) as client:
+                return [msg async for msg in client.ask(question, PARAMS, "always", timeout=120)]
+
+        got = asyncio.run(ask())
+    answer = got[-1]
+    assert isinstance(answer, Answer), answer
+    assert answer.answer == want[-1].answer and answer.points == want[-1].points
+    assert answer.stats["written_again"] == [6, 7, 8, 9, 10]
+    assert [m.points for m in got if isinstance(m, Again)] == [m.points for m in want if isinstance(m, Again)]
+
+
 @pytest.mark.parametrize("ship", ["always", "never"])
 def test_a_conversations_next_turn_on_another_device_decodes_the_same_from_shipped_kv(tiny_model, ship):
     """Turn 1 of a conversation goes to one branch stage, turn 2 to the other (direct answers go
