@@ -115,7 +115,6 @@ class PromptFormat:
         ids = chat_prompt_ids(tokenizer, [*earlier, {"role": "user", "content": user.format(**fields)}])
         return ids + tokenizer.encode(self.point_prefix.format(**fields), add_special_tokens=False)
 
-
     def again_ids(self, tokenizer, question: str, index: int, title: str, history: list[dict] = ()) -> list[int]:
         """Chat prompt that writes a point again (point_again's request, then the point's
         prefill), with the conversation's system message and earlier questions as point_ids."""

@@ -286,9 +286,8 @@ class Flow:
         nothing; the format's point_again), with the plan's point settings: one shared prefix,
         a short suffix each."""
         fmt, tok = self.format, self.tokenizer
-        titles = dict((i, title) for i, title, _ in msg.points)
-        prefix, suffixes = shared_prefix({new: fmt.again_ids(tok, msg.question, index, titles[index], msg.history)
-                                          for new, index, _ in again.points})  # fmt: skip
+        prefix, suffixes = shared_prefix({new: fmt.again_ids(tok, msg.question, index, title, msg.history)
+                                          for new, index, title in again.points})  # fmt: skip
         plan = Plan("plan", [Point(i, title, predicted or None) for i, title, predicted in msg.points])
         return AnswerPrompts(msg.rid, point_params(self.config, msg.params, plan), prefix, suffixes, 0)
 
