@@ -403,3 +403,14 @@ def test_a_budget_refuses_a_key_past_its_tokens_for_the_hour(monkeypatch):
     assert caught.value.status == 429 and caught.value.headers["Retry-After"] == "3601"
     now[0] += 3601  # an hour on, the spending has expired
     budget.check("a")
+
+
+def test_a_streams_progress_names_points_written_again_and_restarted():
+    """The `specsot` extension of a stream chunk for the pipeline's Again (points a counted answer
+    writes again, under new indices) and Reassign (points that start again on another stage)."""
+    from server.api import progress
+    from specsot_mq.messages import Again, Reassign
+
+    assert progress(Again("r", [(6, 2, "Water"), (7, 4, "Maps")], "branch@b")) == {
+        "again": {"points": [{"index": 6, "of": 2, "title": "Water"}, {"index": 7, "of": 4, "title": "Maps"}]}}
+    assert progress(Reassign("r", [1, 3], "branch@b", "branch@a")) == {"restart": {"indices": [1, 3], "stage": "branch@b"}}
