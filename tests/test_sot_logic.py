@@ -734,6 +734,10 @@ def test_the_summary_counts_the_points_shown():
     stats = {"skeleton": {"tokens": 20, "steps": 10, "seconds": 0.1}, "dropped_points": [4, 5], "seconds": 1.0}
     line = summary(Answer("r", "...", "sot", "planned", "1. T1", points, stats, "stop"))
     assert line.startswith("mode sot · 3 points (2 left out) · 20 tokens · 1.00 s · 20.0 tok/s · tau skeleton 2.00")
+    points.append((6, "T4", "text again"))  # point 4 written again
+    stats |= {"dropped_points": [4, 5], "written_again": [6]}
+    line = summary(Answer("r", "...", "sot", "planned", "1. T1", points, stats, "stop"))
+    assert line.startswith("mode sot · 4 points (2 left out), 1 written again · 20 tokens")
 
 
 def test_the_ordered_answer_names_the_points_it_will_never_show():

@@ -443,15 +443,17 @@ def merged(fmt, plan: MergePlan, texts: dict[int, str], cut=(), again=()) -> str
 
 
 def summary(answer: Answer) -> str:
-    """One line about a finished answer: mode, points shown (and those the merge left out), tokens,
-    time, rate and each phase's tau (tokens per decoder step of a sequence)."""
+    """One line about a finished answer: mode, points shown (and those the merge left out, and
+    those written again), tokens, time, rate and each phase's tau (tokens per decoder step of a
+    sequence)."""
     phases = {name: p for name, p in answer.stats.items() if isinstance(p, dict)}
     tokens = sum(p["tokens"] for p in phases.values())
     seconds = answer.stats.get("seconds", 0.0)
     taus = [f"{name} {p['tokens'] / p['steps']:.2f}" for name, p in phases.items() if p.get("steps")]
-    left_out = len(answer.stats.get("dropped_points", []))
+    left_out, again = len(answer.stats.get("dropped_points", [])), len(answer.stats.get("written_again", []))
     n = len(answer.points) - left_out
-    shown = f"{n} point{'' if n == 1 else 's'}" + (f" ({left_out} left out)" if left_out else "")
+    shown = (f"{n} point{'' if n == 1 else 's'}" + (f" ({left_out} left out)" if left_out else "")
+             + (f", {again} written again" if again else ""))  # fmt: skip
     return (f"mode {answer.mode} · {shown} · {tokens} tokens · {seconds:.2f} s · "
             f"{tokens / seconds if seconds else 0.0:.1f} tok/s" + (f" · tau {', '.join(taus)}" if taus else ""))  # fmt: skip
 
