@@ -180,9 +180,14 @@ class Gateway(Stage):
             if msg.index not in request.shown.ended:  # a redo ends it again
                 request.shown.ended.add(msg.index)
                 await self._send_client(request.client, replace(msg, rid=rid))
-        elif isinstance(msg, Again):  # points written again, on this stage
-            request.holders.add(msg.stage)
-            await self._send_client(request.client, replace(msg, rid=rid))
+        elif isinstance(msg, Again):  # points to write again: the scheduler holds them, then a branch stage
+            schedule = self.spec.named("schedule")[0]
+            if not msg.stage:
+                request.holders.add(schedule)
+            else:
+                request.holders.discard(schedule)
+                request.holders.add(msg.stage)
+                await self._send_client(request.client, replace(msg, rid=rid))
         elif isinstance(msg, Reassign):
             request.holders.add(msg.stage)
             for index in msg.indices:

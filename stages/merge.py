@@ -33,8 +33,9 @@ class MergeStage(Stage):
             return
         state = self.requests.setdefault(msg.rid, Merging(self.format, self.replaced))
         for out in state.feed(msg, env.src):
-            # points to write again go to the scheduler; it sends them back naming their stage
-            await self.send(self.spec.named("schedule")[0] if isinstance(out, Again) and not out.stage else "gateway", out)
+            if isinstance(out, Again) and not out.stage:  # points to write again: the scheduler gives them
+                await self.send(self.spec.named("schedule")[0], out)  # to a stage and sends them back naming it
+            await self.send("gateway", out)  # (which learns who holds the request meanwhile)
         if state.done:
             del self.requests[msg.rid]
 

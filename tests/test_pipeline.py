@@ -949,8 +949,8 @@ def test_merge_and_schedule_have_the_points_a_counted_answer_left_out_written_ag
                  (PointEnd("r", 2, "stop", 1, 1, 0.1), b)]  # fmt: skip
         for msg, src in steps:
             await stage.handle(Envelope(msg, "merge", src))
-        asked = [(dst, m) for dst, m in sent if isinstance(m, Again)]
-        assert asked == [("schedule", Again("r", [(3, 2, "Water")]))]
+        asked = [(dst, m) for dst, m in sent if isinstance(m, Again)]  # the gateway learns the scheduler holds it
+        assert asked == [("schedule", Again("r", [(3, 2, "Water")])), ("gateway", Again("r", [(3, 2, "Water")]))]
         assert not any(isinstance(m, Answer) for _, m in sent)  # it waits for the point written again
         for msg, src in [(Again("r", [(3, 2, "Water")], b), "schedule"), (PointText("r", 3, " Carry two litres.", ids([1])), b),
                          (PointEnd("r", 3, "stop", 4, 4, 0.1), b)]:  # fmt: skip
@@ -977,6 +977,29 @@ def test_merge_and_schedule_have_the_points_a_counted_answer_left_out_written_ag
     sent.clear()
     asyncio.run(stage.handle(Envelope(Again("gone", [(3, 2, "Water")]), "schedule", "merge")))
     assert sent == [("merge", PointEnd("gone", 3, "abort", 0, 0, 0.0))]
+
+
+def test_the_gateway_counts_the_scheduler_then_the_branch_stage_as_holding_points_written_again():
+    """While points to write again are with the scheduler, the gateway counts it among the stages
+    holding the request (so its death fails the request by name rather than leaving it waiting);
+    once the scheduler names the branch stage, that stage holds them and the client is told."""
+    from specsot_mq.messages import Again, Envelope
+    from specsot_mq.stages.base import RunSpec
+    from specsot_mq.stages.gateway import Gateway, _Request
+
+    told = []
+
+    async def send_client(client, msg):
+        told.append(msg)
+
+    gateway = object.__new__(Gateway)  # its event-loop side only: no sockets
+    gateway.spec = RunSpec("p2p", {}, {"schedule": "schedule", "merge": "merge", "branch@b": "branch"}, {}, {}, {}, "ipc://x")
+    gateway.wired, gateway._send_client = {"r": "r"}, send_client
+    gateway.requests = {"r": _Request(b"client", Ask("r", "Give two tips?", PARAMS), 0.0, holders={"merge"})}
+    asyncio.run(gateway.handle(Envelope(Again("r", [(3, 2, "Water")]), "gateway", "merge")))
+    assert gateway.requests["r"].holders == {"merge", "schedule"} and told == []
+    asyncio.run(gateway.handle(Envelope(Again("r", [(3, 2, "Water")], "branch@b"), "gateway", "merge")))
+    assert gateway.requests["r"].holders == {"merge", "branch@b"} and told == [Again("r", [(3, 2, "Water")], "branch@b")]
 
 
 def test_the_skeleton_stage_asks_a_short_counted_lists_variants_in_one_batch_and_posts_once_they_end(default_model_dir):
