@@ -213,8 +213,8 @@ class OrderedAnswer:
         return list(self.dropped)
 
     def extend(self, points: list[tuple[int, str]]) -> str:
-        """The points written again ((index, title): new indices), shown after the plan's;
-        returns the answer text that releases (the fallback, where none comes)."""
+        """The points written again ((index, title): new indices), shown after the plan's as they
+        say something; returns the answer text that releases (none before they write)."""
         self.order += [index for index, _ in points]
         self.titles |= dict(points)
         self.texts |= {index: "" for index, _ in points}
