@@ -14,6 +14,8 @@ auto) and directly (--sot never, EAGLE alone). From the texts alone it reports:
              question and its title (overlap.restates, overlap.says_nothing)
   dropped    points the parser (a duplicate or restating title) and the merge (an empty, cut-off
              or empty-saying text) left out on the way: what the rules above prevented
+  again      points a counted answer short of its count wrote again, and of them those it shows
+             (written_again_shown in the summary)
   overlap    the most-overlapping pair of points: content-word Jaccard of their texts
   distinct3  distinct word 3-grams over all 3-grams, of each answer (planned / direct)
   coverage   the direct answer's content words that the planned answer holds too
@@ -212,6 +214,7 @@ def measure(question: str, planned, direct) -> dict:
     direct_words = content_words(direct.answer)
     items = len(points) if planned.mode == "sot" else distinct_items(planned.answer, question)
     reason = planned.reason
+    again = planned.stats.get("written_again", [])
     return {
         "question": question, "mode": planned.mode, "points": len(points),
         # which way the planned engine went: a plan, the router's direct way, or a skeleton that said direct
@@ -222,6 +225,8 @@ def measure(question: str, planned, direct) -> dict:
         "restate": sum(restates(title, question) or says_nothing(text, question, title) for title, text in points),
         "dropped_parser": reason.count("which says what") + reason.count("which restates"),
         "dropped_merge": len(planned.stats.get("dropped_points", [])),
+        # points a counted answer wrote again (it showed fewer than its count), and of them those shown
+        "again": [len(again), len(set(again) - set(planned.stats.get("dropped_points", [])))],
         "overlap": max((jaccard(texts[a], texts[b]) for a, b in pairs), default=0.0),
         "distinct3": [distinct3(planned.answer), distinct3(direct.answer)],
         "coverage": len(direct_words & content_words(planned.answer)) / len(direct_words) if direct_words else 1.0,
@@ -261,6 +266,7 @@ def summarize(rows: list[dict], out: Console) -> dict:
         "restating_points": sum(r["restate"] for r in planned),
         "dropped_by_parser": sum(r["dropped_parser"] for r in planned),
         "dropped_by_merge": sum(r["dropped_merge"] for r in planned),
+        "written_again_shown": [sum(r["again"][0] for r in planned), sum(r["again"][1] for r in planned)],
         "overlap_median": round(statistics.median(r["overlap"] for r in planned), 3) if planned else None,
         "overlap_max": round(max((r["overlap"] for r in planned), default=0.0), 3),
         "distinct3_median": [med("distinct3", 0), med("distinct3", 1)],
