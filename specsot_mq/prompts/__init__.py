@@ -110,18 +110,21 @@ class PromptFormat:
         about), then the request for this point (point_counted's, where the question names its
         number of points and the format has one)."""
         fields = {"question": question, "skeleton": skeleton, "index": index, "title": title}
-        earlier = [m for m in history if m["role"] != "assistant"]
         user = self.point_counted if self.point_counted and asked_count(question) else self.point_user
-        ids = chat_prompt_ids(tokenizer, [*earlier, {"role": "user", "content": user.format(**fields)}])
-        return ids + tokenizer.encode(self.point_prefix.format(**fields), add_special_tokens=False)
+        return self._point_prompt(tokenizer, user, fields, history)
 
     def again_ids(self, tokenizer, question: str, index: int, title: str, history: list[dict] = ()) -> list[int]:
         """Chat prompt that writes a point again (point_again's request, then the point's
         prefill), with the conversation's system message and earlier questions as point_ids."""
-        fields = {"question": question, "index": index, "title": title}
+        fields = {"question": question, "skeleton": "", "index": index, "title": title}
+        return self._point_prompt(tokenizer, self.point_again, fields, history)
+
+    def _point_prompt(self, tokenizer, user: str, fields: dict, history: list[dict]) -> list[int]:
+        """A point's chat prompt: the conversation's system message and earlier questions, the
+        request `user` with `fields`, then the point's prefill."""
         earlier = [m for m in history if m["role"] != "assistant"]
-        ids = chat_prompt_ids(tokenizer, [*earlier, {"role": "user", "content": self.point_again.format(**fields)}])
-        return ids + tokenizer.encode(self.point_prefix.format(**fields, skeleton=""), add_special_tokens=False)
+        ids = chat_prompt_ids(tokenizer, [*earlier, {"role": "user", "content": user.format(**fields)}])
+        return ids + tokenizer.encode(self.point_prefix.format(**fields), add_special_tokens=False)
 
 
 def direct_ids(tokenizer, question: str, history: list[dict] = ()) -> list[int]:
