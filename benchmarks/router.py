@@ -13,7 +13,8 @@ the learned router's accuracy on MT-bench's and the general questions when train
 (the written questions alone): how it carries to questions written by others. Prints tables and
 one JSON line. Last, both on --heldout (default benchmarks/router_heldout.jsonl: 200 labelled
 questions written apart from the shipped labels, in the style of WizardLM's and Vicuna's test
-sets, never trained on).
+sets, never trained on); --heldout also reads SoT-R's own labels (data/vicuna/router.csv and
+data/wizardlm/router.csv in github.com/imagination-research/sot, `label;request`).
 
     python benchmarks/router.py [--model NAME] [--cached] [--no-prompt] [--heldout FILE] [--json-only]
 """
@@ -21,6 +22,7 @@ sets, never trained on).
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import statistics
 import sys
@@ -46,7 +48,7 @@ def main(argv=None) -> dict:
     p.add_argument("--cached", action="store_true", help="the router cached for the model (train it if none)")
     p.add_argument("--no-prompt", action="store_true", help="skip the prompt alternative (160 longer forwards)")
     p.add_argument("--heldout", type=Path, default=Path(__file__).parent / "router_heldout.jsonl",
-                   help="labelled questions (JSONL: question, label, kind) never trained on")
+                   help="labelled questions never trained on: JSONL (question, label, kind), or SoT-R's router.csv")
     p.add_argument("--json-only", action="store_true")
     args = p.parse_args(argv)
     out = Console(quiet=args.json_only, soft_wrap=True)
@@ -143,7 +145,7 @@ def heldout(router: LearnedRouter, path: Path, out: Console) -> dict:
     """The learned router and the rules on a labelled file no router trains on (the default:
     benchmarks/router_heldout.jsonl, 200 questions written apart from the shipped labels, in the
     style of WizardLM's and Vicuna's test sets), with its misses by kind."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_labelled(path)
     truth = [r["label"] == "plan" for r in rows]
     result = {"file": path.name, "questions": len(rows)}
     for name, decide in (("learned", lambda q: router.p_plan(q) >= 0.5), ("rules", lambda q: rule_route(q).use_sot)):
@@ -157,6 +159,21 @@ def heldout(router: LearnedRouter, path: Path, out: Console) -> dict:
                         "direct_wrongly": sum(t and not g for g, t in zip(got, truth)), "misses_by_kind": misses}  # fmt: skip
         out.print(f"{name} on {path.name}: {right}/{len(rows)} right ({right / len(rows):.3f}), misses by kind {misses}")
     return result
+
+
+def read_labelled(path: Path) -> list[dict]:
+    """Labelled questions: our JSONL (question, label plan|direct, kind), or a CSV in SoT-R's
+    published form (data/<set>/router.csv in imagination-research/sot: `label;request`, 1 where
+    the answer suits a plan), whose rows all get the file's name as their kind."""
+    if path.suffix != ".csv":
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=";")
+        if reader.fieldnames != ["label", "request"]:
+            raise SystemExit(f"{path}: a CSV of labels needs the header `label;request` (SoT-R's form), "
+                             f"not {reader.fieldnames}")  # fmt: skip
+        return [{"question": r["request"], "label": "plan" if r["label"].strip() == "1" else "direct", "kind": path.parent.name or path.stem}
+                for r in reader]  # fmt: skip
 
 
 def carried(router: LearnedRouter, rows: list[dict], out: Console) -> dict:
