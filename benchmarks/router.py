@@ -37,6 +37,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import cpu_name, run_script  # noqa: E402  (a sibling script)
 
+from specsot_mq.errors import SpecSotError  # noqa: E402
 from specsot_mq.model import Step  # noqa: E402
 from specsot_mq.sot.learned_router import LearnedRouter, fit, forward, load_labels  # noqa: E402
 from specsot_mq.sot.router import rule_route  # noqa: E402
@@ -170,8 +171,8 @@ def read_labelled(path: Path) -> list[dict]:
     with path.open(newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f, delimiter=";")
         if reader.fieldnames != ["label", "request"]:
-            raise SystemExit(f"{path}: a CSV of labels needs the header `label;request` (SoT-R's form), "
-                             f"not {reader.fieldnames}")  # fmt: skip
+            raise SpecSotError(f"{path}: a CSV of labels needs the header `label;request` (SoT-R's form), "
+                               f"not {reader.fieldnames}")  # fmt: skip
         return [{"question": r["request"], "label": "plan" if r["label"].strip() == "1" else "direct", "kind": path.parent.name or path.stem}
                 for r in reader]  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""The benchmarks' shared input reading (benchmarks/decode.py): what their commands take."""
+"""The benchmarks' input reading (benchmarks/decode.py, router.py): what their commands take."""
 
 import json
 import sys
@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from decode import load_prompts  # noqa: E402
+from router import read_labelled  # noqa: E402
 
 from specsot_mq.errors import SpecSotError  # noqa: E402
 
@@ -36,3 +37,22 @@ def test_a_line_that_is_no_question_is_named(tmp_path):
     bad.write_text('{"question": "Fine?"}\n{"prompt": "no"}\n')
     with pytest.raises(SpecSotError, match="bad.jsonl:2 is not a question"):
         load_prompts(bad, 10)
+
+
+def test_labels_read_in_ours_and_in_sot_r_form(tmp_path):
+    """router.py --heldout takes our JSONL or SoT-R's published router.csv (`label;request`, 1 =
+    plan; a request may hold the separator and newlines inside quotes)."""
+    ours = write(tmp_path / "ours.jsonl", [{"question": "Q?", "label": "plan", "kind": "advice"}])
+    assert read_labelled(ours) == [{"question": "Q?", "label": "plan", "kind": "advice"}]
+    folder = tmp_path / "vicuna"
+    folder.mkdir()
+    theirs = folder / "router.csv"
+    theirs.write_text('label;request\n1;How can I sleep better?\n0;"Solve; then\nexplain: 2+2"\n', encoding="utf-8")
+    assert read_labelled(theirs) == [
+        {"question": "How can I sleep better?", "label": "plan", "kind": "vicuna"},
+        {"question": "Solve; then\nexplain: 2+2", "label": "direct", "kind": "vicuna"},
+    ]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("question,label\nQ?,plan\n")
+    with pytest.raises(SpecSotError, match="needs the header `label;request`"):
+        read_labelled(bad)
