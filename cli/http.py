@@ -45,7 +45,7 @@ def serve(
     launch's flags)."""
     import uvicorn
 
-    from specsot_mq.cli.serve import _launch_options, _run_file
+    from specsot_mq.cli.serve import _launch_options, _run_file, _sigterm_as_interrupt
     from specsot_mq.server.app import ServerConfig, create_app
     from specsot_mq.stages.launch import model_id, read_run_file, start_topology
 
@@ -73,8 +73,13 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     err.print(f"serving {served} at http://{host}:{port}/ (API at /v1, web chat at /)"
               + (" · API key required" if keys else ""))  # fmt: skip
+    # uvicorn shuts down on SIGTERM, then raises the signal again: with the default handler that
+    # ended this process before the finally below, and a local launch's stages were left running.
     try:
-        uvicorn.run(create_app(config), host=host, port=port, log_level="info", loop="auto")
+        with _sigterm_as_interrupt():
+            uvicorn.run(create_app(config), host=host, port=port, log_level="info", loop="auto")
+    except KeyboardInterrupt:
+        pass
     finally:
         if launcher is not None:
             launcher.stop()

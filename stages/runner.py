@@ -2,7 +2,8 @@
 
 It runs on uvloop, binds the stage's inbox, starts the stage (loads its model), says Ready to the
 gateway, sends a Heartbeat every `heartbeat_s`, feeds every message to the stage, and on SIGTERM
-stops the stage and exits 0. A malformed frame is logged and dropped by the transport.
+stops the stage and exits 0; so too once the process that started it is gone (a launcher killed
+with no chance to stop its stages). A malformed frame is logged and dropped by the transport.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def rss_mb() -> float:
 async def serve(name: str, spec: RunSpec, ctx=None, keys: dict | None = None) -> None:
     """Run stage `name` until SIGTERM (or until the task is cancelled, as tests do in-process).
     keys: the run's CURVE keys (a run over tcp): its tcp sockets accept only peers that hold them."""
+    parent = os.getppid()  # the launcher (read before the inbox is bound: once it is, this is known)
     authenticator = _authenticate(ctx, keys) if keys else None
     transport = make_transport(spec.topology, name, spec.table, ctx, keys)
     stage: Stage = stage_class(spec.kinds[name], spec.overrides)(name, spec, transport.send, transport.send_direct)
@@ -100,7 +102,15 @@ async def serve(name: str, spec: RunSpec, ctx=None, keys: dict | None = None) ->
             except Exception:  # one bad message must not take the stage down
                 log.exception("%s failed on %s from %s", name, type(env.msg).__name__, env.src)
 
-    tasks = [asyncio.create_task(heartbeat()), asyncio.create_task(receive())]
+    async def orphaned():
+        # A stage outlives no launcher: once the process that started it is gone (this one
+        # re-parented, as a SIGKILLed launcher leaves its stages), it stops as on SIGTERM.
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        log.warning("%s: the process that started it (pid %d) is gone: stopping", name, parent)
+        stopping.set()
+
+    tasks = [asyncio.create_task(heartbeat()), asyncio.create_task(receive()), asyncio.create_task(orphaned())]
     try:
         await stopping.wait()
     finally:

@@ -1,0 +1,118 @@
+"""A stage process outlives no launcher: `specsot serve` stops its local launch's stages on SIGTERM
+(as systemd or docker stop it), and a stage whose launcher was killed outright stops by itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from pipeline_helpers import make_tiny_model
+from specsot_mq.stages.base import RunSpec
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, ended but not yet reaped by whoever adopted it, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _stages_of(marker: str) -> list[int]:
+    """The stage processes whose command line holds `marker` (their run's model path)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "specsot_mq.stages.runner" in cmd and marker in cmd and _alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def _until(check, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return check()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_stops_its_local_launch_on_sigterm(tmp_path, default_model_dir):
+    """uvicorn shuts down on SIGTERM and then raises it again; the default handler used to end
+    `specsot serve` there, before it stopped the launch it had started: six stage processes were
+    left running, a model loaded in two of them."""
+    model, _ = make_tiny_model(tmp_path / "tiny", default_model_dir)
+    port = _free_port()
+    env = {**os.environ, "SPECSOT_HOME": str(tmp_path / "home")}  # no run file of a launch to attach to
+    cmd = [sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "serve", "--model", str(model),
+           "--dtype", "fp32", "--draft", "none", "--devices", "127.0.0.1#cpu", "--port", str(port)]  # fmt: skip
+    log = open(tmp_path / "serve.log", "wb")
+    serve = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json().get("status") == "ok"
+            except (httpx.HTTPError, ValueError):
+                return False
+
+        assert _until(ready, 180), (tmp_path / "serve.log").read_text()
+        stages = _stages_of(str(model))
+        assert len(stages) == 6  # gateway, skeleton, parse, schedule, branch, merge
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(60) == 0, (tmp_path / "serve.log").read_text()
+        assert _until(lambda: not any(map(_alive, stages)), 30), [p for p in stages if _alive(p)]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+        for pid in _stages_of(str(model)):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_stage_whose_launcher_was_killed_stops_by_itself(tmp_path):
+    """A launcher that gets SIGKILL (or the OOM killer) cannot stop its stages; each notices that the
+    process that started it is gone and stops as on SIGTERM, exit 0."""
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = RunSpec("p2p", {"gateway": f"ipc://{run}/g.sock", "merge": f"ipc://{run}/m.sock"},
+                   {"gateway": "gateway", "merge": "merge"}, {}, {}, {}, f"ipc://{run}/c.sock", model=str(run))  # fmt: skip
+    # the launcher: starts the stage as Launcher does (its own session), waits until it has bound
+    # its inbox, then dies without a word
+    launcher = f"""
+import os, subprocess, sys, time
+from pathlib import Path
+log = open({str(tmp_path / "merge.log")!r}, "wb")
+stage = subprocess.Popen([sys.executable, "-m", "specsot_mq.stages.runner", "--name", "merge", "--spec", {spec.to_json()!r}],
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+print(stage.pid, flush=True)
+while not Path({str(run / "m.sock")!r}).exists() and stage.poll() is None:
+    time.sleep(0.05)
+os.kill(os.getpid(), 9)
+"""
+    done = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    stage = int(done.stdout.split()[0])
+    try:
+        assert _until(lambda: not _alive(stage), 60), (tmp_path / "merge.log").read_text()
+        assert "is gone: stopping" in (tmp_path / "merge.log").read_text()
+    finally:
+        if _alive(stage):
+            os.killpg(stage, signal.SIGKILL)
