@@ -49,6 +49,14 @@ def _until(check, seconds: float) -> bool:
     return check()
 
 
+def _kill(pid: int) -> None:
+    """SIGKILL a stage left behind by a failed test, with its process group (its own session)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -84,7 +92,7 @@ def test_serve_stops_its_local_launch_on_sigterm(tmp_path, default_model_dir):
         if serve.poll() is None:
             serve.kill()
         for pid in _stages_of(str(model)):
-            os.killpg(pid, signal.SIGKILL)
+            _kill(pid)
 
 
 def test_a_stage_whose_launcher_was_killed_stops_by_itself(tmp_path):
@@ -115,4 +123,4 @@ os.kill(os.getpid(), 9)
         assert "is gone: stopping" in (tmp_path / "merge.log").read_text()
     finally:
         if _alive(stage):
-            os.killpg(stage, signal.SIGKILL)
+            _kill(stage)
