@@ -178,6 +178,7 @@ def main(argv=None) -> dict:
     plain = Generator(model, tokenizer, max_len=2048)
     eagle = Generator(model, tokenizer, max_len=2048, num_slots=args.max_parallel, draft=head)
     specsot = SoTEngine(eagle, SoTConfig(max_parallel=args.max_parallel))
+    specsot.keep_heads()  # as a server answers: the shared prompt beginnings computed already
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
     # EAGLE and SpecSoT share one generator: each keeps its own History of outputs (prompt lookup's
     # guesses from earlier answers), or SpecSoT's direct answers would copy EAGLE's to the same question

@@ -133,6 +133,7 @@ def main(argv=None) -> dict:
 
     gen = load_generator(args.model, args.dtype, "cpu", 2048, 8, args.draft)
     engine = SoTEngine(gen, SoTConfig(point_tokens=args.max_tokens, skeleton_tokens=args.max_tokens))
+    engine.keep_heads()  # as the stage processes do at start
     with progress:
         task = progress.add_task("in-process, sequential", total=len(questions))
         start = time.perf_counter()

@@ -125,6 +125,7 @@ def main(argv=None) -> dict:
     args.dtype = str(gen.model.dtype).removeprefix("torch.")
     planned_engine = SoTEngine(gen, planned_config)
     direct_engine = SoTEngine(gen, SoTConfig(sot="never"))
+    planned_engine.keep_heads(), direct_engine.keep_heads()  # as a server answers: computed already
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
     out.print(f"CPU {cpu_name()} | threads {torch.get_num_threads()} | {args.dtype} | {len(questions)} questions "
               f"({', '.join(sources)}) | max tokens {args.max_tokens} per phase | planned: --sot {args.sot}")  # fmt: skip

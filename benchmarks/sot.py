@@ -83,6 +83,7 @@ def main(argv=None) -> dict:
                           tree=TreeParams(max_batch_tokens=args.verify_budget, lookup=args.lookup))  # fmt: skip
     config = SoTConfig(sot=args.sot, prompt_format=args.prompt_format, max_parallel=args.max_parallel)
     sot, specsot = SoTEngine(plain_gen, config), SoTEngine(eagle_gen, config)
+    sot.keep_heads(), specsot.keep_heads()  # as a server answers: the shared prompt beginnings computed already
     hf = load_transformers(folder, dtype, args.device)
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

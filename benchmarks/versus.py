@@ -46,6 +46,8 @@ def serve(args) -> None:
     questions, _ = load_prompts(args.questions, args.limit, args.per_category, args.label)
     gen = load_generator(num_slots=8, draft="none" if args.engine == "plain" else "auto")
     engine = SoTEngine(gen, SoTConfig(max_parallel=8))
+    if hasattr(engine, "keep_heads"):  # (a base from before lazy heads kept them all when made)
+        engine.keep_heads()
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
 
     def answer(question: str) -> tuple[str, int]:

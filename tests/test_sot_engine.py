@@ -133,16 +133,25 @@ def test_the_engine_keeps_every_prompt_beginning_that_no_question_changes(tiny):
     """The skeleton prompt's instructions (one for a question that names its number of points,
     whose request differs, one for the rest, and one for each of the format's variants, which a
     counted skeleton short of points is asked with), a point prompt's and a direct answer's system
-    prompt and instructions up to the question: each is in the prefix store once the engine is
-    made, and begins every such prompt."""
+    prompt and instructions up to the question: each begins every such prompt, and is computed
+    and kept in the prefix store the first time such a prompt runs (keep_heads: all at once),
+    with the same answer as without it."""
     from specsot_mq.prompts import direct_ids
 
     gen = Generator(tiny.model, tiny.tokenizer, max_len=512, num_slots=2)
     fmt = load_format("sot")
-    SoTEngine(gen, SoTConfig(max_parallel=2))
+    engine = SoTEngine(gen, SoTConfig(max_parallel=2, sot="always"))
     (skeleton, counted, bare, other), (point, direct) = fmt.skeleton_heads(tiny.tokenizer), fmt.answer_heads(tiny.tokenizer)
     heads = (skeleton, counted, bare, other, point, direct)
-    assert all(head in gen.prefixes for head in heads) and len(gen.prefixes) == len(set(map(tuple, heads))) == 6
+    assert len(gen.prefixes) == 0  # none up front: a one-off question needs two or three
+    params = SamplingParams(max_tokens=8)
+    first = engine.generate("How do I start running?", params)
+    kept = {tuple(h) for h in heads if h in gen.prefixes}
+    assert tuple(skeleton) in kept and tuple(counted) not in kept  # this question's skeleton, not a counted one's
+    assert kept & {tuple(point), tuple(direct)}  # and its points' or its direct answer's
+    engine.keep_heads()
+    assert all(head in gen.prefixes for head in heads) and len(set(map(tuple, heads))) == 6
+    assert engine.generate("How do I start running?", params).answer == first.answer  # from the kept heads: the same
     q, counted_q = "How do I start running?", "Give me four tips for running."
     for question, count, examples, head in ((q, None, None, skeleton), (counted_q, 6, None, counted),
                                             (counted_q, 4, fmt.variants[0], bare), (counted_q, 4, fmt.variants[1], other)):  # fmt: skip

@@ -57,8 +57,17 @@ class SoTEngine:
         self.routed: Resume | None = None
         self.format = self.flow.format
         self.device = device or DeviceProfile("local", 1.0, 1.0, 1.0, self.config.max_parallel)
-        for head in (*self.format.skeleton_heads(gen.tokenizer), *self.format.answer_heads(gen.tokenizer)):
-            gen.keep_prefix(head)  # the same for every question
+        # The prompt beginnings that no question changes (instructions, worked examples): each is
+        # computed once, when the first prompt that begins with it runs, and kept (_run); not all
+        # up front, since a one-off `specsot ask` needs two or three of the six
+        # (benchmarks/startup.py). A process that answers many questions may keep them all now.
+        self.heads = [*self.format.skeleton_heads(gen.tokenizer), *self.format.answer_heads(gen.tokenizer)]
+
+    def keep_heads(self) -> None:
+        """Compute and keep every shared prompt beginning now, not on first use (the benchmarks
+        time answers as a long-running process gives them). Call it while no answer runs."""
+        for head in self.heads:
+            self.gen.keep_prefix(head)
 
     def stream(self, question: str, params: SamplingParams | None = None, history: list[dict] = ()) -> Iterator[ClientEvent]:
         """Answer one question, yielding events as the skeleton and the points grow; `history`:
@@ -143,7 +152,11 @@ class SoTEngine:
 
     def _run(self, jobs: list[Job], cancelled: Callable[[object], bool] | None = None) -> Iterator[tuple[object, Delta]]:
         """Jobs of one phase (one sampling setting) through the generation loop (`cancelled`: a
-        job key -> whether to stop it, see Generator.run)."""
+        job key -> whether to stop it, see Generator.run), the shared beginnings they start with
+        computed and kept first where none of them ran before (the generator is idle here)."""
+        for head in self.heads:
+            if any(job.ids[: len(head)] == head for job in jobs):
+                self.gen.keep_prefix(head)  # (kept already: nothing to do)
         yield from self.gen.run_jobs(jobs, self.gen.new_decoder(jobs[0].params), self.config.max_parallel, cancelled)
 
     def generate(self, question: str, params: SamplingParams | None = None,
