@@ -61,13 +61,16 @@ class SoTEngine:
         # computed once, when the first prompt that begins with it runs, and kept (_run); not all
         # up front, since a one-off `specsot ask` needs two or three of the six
         # (benchmarks/startup.py). A process that answers many questions may keep them all now.
-        self.heads = [*self.format.skeleton_heads(gen.tokenizer), *self.format.answer_heads(gen.tokenizer)]
+        # Those not kept yet (a kept one is pinned in the prefix store: never dropped):
+        self.unkept = [*self.format.skeleton_heads(gen.tokenizer), *self.format.answer_heads(gen.tokenizer)]
 
-    def keep_heads(self) -> None:
-        """Compute and keep every shared prompt beginning now, not on first use (the benchmarks
-        time answers as a long-running process gives them). Call it while no answer runs."""
-        for head in self.heads:
+    def keep_heads(self, jobs: list[Job] | None = None) -> None:
+        """Compute and keep the shared prompt beginnings not kept yet that one of `jobs` begins
+        with (None: all of them, not on first use: the benchmarks time answers as a long-running
+        process gives them). Call it while no answer runs."""
+        for head in [h for h in self.unkept if jobs is None or any(job.ids[: len(h)] == h for job in jobs)]:
             self.gen.keep_prefix(head)
+            self.unkept.remove(head)
 
     def stream(self, question: str, params: SamplingParams | None = None, history: list[dict] = ()) -> Iterator[ClientEvent]:
         """Answer one question, yielding events as the skeleton and the points grow; `history`:
@@ -154,9 +157,7 @@ class SoTEngine:
         """Jobs of one phase (one sampling setting) through the generation loop (`cancelled`: a
         job key -> whether to stop it, see Generator.run), the shared beginnings they start with
         computed and kept first where none of them ran before (the generator is idle here)."""
-        for head in self.heads:
-            if any(job.ids[: len(head)] == head for job in jobs):
-                self.gen.keep_prefix(head)  # (kept already: nothing to do)
+        self.keep_heads(jobs)
         yield from self.gen.run_jobs(jobs, self.gen.new_decoder(jobs[0].params), self.config.max_parallel, cancelled)
 
     def generate(self, question: str, params: SamplingParams | None = None,
