@@ -14,7 +14,9 @@ the learned router's accuracy on MT-bench's and the general questions when train
 one JSON line. Last, both on --heldout (default benchmarks/router_heldout.jsonl: 200 labelled
 questions written apart from the shipped labels, in the style of WizardLM's and Vicuna's test
 sets, never trained on); --heldout also reads SoT-R's own labels (data/vicuna/router.csv and
-data/wizardlm/router.csv in github.com/imagination-research/sot, `label;request`).
+data/wizardlm/router.csv in github.com/imagination-research/sot, `label;request`). Beside each
+held-out file, the same classifier fit on that file's own labels, 5-fold cross-validated: how far
+the model's representation can follow those labels at all, whatever labels it learns from.
 
     python benchmarks/router.py [--model NAME] [--cached] [--no-prompt] [--heldout FILE] [--json-only]
 """
@@ -148,9 +150,10 @@ def heldout(router: LearnedRouter, path: Path, out: Console) -> dict:
     style of WizardLM's and Vicuna's test sets), with its misses by kind."""
     rows = read_labelled(path)
     truth = [r["label"] == "plan" for r in rows]
+    x = router.features([r["question"] for r in rows])
+    learned = [router.p_plan(r["question"]) >= 0.5 for r in rows]
     result = {"file": path.name, "questions": len(rows)}
-    for name, decide in (("learned", lambda q: router.p_plan(q) >= 0.5), ("rules", lambda q: rule_route(q).use_sot)):
-        got = [decide(r["question"]) for r in rows]
+    for name, got in (("learned", learned), ("rules", [rule_route(r["question"]).use_sot for r in rows])):
         misses: dict[str, int] = {}
         for r, g, t in zip(rows, got, truth):
             if g != t:
@@ -159,7 +162,32 @@ def heldout(router: LearnedRouter, path: Path, out: Console) -> dict:
         result[name] = {"accuracy": round(right / len(rows), 4), "planned_wrongly": sum(g and not t for g, t in zip(got, truth)),
                         "direct_wrongly": sum(t and not g for g, t in zip(got, truth)), "misses_by_kind": misses}  # fmt: skip
         out.print(f"{name} on {path.name}: {right}/{len(rows)} right ({right / len(rows):.3f}), misses by kind {misses}")
+    result["own_labels"] = own_labels(x, truth)
+    own = result["own_labels"]
+    out.print(f"the same classifier trained on {path.name}'s own labels, {own['folds']}-fold over {own['shuffles']} shuffles: "
+              f"{own['accuracy']:.3f} (from {min(own['each']):.3f} to {max(own['each']):.3f}): how far the model's "
+              "representation follows these labels at all (nothing of it is kept)")  # fmt: skip
     return result
+
+
+def own_labels(x: torch.Tensor, truth: list[bool], folds: int = 5, shuffles: int = 3) -> dict:
+    """Cross-validated accuracy of the router's classifier fit on a labelled file's own labels
+    (each fold scored by a fit on the others; the router's features and fit): a ceiling on what
+    the features can reach on those labels, which says whether a miss is the labels' or the
+    training questions'."""
+    y = torch.tensor(truth, dtype=torch.float32)
+    each = []
+    for seed in range(shuffles):
+        order = torch.randperm(len(truth), generator=torch.Generator().manual_seed(seed))
+        right = 0
+        for k in range(folds):
+            test = order[k::folds]
+            train = order[torch.isin(order, test, invert=True)]
+            w = fit(x[train], y[train])
+            got = ((x[test] - w["mean"]) / w["std"] @ w["weight"] + w["bias"]) > 0
+            right += (got == y[test].bool()).sum().item()
+        each.append(round(right / len(truth), 4))
+    return {"folds": folds, "shuffles": shuffles, "accuracy": round(statistics.mean(each), 4), "each": each}
 
 
 def read_labelled(path: Path) -> list[dict]:

@@ -1,14 +1,15 @@
-"""The benchmarks' input reading (benchmarks/decode.py, router.py): what their commands take."""
+"""The benchmarks' input reading (benchmarks/decode.py, router.py): what their commands take; router.py's own-labels ceiling."""
 
 import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from decode import load_prompts  # noqa: E402
-from router import read_labelled  # noqa: E402
+from router import own_labels, read_labelled  # noqa: E402
 
 from specsot_mq.errors import SpecSotError  # noqa: E402
 
@@ -56,3 +57,14 @@ def test_labels_read_in_ours_and_in_sot_r_form(tmp_path):
     bad.write_text("question,label\nQ?,plan\n")
     with pytest.raises(SpecSotError, match="needs the header `label;request`"):
         read_labelled(bad)
+
+
+def test_own_labels_follows_labels_the_features_carry_and_not_labels_they_do_not():
+    """router.py's ceiling on a labelled file: the classifier fit on the file's own labels, cross-
+    validated. Labels set by one feature are followed; labels drawn apart from the features are not."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 16, generator=gen)
+    carried = own_labels(x, (x[:, 3] > 0).tolist())
+    assert carried["accuracy"] >= 0.9 and len(carried["each"]) == carried["shuffles"] == 3
+    noise = own_labels(x, (torch.rand(200, generator=gen) > 0.5).tolist())
+    assert noise["accuracy"] < 0.7
