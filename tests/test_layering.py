@@ -72,12 +72,13 @@ def test_the_stages_without_a_model_never_import_torch_or_transformers(module):
 
 def test_loading_a_model_imports_neither_torch_compile_nor_transformers(default_model_dir):
     """A device stage's load (model, draft head, tokenizer) leaves out torch._dynamo, which a meta-device
-    module's random init imports (torch's compiler stack, resident from then on), and transformers."""
+    module's random init imports (torch's compiler stack, resident from then on), sympy, which a
+    meta-device arange imports (half a second of every start), and transformers."""
     import subprocess
     import sys
 
     code = (f"import sys; from specsot_mq.loader import load_generator; load_generator({str(default_model_dir)!r}); "
-            "print(' '.join(sorted({'torch._dynamo', 'transformers'} & set(sys.modules))))")  # fmt: skip
+            "print(' '.join(sorted({'torch._dynamo', 'sympy', 'transformers'} & set(sys.modules))))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"loading a model imported {out.stdout.strip()}"
