@@ -73,6 +73,13 @@ class Format:
             at += e
         return np.concatenate(order)
 
+    @cached_property
+    def _positions(self) -> np.ndarray:
+        """_order's inverse: [16 columns, column bytes], where each column's bytes lie in a packed record."""
+        where = np.empty_like(self._order)
+        where[self._order] = np.arange(len(self._order))
+        return where.reshape(GROUP, self.column_bytes)
+
 
 FORMATS = {f.name: f for f in (
     Format("Q4_0", 1, 4),
@@ -105,6 +112,12 @@ def unpack_columns(fmt: Format, packed: np.ndarray) -> np.ndarray:
     flat[..., fmt._order] = packed
     flat = flat.reshape(groups, records, GROUP, fmt.column_bytes).transpose(0, 2, 1, 3)
     return flat.reshape(groups * GROUP, records, fmt.column_bytes)
+
+
+def gather_columns(fmt: Format, packed: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """unpack_columns(fmt, packed)[rows], reading only those rows' bytes."""
+    records = packed.shape[1]
+    return packed[(rows // GROUP)[:, None, None], np.arange(records)[None, :, None], fmt._positions[rows % GROUP][:, None, :]]
 
 
 def pack_ggml(raw: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> np.ndarray:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsot_mq.gguf_blocks import (BLOCK, FORMATS, GROUP, Format, dequantize_columns,
-                                    pack_columns, pack_ggml, unpack_columns)  # fmt: skip
+                                    gather_columns, pack_columns, pack_ggml, unpack_columns)  # fmt: skip
 from specsot_mq.openmp import release_freed_memory
 
 KINDS = {"int4": "Q4_1", "int8": "Q8_0"}  # --quantize names
@@ -49,8 +49,9 @@ class QWeight:
 
     def columns(self, rows: np.ndarray | None = None) -> np.ndarray:
         """The per-row record bytes [n (or len(rows)), records, column bytes]."""
-        flat = unpack_columns(self.format, self.data.numpy())
-        return flat[: self.n] if rows is None else flat[rows]
+        if rows is not None:
+            return gather_columns(self.format, self.data.numpy(), rows)
+        return unpack_columns(self.format, self.data.numpy())[: self.n]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix, by the GGUF type's own formula (as gguf's dequantize computes it)."""

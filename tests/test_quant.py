@@ -60,7 +60,8 @@ def test_pack_round_trip_select_scale_and_padding(ggml_type):
     w = torch.randn(21, 512)  # 21 rows: padded to 32 in the packed layout
     qw = quantized(w, ggml_type)
     assert qw.data.shape[0] == 2
-    index = torch.tensor([20, 0, 7, 16])
+    index = torch.tensor([20, 0, 7, 16, 7])
+    assert np.array_equal(qw.columns(index.numpy()), qw.columns()[index.numpy()])  # the rows' bytes, read alone
     assert torch.equal(qw.select(index).dequantize(), qw.dequantize()[index])
     assert torch.equal(quant.QWeight.cat([qw, qw.select(index)]).dequantize(), torch.cat([qw.dequantize(), qw.dequantize()[index]]))
     halved = qw.scaled(0.5).dequantize()
