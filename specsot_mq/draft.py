@@ -90,7 +90,7 @@ class DraftHead(nn.Module):
         self.layer = DecoderLayer(lc)
         # Draft id -> base id. Filled from training data (the most frequent tokens first).
         # (on the CPU also when the head is built on the meta device: arange there goes through
-        # torch's reference decompositions, whose first use imports sympy, half a second)
+        # torch's reference decompositions, whose first use imports sympy: benchmarks/startup.py)
         self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size, device="cpu"), persistent=True)
         cos, sin = LlamaModel.rope_tables(lc)
         self.register_buffer("rope_cos", cos, persistent=False)

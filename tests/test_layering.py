@@ -73,7 +73,7 @@ def test_the_stages_without_a_model_never_import_torch_or_transformers(module):
 def test_loading_a_model_imports_neither_torch_compile_nor_transformers(default_model_dir):
     """A device stage's load (model, draft head, tokenizer) leaves out torch._dynamo, which a meta-device
     module's random init imports (torch's compiler stack, resident from then on), sympy, which a
-    meta-device arange imports (half a second of every start), and transformers."""
+    meta-device arange imports (a slower start: benchmarks/startup.py), and transformers."""
     import subprocess
     import sys
 
