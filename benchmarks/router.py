@@ -151,7 +151,7 @@ def heldout(router: LearnedRouter, path: Path, out: Console) -> dict:
     rows = read_labelled(path)
     truth = [r["label"] == "plan" for r in rows]
     x = router.features([r["question"] for r in rows])
-    learned = [router.p_plan(r["question"]) >= 0.5 for r in rows]
+    learned = [router.p_plan_of(feature) >= 0.5 for feature in x]
     result = {"file": path.name, "questions": len(rows)}
     for name, got in (("learned", learned), ("rules", [rule_route(r["question"]).use_sot for r in rows])):
         misses: dict[str, int] = {}

@@ -1,4 +1,5 @@
-"""The benchmarks' input reading (benchmarks/decode.py, router.py): what their commands take; router.py's own-labels ceiling."""
+"""The benchmarks' input reading (benchmarks/decode.py, router.py): what their commands take; and
+router.py's ceiling on a labelled file."""
 
 import json
 import sys

@@ -101,7 +101,7 @@ def test_another_model_trains_its_own_and_falls_back_where_it_cannot_separate_th
 
 def test_a_question_it_would_plan_goes_direct_where_a_short_answer_is_asked(trained, monkeypatch):
     router, _ = trained
-    monkeypatch.setattr(router, "_p_plan", lambda feature: 0.9)
+    monkeypatch.setattr(router, "p_plan_of", lambda feature: 0.9)
     assert router("How can I attract birds?").use_sot
     decision = router("In one sentence, how can I attract birds?")
     assert not decision.use_sot and decision.reason.startswith("direct, because planning would be slower")
@@ -128,7 +128,7 @@ def test_a_question_routed_direct_is_answered_from_the_routers_forward(trained, 
         return went_on
 
     monkeypatch.setattr(layout, "resumes", spy)
-    monkeypatch.setattr(router, "_p_plan", lambda feature: 0.0)  # direct, whatever the question
+    monkeypatch.setattr(router, "p_plan_of", lambda feature: 0.0)  # direct, whatever the question
     params = SamplingParams(max_tokens=24)
     auto = SoTEngine(real, SoTConfig(sot="auto", max_parallel=1), router=router)
     never = SoTEngine(real, SoTConfig(sot="never", max_parallel=1))

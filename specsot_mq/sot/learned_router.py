@@ -122,7 +122,7 @@ class LearnedRouter:
 
     def p_plan(self, question: str) -> float:
         """The classifier's probability that the question is answered better with a plan."""
-        return self._p_plan(self._forward(question)[0])
+        return self.p_plan_of(self._forward(question)[0])
 
     def __call__(self, question: str) -> Route:
         return self.route(question)[0]
@@ -136,14 +136,15 @@ class LearnedRouter:
             return Route(route.use_sot, f"{route.reason} (the learned router is not used on this model: validation "
                                         f"accuracy {self.info.get('valid_accuracy')})"), None  # fmt: skip
         feature, ran = self._forward(question, resume)
-        p = self._p_plan(feature)
+        p = self.p_plan_of(feature)
         if p < 0.5:
             return Route(False, f"the router says direct (plan {p:.2f})"), ran
         if why := short_answer(question):
             return Route(False, why), ran
         return Route(True, f"the router says plan (plan {p:.2f})"), ran
 
-    def _p_plan(self, feature: torch.Tensor) -> float:
+    def p_plan_of(self, feature: torch.Tensor) -> float:
+        """p_plan from a question's feature (a row of `features`)."""
         w = self.weights
         return torch.sigmoid((feature - w["mean"]) / w["std"] @ w["weight"] + w["bias"]).item()
 
