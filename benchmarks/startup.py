@@ -112,7 +112,7 @@ def measure(args, tree: str | None, home: Path | None) -> dict:
 
     def run(way: str, question: str) -> dict:
         env = os.environ
-        if tree and way == at:
+        if way == at:
             env = env | {"PYTHONPATH": os.pathsep.join([tree, env.get("PYTHONPATH", "")]), "SPECSOT_HOME": str(home)}
         start = time.perf_counter()
         done = subprocess.run([sys.executable, __file__, "--worker", way, question], capture_output=True, text=True, env=env)
@@ -125,8 +125,9 @@ def measure(args, tree: str | None, home: Path | None) -> dict:
         return row
 
     for q in questions:  # untimed: kernels built, model converted, router trained, all cached
-        for way in ways[::2]:  # (lazy, and REV's code)
-            run(way, q)
+        for way in ways:
+            if way != "eager":  # (eager runs lazy's code)
+                run(way, q)
     for r in range(args.rounds):
         for i, q in enumerate(questions):
             for way in ways if (r + i) % 2 == 0 else reversed(ways):
