@@ -3,7 +3,9 @@ running launch, or a local one started here and stopped on exit)."""
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from typing import Annotated, Optional
 
 import typer
@@ -21,6 +23,26 @@ def parse_budget(text: str | None) -> int | None:
     if not number.isdigit() or int(number) < 1:
         raise SpecSotError(f"--budget {text!r}: give tokens per hour per API key, e.g. 20000/hour")
     return int(number)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything starts (a launch, a model pull): a
+    port out of range, taken or not allowed, or a host that is no address here, is one line at
+    once instead of uvicorn's error after the stages came up."""
+    if not 1 <= port <= 65535:
+        raise SpecSotError(f"--port must be 1 to 65535, got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    except socket.gaierror as e:
+        raise SpecSotError(f"--host {host!r} is not an address ({e.strerror}): give an address of this machine, "
+                           "e.g. 127.0.0.1 or 0.0.0.0 for all") from None  # fmt: skip
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        fix = {errno.EADDRINUSE: f"port {port} on {host} is in use (another server?): stop it or pick another with --port",
+               errno.EACCES: f"port {port} needs privileges to listen on: pick one above 1023 with --port",
+               errno.EADDRNOTAVAIL: f"--host {host!r} is no address of this machine: use one it has, e.g. 127.0.0.1"}
+        raise SpecSotError(fix.get(e.errno, f"cannot listen on {host}:{port}: {e.strerror}")) from None
 
 
 @with_options
@@ -51,13 +73,14 @@ def serve(
 
     keys = [k.strip() for item in (api_key or []) for k in item.split(",") if k.strip()]
     for flag, value, low in (("--max-concurrency", max_concurrency, 1), ("--max-queue", max_queue, 0),
-                             ("--max-tokens", max_tokens, 1), ("--port", port, 1)):  # fmt: skip
+                             ("--max-tokens", max_tokens, 1)):  # fmt: skip
         if value < low:
             raise SpecSotError(f"{flag} must be at least {low}, got {value}")
     for flag, value, unit in (("--timeout", timeout, "seconds"), ("--max-body-mb", max_body_mb, "MB")):
         if value <= 0:
             raise SpecSotError(f"{flag} must be above 0 {unit}, got {value}")
     per_hour = parse_budget(budget)
+    sock = listen(host, port)
     info = read_run_file(_run_file(topo.run))
     launcher = None
     if info is not None:
@@ -77,9 +100,10 @@ def serve(
     # ended this process before the finally below, and a local launch's stages were left running.
     try:
         with _sigterm_as_interrupt():
-            uvicorn.run(create_app(config), host=host, port=port, log_level="info", loop="auto")
+            uvicorn.Server(uvicorn.Config(create_app(config), log_level="info", loop="auto")).run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
+        sock.close()
         if launcher is not None:
             launcher.stop()

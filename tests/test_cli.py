@@ -38,6 +38,8 @@ def specsot(*args, stdin=None, home=None):
         (["serve", "--max-body-mb", "0"], "--max-body-mb must be above 0 MB"),
         (["serve", "--prefix-cache-mb", "-1"], "--prefix-cache-mb must be 0 (off) or more"),
         (["serve", "--draft-depth", "9"], "--draft-depth 9 is deeper"),
+        (["serve", "--port", "99999"], "--port must be 1 to 65535, got 99999"),
+        (["serve", "--host", "192.0.2.1"], "--host '192.0.2.1' is no address of this machine"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(args, message, tmp_path):
@@ -46,6 +48,18 @@ def test_user_errors_are_one_line_without_traceback(args, message, tmp_path):
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_serve_on_a_port_in_use_says_so_at_once_and_starts_nothing(tmp_path):
+    """The port is bound before a launch starts or a model is pulled (the home stays empty)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        out = specsot("serve", "--port", str(port), "--run", "taken", home=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == f"error: port {port} on 127.0.0.1 is in use (another server?): stop it or pick another with --port"
+    assert not any(tmp_path.iterdir())
 
 
 def test_train_draft_checks_its_feature_layers_before_writing_data(default_model_dir, tmp_path):
