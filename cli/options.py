@@ -13,6 +13,8 @@ from typing import Annotated, Optional, get_type_hints
 import typer
 from rich.console import Console
 
+from specsot_mq.devices import REMOTE
+
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # progress and errors; stdout is the answer's
 
 ModelOpt = Annotated[
@@ -93,7 +95,7 @@ class LaunchFlags:
     threads, the prefix store (launch, serve)."""
 
     stage: Annotated[Optional[list[str]], typer.Option("--stage", help="Swap a stage: KIND=module.path:Class.")] = None
-    remote: Annotated[str, typer.Option(help="Command that runs {command} on {host}.")] = "ssh {host} {command}"
+    remote: Annotated[str, typer.Option(help="Command that runs {command} on {host}.")] = REMOTE
     devices_file: Annotated[Optional[str], typer.Option(help="Device profiles (default devices.json).")] = None
     max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8
     point_tokens: Annotated[int, typer.Option(help="Most tokens per point.")] = 160

@@ -76,7 +76,7 @@ def launch(topo: TopologyOptions, model: ModelOptions, flags: LaunchFlags):
         run_file = _run_file(topo.run)
         tty = sys.stdout.isatty()
         try:
-            asyncio.run(wait_ready(launcher))
+            asyncio.run(wait_ready(launcher, say=lambda line: err.print(f"[dim]{line}[/]")))
             launcher.write_run_file(run_file)
             ranges = "".join(f", layers {a}:{b} on {r['device']}" for r in spec.ranges.values() for a, b in [r["layers"]])
             print(f"ready: {len(spec.kinds)} stages{ranges}, {topo.topology}; clients attach with --run {topo.run} "
@@ -125,7 +125,7 @@ def _topology(run: str, options):
     launcher, spec = start_topology(options)
     try:
         with _sigterm_as_interrupt():
-            asyncio.run(wait_ready(launcher))
+            asyncio.run(wait_ready(launcher, say=lambda line: err.print(f"[dim]{line}[/]")))
             yield spec.client_address, launcher.keys
     finally:
         launcher.stop()

@@ -12,6 +12,11 @@ from specsot_mq.sot.scheduler import DeviceProfile
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
+# How a stage starts on another host (launch's --remote): ssh in batch mode (no password or
+# host-key prompt, which a launcher cannot answer) with a 10 s connect timeout, so that a host that
+# cannot be reached fails by name within seconds.
+REMOTE = "ssh -o BatchMode=yes -o ConnectTimeout=10 {host} {command}"
+
 
 @dataclass(frozen=True, slots=True)
 class Device:

@@ -1,5 +1,6 @@
 """Starting and watching a topology: one process per stage, local ones directly, remote ones through
-a command template (`ssh {host} {command}` by default), a run file that clients attach to, a dead
+a command template (`ssh {host} {command}` by default, with ssh's batch mode and a 10 s connect
+timeout: a host that cannot be reached or asks for a password fails within seconds, by name), a run file that clients attach to, a dead
 stage reported and restarted, and every process stopped on exit.
 
 Stages: gateway, skeleton, parse, schedule, one branch per device, merge (that is the ring order).
@@ -18,11 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specsot_mq.core_share import CoreShare
-from specsot_mq.devices import Device, device_profiles, is_local, parse_devices
+from specsot_mq.devices import REMOTE, Device, device_profiles, is_local, parse_devices
 from specsot_mq.errors import SpecSotError
 from specsot_mq.pull import resolve_model, specsot_home
 from specsot_mq.sot.scheduler import DeviceProfile, default_profiles_path, load_profiles
@@ -51,7 +53,7 @@ class LaunchOptions:
     draft: str | None = "auto"
     tree: dict = field(default_factory=dict)  # TreeParams fields given (the rest default)
     stages: list[str] = field(default_factory=list)  # stage swaps, "KIND=module.path:Class"
-    remote: str = "ssh {host} {command}"  # runs {command} on another {host}
+    remote: str = REMOTE  # runs {command} on another {host}
     devices_file: str | None = None  # device profiles (None: devices.json)
     max_points: int = 8
     point_tokens: int = 160
@@ -202,7 +204,7 @@ class StageProcess:
 class Launcher:
     """Starts every stage of a RunSpec and keeps them running."""
 
-    def __init__(self, spec: RunSpec, run_dir: Path, remote: str = "ssh {host} {command}", restart: bool = True):
+    def __init__(self, spec: RunSpec, run_dir: Path, remote: str = REMOTE, restart: bool = True):
         self.spec, self.run_dir, self.remote, self.restart = spec, Path(run_dir), remote, restart
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.keys = None  # the run's CURVE keys when its links are tcp: given to stages on stdin, to clients in the run file
@@ -314,18 +316,28 @@ class Launcher:
             return ""
 
 
-async def wait_ready(launcher: Launcher, timeout: float = 300.0) -> None:
-    """Until every stage has said Ready; SpecSotError (with the log's tail) if one dies first."""
+async def wait_ready(launcher: Launcher, timeout: float = 300.0, say: Callable[[str], None] | None = None) -> None:
+    """Until every stage has said Ready; SpecSotError (with the log's tail) if one dies first.
+    `say`: told which stages it still waits for, after 10 s and every 15 s after that."""
     from specsot_mq.client import Client
 
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline, due = start + timeout, start + 10.0
     async with Client(launcher.spec.client_address, keys=launcher.keys) as client:
         while time.monotonic() < deadline:
+            up: set[str] = set()
             try:
-                if (await client.status(timeout=1.0)).ready:
+                status = await client.status(timeout=1.0)
+                if status.ready:
                     return
+                up = {s["stage"] for s in status.stages if s.get("up")}
             except SpecSotError:
                 pass
+            if say is not None and time.monotonic() >= due:
+                waiting = [n for n in launcher.stages if n not in up and n not in launcher.spec.ranges]
+                say(f"waiting for {len(waiting)} of {len(launcher.stages)} stages to say ready ({time.monotonic() - start:.0f} s "
+                    f"of {timeout:.0f}): {', '.join(waiting)}; their logs are in {launcher.run_dir}")  # fmt: skip
+                due += 15.0
             for stage in launcher.stages.values():
                 if stage.proc is not None and stage.proc.poll() is not None:
                     raise SpecSotError(f"stage {stage.name} exited while starting; its log ends with:\n"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from specsot_mq.devices import REMOTE
 from specsot_mq.sot.parser import Plan, Point
 from specsot_mq.stages.parse import ParseStage
 
@@ -46,7 +47,7 @@ def make_tiny_model(folder: Path, default_model_dir: Path) -> tuple[Path, Path]:
 
 
 @contextmanager
-def launched(spec, run_dir, remote: str = "ssh {host} {command}"):
+def launched(spec, run_dir, remote: str = REMOTE):
     """Start a topology, wait until every stage is ready, and stop it whatever happens."""
     import asyncio
     import os
