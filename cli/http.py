@@ -94,7 +94,8 @@ def serve(
     config = ServerConfig(address, served, keys, max_concurrency, max_queue, timeout, per_hour, max_tokens, repeat_stop,
                           watch=launcher.check if launcher else None, curve=curve, max_body_mb=max_body_mb)  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    err.print(f"serving {served} at http://{host}:{port}/ (API at /v1, web chat at /)"
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL writes it
+    err.print(f"serving {served} at http://{shown}:{port}/ (API at /v1, web chat at /)"
               + (" · API key required" if keys else ""))  # fmt: skip
     # uvicorn shuts down on SIGTERM, then raises the signal again: with the default handler that
     # ended this process before the finally below, and a local launch's stages were left running.
