@@ -69,11 +69,14 @@ def _sigterm_as_interrupt():
 def launch(topo: TopologyOptions, model: ModelOptions, flags: LaunchFlags):
     """Start every stage process, show them live, and stop them all on Ctrl-C or SIGTERM."""
     from specsot_mq.client import Client
-    from specsot_mq.stages.launch import start_topology, wait_ready
+    from specsot_mq.stages.launch import read_run_file, start_topology, wait_ready
 
+    run_file = _run_file(topo.run)
+    if (info := read_run_file(run_file)) is not None:  # its clients would lose it to this one's run file
+        raise SpecSotError(f"a launch named {topo.run!r} is already running (launcher pid {info['launcher_pid']}, "
+                           f"run file {run_file}): stop it first, or name this one with --run")  # fmt: skip
     with _sigterm_as_interrupt():
         launcher, spec = start_topology(_launch_options(topo, model, flags))
-        run_file = _run_file(topo.run)
         tty = sys.stdout.isatty()
         try:
             asyncio.run(wait_ready(launcher, say=lambda line: err.print(f"[dim]{line}[/]")))

@@ -62,6 +62,21 @@ def test_serve_on_a_port_in_use_says_so_at_once_and_starts_nothing(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_a_second_launch_under_a_live_ones_name_is_refused_and_its_run_file_kept(tmp_path):
+    """Two launches under one --run name: the second would have written over the first's run file,
+    and the clients of the first would have attached to the second."""
+    import json
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    info = {"launcher_pid": os.getpid(), "client_address": "ipc:///nowhere"}  # this test's process: alive
+    (runs / "busy.json").write_text(json.dumps(info))
+    out = specsot("launch", "--run", "busy", home=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "a launch named 'busy' is already running" in out.stderr and "--run" in out.stderr
+    assert json.loads((runs / "busy.json").read_text()) == info
+
+
 def test_train_draft_checks_its_feature_layers_before_writing_data(default_model_dir, tmp_path):
     out = specsot("train-draft", "--feature-layers", "3,5", "--work-dir", str(tmp_path / "work"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
