@@ -191,9 +191,18 @@ def run_batch(
         raise SpecSotError(f"--concurrency must be at least 1, got {concurrency}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, repeat_stop=repeat_stop)
     options = _launch_options(topo, model)
-    src = sys.stdin if input == "-" else open(input, encoding="utf-8")
-    lines = [(n, line) for n, line in enumerate(src.read().splitlines(), 1) if line.strip()]
-    dst = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")
+    try:
+        text = sys.stdin.read() if input == "-" else Path(input).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecSotError(f"cannot read --input {input}: {e.strerror}: give a questions file, or '-' for stdin") from None
+    except UnicodeDecodeError:
+        raise SpecSotError(f"--input {input} is not UTF-8 text: give a file of questions, one a line") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    try:  # before any work: a path that cannot be written fails now, not after the answers
+        dst = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")
+    except OSError as e:
+        raise SpecSotError(f"cannot write --output {output}: {e.strerror}: give a file in a folder that exists, "
+                           "or '-' for stdout") from None  # fmt: skip
 
     async def answer_all(address: str, keys: dict | None) -> int:
         gate = asyncio.Semaphore(concurrency)

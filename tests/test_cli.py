@@ -39,6 +39,9 @@ def specsot(*args, stdin=None, home=None):
         (["serve", "--prefix-cache-mb", "-1"], "--prefix-cache-mb must be 0 (off) or more"),
         (["serve", "--draft-depth", "9"], "--draft-depth 9 is deeper"),
         (["serve", "--port", "99999"], "--port must be 1 to 65535, got 99999"),
+        (["run", "-i", "/no/such/questions.txt"], "cannot read --input /no/such/questions.txt: No such file"),
+        (["run", "-i", "/", "-o", "-"], "cannot read --input /: Is a directory"),
+        (["run", "-i", "/dev/null", "-o", "/no/such/folder/out.jsonl"], "cannot write --output /no/such/folder/out.jsonl"),
         (["serve", "--host", "192.0.2.1"], "--host '192.0.2.1' is no address of this machine"),
     ],
 )
