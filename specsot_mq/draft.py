@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -58,8 +58,9 @@ class DraftConfig:
         try:
             with safe_open(str(path), framework="pt") as f:
                 return cls.from_json((f.metadata() or {}).get("config", "{}"))
-        except (OSError, ValueError, json.JSONDecodeError) as e:
-            raise SpecSotError(f"draft head {path} cannot be read ({e}): pass --draft none or retrain it") from None
+        except (OSError, ValueError, SafetensorError) as e:  # (json's errors are ValueErrors)
+            raise SpecSotError(f"draft head {path} cannot be read ({e}): pass a head that train-draft wrote, "
+                               "--draft none, or retrain it") from None  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> "DraftConfig":

@@ -80,6 +80,12 @@ def test_a_second_launch_under_a_live_ones_name_is_refused_and_its_run_file_kept
     assert json.loads((runs / "busy.json").read_text()) == info
 
 
+def test_a_draft_head_that_is_no_safetensors_file_is_one_line(default_model_dir):
+    out = specsot("ask", "hi", "--draft", __file__)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"draft head {__file__} cannot be read" in out.stderr and "--draft none" in out.stderr
+
+
 def test_train_draft_checks_its_feature_layers_before_writing_data(default_model_dir, tmp_path):
     out = specsot("train-draft", "--feature-layers", "3,5", "--work-dir", str(tmp_path / "work"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
