@@ -1,7 +1,8 @@
 """Starting and watching a topology: one process per stage, local ones directly, remote ones through
-a command template (`ssh {host} {command}` by default, with ssh's batch mode and a 10 s connect
-timeout: a host that cannot be reached or asks for a password fails within seconds, by name), a run file that clients attach to, a dead
-stage reported and restarted, and every process stopped on exit.
+a command template (devices.REMOTE by default: ssh in batch mode with a 10 s connect timeout, so
+that a host that cannot be reached or asks for a password fails within seconds, by name), a run
+file that clients attach to, a dead stage reported and restarted, and every process stopped on
+exit.
 
 Stages: gateway, skeleton, parse, schedule, one branch per device, merge (that is the ring order).
 The skeleton decodes on the first device, and the stages without a device run on its host. All on
@@ -316,13 +317,14 @@ class Launcher:
             return ""
 
 
-async def wait_ready(launcher: Launcher, timeout: float = 300.0, say: Callable[[str], None] | None = None) -> None:
+async def wait_ready(launcher: Launcher, timeout: float = 300.0, say: Callable[[str], None] | None = None,
+                     say_after: float = 10.0) -> None:  # fmt: skip
     """Until every stage has said Ready; SpecSotError (with the log's tail) if one dies first.
-    `say`: told which stages it still waits for, after 10 s and every 15 s after that."""
+    `say`: told which stages it still waits for, after `say_after` seconds and every 15 s after."""
     from specsot_mq.client import Client
 
     start = time.monotonic()
-    deadline, due = start + timeout, start + 10.0
+    deadline, due = start + timeout, start + say_after
     async with Client(launcher.spec.client_address, keys=launcher.keys) as client:
         while time.monotonic() < deadline:
             up: set[str] = set()
@@ -334,8 +336,9 @@ async def wait_ready(launcher: Launcher, timeout: float = 300.0, say: Callable[[
             except SpecSotError:
                 pass
             if say is not None and time.monotonic() >= due:
-                waiting = [n for n in launcher.stages if n not in up and n not in launcher.spec.ranges]
-                say(f"waiting for {len(waiting)} of {len(launcher.stages)} stages to say ready ({time.monotonic() - start:.0f} s "
+                stages = [n for n in launcher.stages if n not in launcher.spec.ranges]  # (range servers say nothing)
+                waiting = [n for n in stages if n not in up]
+                say(f"waiting for {len(waiting)} of {len(stages)} stages to say ready ({time.monotonic() - start:.0f} s "
                     f"of {timeout:.0f}): {', '.join(waiting)}; their logs are in {launcher.run_dir}")  # fmt: skip
                 due += 15.0
             for stage in launcher.stages.values():

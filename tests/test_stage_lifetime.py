@@ -145,3 +145,25 @@ def test_a_launch_with_a_host_that_cannot_be_reached_fails_by_name_and_leaves_no
     assert "exited while starting" in out.stderr and "192.0.2.1" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
     assert _until(lambda: not _stages_of(str(model)), 30), _stages_of(str(model))
+
+
+def test_waiting_for_stages_says_which_ones_it_waits_for(tmp_path):
+    """Stages that never say ready (none was started: no gateway answers) are named while the
+    launch waits, range servers left out (they say nothing), then the timeout names the logs."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import pytest
+
+    from specsot_mq.errors import SpecSotError
+    from specsot_mq.stages.launch import wait_ready
+
+    spec = SimpleNamespace(client_address=f"ipc://{tmp_path}/nobody", ranges={"range0": {}})
+    stage = SimpleNamespace(proc=None)
+    launcher = SimpleNamespace(spec=spec, keys=None, run_dir=tmp_path,
+                               stages={"gateway": stage, "skeleton": stage, "range0": stage})  # fmt: skip
+    said = []
+    with pytest.raises(SpecSotError, match=f"not ready after 2 s; logs are in {tmp_path}"):
+        asyncio.run(wait_ready(launcher, timeout=2, say=said.append, say_after=0))
+    assert said and said[0].startswith("waiting for 2 of 2 stages to say ready")
+    assert said[0].endswith(f"): gateway, skeleton; their logs are in {tmp_path}")
