@@ -12,6 +12,7 @@ this machine: ipc sockets in the run folder; otherwise tcp from `base_port` up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -245,8 +246,12 @@ class Launcher:
         return CoreShare.board_path(f"{spec.client_address}|ranges", host), members
 
     def start(self) -> None:
-        for stage in self.stages.values():
-            self._spawn(stage)
+        try:
+            for stage in self.stages.values():
+                self._spawn(stage)
+        except BaseException:  # none of those started outlives a launch that could not start them all
+            self.stop()
+            raise
 
     def _spawn(self, stage: StageProcess) -> None:
         log = open(stage.log_path, "ab")
@@ -256,8 +261,15 @@ class Launcher:
                                       start_new_session=True)  # fmt: skip
         log.close()
         if self.keys:  # on stdin (a remote host's through the remote command): never on a command line
-            stage.proc.stdin.write((json.dumps(self.keys) + "\n").encode())
-            stage.proc.stdin.close()
+            try:
+                stage.proc.stdin.write((json.dumps(self.keys) + "\n").encode())
+                stage.proc.stdin.close()
+            except BrokenPipeError:
+                # it exited already (ssh to a host that refused at once): wait_ready and check
+                # report it with its log. (Click turned this error into a silent exit 1 of the
+                # whole launch, its other stages left running.)
+                with contextlib.suppress(OSError):
+                    stage.proc.stdin.close()
 
     def check(self) -> list[str]:
         """Report stages that exited since the last call (and restart them); returns the reports."""

@@ -168,3 +168,37 @@ def test_waiting_for_stages_says_which_ones_it_waits_for(tmp_path):
         asyncio.run(wait_ready(launcher, timeout=2, say=said.append, say_after=0))
     assert said and said[0].startswith("waiting for 2 of 2 stages to say ready")
     assert said[0].endswith(f"): gateway, skeleton; their logs are in {tmp_path}")
+
+
+def test_a_remote_stage_that_ends_before_its_keys_are_written_is_reported_by_name(tmp_path, monkeypatch, default_model_dir):
+    """Over tcp each stage reads the run's keys on stdin. A remote command that had already ended
+    (ssh to a host that refused at once) made that write a BrokenPipeError, which the command line
+    turned into a silent exit 1, its local stages left running. Here every remote command has
+    ended before the write, whatever the machine's speed."""
+    import asyncio
+
+    import pytest
+
+    from specsot_mq.errors import SpecSotError
+    from specsot_mq.stages import launch as launch_module
+    from specsot_mq.stages.launch import LaunchOptions, start_topology, wait_ready
+
+    model, _ = make_tiny_model(tmp_path / "tiny", default_model_dir)
+    real_popen = subprocess.Popen
+
+    def popen_remote_ended(cmd, **kwargs):
+        proc = real_popen(cmd, **kwargs)
+        if cmd[0] == "sh":  # the remote command (a local stage runs python directly)
+            proc.wait()
+        return proc
+
+    monkeypatch.setattr(launch_module.subprocess, "Popen", popen_remote_ended)
+    options = LaunchOptions(devices="192.0.2.1#0,127.0.0.1#cpu", model=str(model), dtype="fp32", draft="none",
+                            remote="exit 3 # {host} {command}", base_port=_free_port())  # fmt: skip
+    launcher, _ = start_topology(options)
+    try:
+        with pytest.raises(SpecSotError, match="exited while starting"):
+            asyncio.run(wait_ready(launcher, timeout=120))
+    finally:
+        launcher.stop()
+    assert all(stage.proc is None for stage in launcher.stages.values())
