@@ -201,4 +201,4 @@ def test_a_remote_stage_that_ends_before_its_keys_are_written_is_reported_by_nam
             asyncio.run(wait_ready(launcher, timeout=120))
     finally:
         launcher.stop()
-    assert all(stage.proc is None for stage in launcher.stages.values())
+    assert not _stages_of(str(model))  # the local stages went with the launch
