@@ -53,6 +53,11 @@ def _table(status, launcher) -> Table:
     return table
 
 
+def _say_dim(line: str) -> None:
+    """A progress line (wait_ready's: which stages it still waits for), dimmed on stderr."""
+    err.print(f"[dim]{line}[/]")
+
+
 @contextmanager
 def _sigterm_as_interrupt():
     def handler(signum, frame):
@@ -79,7 +84,7 @@ def launch(topo: TopologyOptions, model: ModelOptions, flags: LaunchFlags):
         launcher, spec = start_topology(_launch_options(topo, model, flags))
         tty = sys.stdout.isatty()
         try:
-            asyncio.run(wait_ready(launcher, say=lambda line: err.print(f"[dim]{line}[/]")))
+            asyncio.run(wait_ready(launcher, say=_say_dim))
             launcher.write_run_file(run_file)
             ranges = "".join(f", layers {a}:{b} on {r['device']}" for r in spec.ranges.values() for a, b in [r["layers"]])
             print(f"ready: {len(spec.kinds)} stages{ranges}, {topo.topology}; clients attach with --run {topo.run} "
@@ -128,7 +133,7 @@ def _topology(run: str, options):
     launcher, spec = start_topology(options)
     try:
         with _sigterm_as_interrupt():
-            asyncio.run(wait_ready(launcher, say=lambda line: err.print(f"[dim]{line}[/]")))
+            asyncio.run(wait_ready(launcher, say=_say_dim))
             yield spec.client_address, launcher.keys
     finally:
         launcher.stop()

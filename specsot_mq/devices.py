@@ -6,9 +6,12 @@ import dataclasses
 import ipaddress
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specsot_mq.errors import SpecSotError
-from specsot_mq.sot.scheduler import DeviceProfile
+
+if TYPE_CHECKING:  # (annotations only: the command line imports this module for REMOTE at every start)
+    from specsot_mq.sot.scheduler import DeviceProfile
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 

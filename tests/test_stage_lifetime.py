@@ -140,7 +140,8 @@ def test_a_launch_with_a_host_that_cannot_be_reached_fails_by_name_and_leaves_no
     model, _ = make_tiny_model(tmp_path / "tiny", default_model_dir)
     env = {**os.environ, "SPECSOT_HOME": str(tmp_path / "home")}
     cmd = [sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "launch", "--model", str(model),
-           "--dtype", "fp32", "--draft", "none", "--devices", "192.0.2.1#0,127.0.0.1#cpu", "--run", "unreachable"]  # fmt: skip
+           "--dtype", "fp32", "--draft", "none", "--devices", "192.0.2.1#0,127.0.0.1#cpu", "--run", "unreachable",
+           "--base-port", str(_free_port())]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 2, out.stderr
     assert "exited while starting" in out.stderr, out.stderr  # then ssh's own words, which vary by network
