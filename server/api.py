@@ -9,6 +9,11 @@ What a body may hold (anything else is a 400 that names it):
 - completions: the same with prompt (a string, or a list of one string) instead of messages. The
   prompt is answered as a question (the chat template applies): every request goes through the
   same plan-and-expand pipeline.
+- fields that OpenAI clients send at their no-effect value (NEUTRAL: presence_penalty 0,
+  logprobs false, tools [], response_format {"type": "text"}, ...) are taken at that value or
+  null, and any other value of theirs is a 400 that says what to send. Any field taken may be null
+  (its default), and a message may carry null fields beside role, content and name (a response's
+  message sent back as it came).
 
 The extension field `specsot` of a response body, and of the last stream chunk, says how the
 answer was made: mode, reason, skeleton, points [{index, title, text}], phases {name: {tokens,
@@ -20,6 +25,7 @@ another stage (theirs died).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,6 +37,30 @@ COMMON = {"model", "stream", "stream_options", "max_tokens", "max_completion_tok
           "stop", "n", "user", "sot", "timeout", "repeat_stop"}  # fmt: skip
 CHAT = COMMON | {"messages"}
 COMPLETION = COMMON | {"prompt"}
+
+
+def _zero(v) -> bool:
+    return type(v) in (int, float) and v == 0
+
+
+# Fields a client may send at the value that asks for nothing (OpenAI's default): whether a value
+# is that, what to send, and why no other value is taken.
+NEUTRAL = {
+    "presence_penalty": (_zero, "0", "no penalties are applied"),
+    "frequency_penalty": (_zero, "0", "no penalties are applied"),
+    "logit_bias": (lambda v: v == {}, "{}", "no biases are applied"),
+    "logprobs": (lambda v: v is False, "false", "no log probabilities are returned"),
+    "top_logprobs": (_zero, "0", "no log probabilities are returned"),
+    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}', "answers are plain text"),
+    "tools": (lambda v: v == [], "[]", "tools are not supported"),
+    "tool_choice": (lambda v: v in ("none", "auto"), '"none"', "tools are not supported"),
+    "parallel_tool_calls": (lambda v: isinstance(v, bool), "a bool", "tools are not supported"),
+}
+COMPLETION_NEUTRAL = NEUTRAL | {
+    "echo": (lambda v: v is False, "false", "the prompt is not echoed"),
+    "best_of": (lambda v: v == 1 and type(v) is int, "1", "one choice per request"),
+    "suffix": (lambda v: False, "", "no suffix is taken"),
+}
 
 
 class ApiError(Exception):
@@ -66,9 +96,14 @@ def parse(body, chat: bool, model: str, defaults: SamplingParams) -> Request:
     """A request body, checked; `defaults`: the server's max_tokens and repeat_stop."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    allowed = CHAT if chat else COMPLETION
-    for name in body:
-        if name not in allowed:
+    allowed, neutral = (CHAT, NEUTRAL) if chat else (COMPLETION, COMPLETION_NEUTRAL)
+    for name, value in body.items():
+        if name in neutral:
+            takes, ok, why = neutral[name]
+            if value is not None and not takes(value):
+                raise ApiError(400, f"'{name}' is not supported by this server ({why}): send {ok + ', ' if ok else ''}"
+                                    f"null or leave it out, not {json.dumps(value)}", name, "unsupported_parameter")  # fmt: skip
+        elif name not in allowed:
             raise ApiError(400, f"'{name}' is not supported by this server; the fields it takes are "
                                 f"{', '.join(sorted(allowed))}", name, "unsupported_parameter")  # fmt: skip
     if body.get("model") != model:
@@ -78,7 +113,7 @@ def parse(body, chat: bool, model: str, defaults: SamplingParams) -> Request:
         question, history = _messages(body.get("messages"))
     else:
         question, history = _prompt(body.get("prompt")), []
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
         raise ApiError(400, f"n={body['n']!r}: this server writes one choice per request (n=1)", "n")
     stream = _typed(body, "stream", bool, False)
     options = body.get("stream_options")
@@ -151,7 +186,7 @@ def _messages(messages) -> tuple[str, list[dict]]:
         if role not in ("system", "user", "assistant"):
             raise ApiError(400, f"{where}.role must be system, user or assistant (tools are not supported), "
                                 f"got {m.get('role')!r}", where)  # fmt: skip
-        extra = set(m) - {"role", "content", "name"}
+        extra = {k for k, v in m.items() if v is not None} - {"role", "content", "name"}
         if extra:
             raise ApiError(400, f"{where}.{sorted(extra)[0]} is not supported by this server", where)
         turns.append({"role": role, "content": _text(m.get("content"), where)})

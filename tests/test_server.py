@@ -47,8 +47,25 @@ def test_a_body_becomes_the_pipelines_request_and_every_bad_field_is_named():
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop, p.repeat_stop) == (40, 0.5, 0.9, 3, ("END",), 16)
     assert req.sot == "always" and req.stream and req.include_usage
     assert parse({"model": MODEL, "prompt": ["Why?"]}, False, MODEL, defaults).question == "Why?"
+    # what OpenAI clients send at its no-effect value (or null) is taken; a message sent back as a
+    # response gave it carries null fields
+    sent = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "top_logprobs": None, "logit_bias": {},
+            "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+            "n": None, "max_tokens": None, "messages": [{"role": "user", "content": "Hi"},
+                                                        {"role": "assistant", "content": "Hello.", "refusal": None,
+                                                         "tool_calls": None}, {"role": "user", "content": "Why?"}]}  # fmt: skip
+    req = parse({"model": MODEL} | sent, True, MODEL, defaults)
+    assert req.question == "Why?" and req.params.max_tokens == 256 and len(req.history) == 2
+    assert parse({"model": MODEL, "prompt": "Why?", "echo": False, "best_of": 1, "suffix": None}, False, MODEL,
+                 defaults).question == "Why?"  # fmt: skip
     bad = [
-        ({"logprobs": True}, 400, "logprobs"),
+        ({"logprobs": True}, 400, "send false, null or leave it out, not true"),
+        ({"presence_penalty": 0.5}, 400, "no penalties are applied"),
+        ({"response_format": {"type": "json_object"}}, 400, "plain text"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools are not supported"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400, "tool_calls is not supported"),
+        ({"echo": True}, 400, "'echo' is not supported"),  # a completions field, not a chat one
+        ({"n": True}, 400, "n=True"),
         ({"n": 2}, 400, "n=2"),
         ({"temperature": 3}, 400, "temperature"),
         ({"max_tokens": 0}, 400, "max_tokens"),
@@ -147,7 +164,9 @@ def test_the_openai_client_gets_what_the_gateway_answers(served):
     assert set(how["phases"]) == {"skeleton", "points"}
     assert got.usage.completion_tokens == sum(p["tokens"] for p in how["phases"].values()) > 0
     assert got.usage.prompt_tokens > 0 and got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
-    text = client.completions.create(model=MODEL, prompt="What is 17 * 23?")
+    # the no-effect values a client may send with every request are taken
+    text = client.completions.create(model=MODEL, prompt="What is 17 * 23?", presence_penalty=0, frequency_penalty=0,
+                                     logit_bias={}, echo=False, best_of=1)  # fmt: skip
     want = _direct(address, "What is 17 * 23?", PARAMS, "auto")
     assert text.choices[0].text == want.answer and text.model_extra["specsot"]["mode"] == "direct"
 
