@@ -18,7 +18,7 @@ from specsot_mq.devices import REMOTE
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # progress and errors; stdout is the answer's
 
 ModelOpt = Annotated[
-    Optional[str], typer.Option("--model", "-m", envvar="SPECSOT_MODEL", help="Known model name or a Hugging Face-format folder.")
+    Optional[str], typer.Option("--model", "-m", envvar="SPECSOT_MODEL", help="Known model name, a .gguf file or a Hugging Face-format folder.")
 ]
 DtypeOpt = Annotated[str, typer.Option(envvar="SPECSOT_DTYPE",
     help="Activations: auto, bf16 or fp32 (auto: fp32 with quantized weights on a CPU, else bf16 on CUDA and CPUs with native bf16, else whichever is measured faster here).")]
