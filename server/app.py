@@ -240,11 +240,25 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
 
+def _model(server: ServerState) -> dict:
+    return {"id": server.config.model, "object": "model", "created": 0, "owned_by": "specsot"}
+
+
 @router.get("/v1/models")
 async def models(request: Request):
     server: ServerState = request.app.state.server
     server.authorize(request)
-    return {"object": "list", "data": [{"id": server.config.model, "object": "model", "created": 0, "owned_by": "specsot"}]}
+    return {"object": "list", "data": [_model(server)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(request: Request, model: str):
+    server: ServerState = request.app.state.server
+    server.authorize(request)
+    if model != server.config.model:
+        raise ApiError(404, f"model {model!r} is not served here: use {server.config.model!r} (GET /v1/models)",
+                       "model", "model_not_found")  # fmt: skip
+    return _model(server)
 
 
 @router.post("/v1/chat/completions")

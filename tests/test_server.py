@@ -152,7 +152,10 @@ def _events(response: httpx.Response) -> list[str]:
 def test_the_openai_client_gets_what_the_gateway_answers(served):
     base, address = served
     client = _client(base)
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL] and client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4")
+    assert caught.value.body["code"] == "model_not_found"
     want = _direct(address, "How do I start running?", PARAMS, "always")
     got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "How do I start running?"}],
                                          extra_body={"sot": "always"})  # fmt: skip
