@@ -191,14 +191,16 @@ def load_with_draft(model: str | None, draft: str, dtype: torch.dtype, quantize:
     """(folder, tokenizer, our model, its prepacked draft head, the head's file) for the EAGLE
     benchmarks."""
     from specsot_mq.draft import DraftHead
-    from specsot_mq.loader import resolve_draft
+    from specsot_mq.loader import resolve_draft, settle
 
     folder = resolve_model(model)
     draft_path = resolve_draft(draft, folder)
     if draft_path is None:
         raise SpecSotError(f"no draft head for {folder.name}: train one with `specsot train-draft` or pass --draft")
     ours = load_model(folder, dtype=dtype, quantize=quantize, device=device)
-    return folder, load_tokenizer(folder), ours, DraftHead.load(draft_path, ours).prepack(), draft_path
+    loaded = folder, load_tokenizer(folder), ours, DraftHead.load(draft_path, ours).prepack(), draft_path
+    settle()  # as the product's load_generator leaves the process
+    return loaded
 
 
 def run_ours(gen: Generator, ids: list[int], new_tokens: int) -> Sample:

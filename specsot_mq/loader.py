@@ -353,9 +353,14 @@ def load_generator(
     head = DraftHead.load(draft_path, net).prepack() if draft_path else None
     gen = Generator(net, load_tokenizer(folder), max_len=max_len, num_slots=num_slots, draft=head,
                     tree=tree or TreeParams(), prefix_cache_mb=prefix_cache_mb)  # fmt: skip
-    # What loading made lives as long as the process (the tokenizer's vocabulary and merges, the
-    # model's modules: hundreds of thousands of objects). Frozen, the garbage collector stops
-    # walking them in each full collection (tens of ms, in the middle of some answer's step).
+    settle()
+    return gen
+
+
+def settle() -> None:
+    """What loading made lives as long as the process (the tokenizer's vocabulary and merges, the
+    model's modules: hundreds of thousands of objects). Frozen, the garbage collector stops walking
+    them in each full collection (tens of ms, in the middle of some answer's step). Call it once
+    the model, tokenizer and head are loaded (load_generator does)."""
     gc.collect()
     gc.freeze()
-    return gen
