@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from specsot_mq.devices import REMOTE
+from specsot_mq.sampling_params import REPEAT_STOP
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # progress and errors; stdout is the answer's
 
@@ -87,6 +88,30 @@ class TopologyOptions:
         help="With --split layers: devices serving each layer range; when one dies the next answers in its place.")] = 1
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", envvar="SPECSOT_PREFILL_CHUNK",
         help="With --split layers: tokens per piece of a long prompt's prefill, pipelined through the ranges (0: one piece).")] = 128
+
+
+@dataclasses.dataclass(slots=True)
+class AnswerOptions:
+    """How every answer is made (run; chat, where /set changes it): the SoT way and each phase's
+    sampling, checked before any stage starts."""
+
+    sot: Annotated[str, typer.Option(help="auto (the router decides), always or never.")] = "auto"
+    max_tokens: Annotated[int, typer.Option(help="Most new tokens per phase.")] = 256
+    temperature: Annotated[float, typer.Option(help="0 decodes greedily.")] = 0.0
+    repeat_stop: RepeatOpt = REPEAT_STOP
+
+    def __post_init__(self):
+        from specsot_mq.errors import SpecSotError
+        from specsot_mq.sot.router import MODES
+
+        if self.sot not in MODES:
+            raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got {self.sot!r}")
+        self.params()  # SamplingParams checks the rest
+
+    def params(self):
+        from specsot_mq.sampling_params import SamplingParams
+
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, repeat_stop=self.repeat_stop)
 
 
 @dataclasses.dataclass(slots=True)

@@ -16,9 +16,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from specsot_mq.cli.options import LaunchFlags, ModelOptions, RepeatOpt, TopologyOptions, err, with_options
+from specsot_mq.cli.options import AnswerOptions, LaunchFlags, ModelOptions, TopologyOptions, err, with_options
 from specsot_mq.errors import SpecSotError
-from specsot_mq.sampling_params import REPEAT_STOP
 
 
 def _run_file(name: str) -> Path:
@@ -178,23 +177,19 @@ def parse_batch_line(line: str, number: int) -> tuple[str, str]:
 def run_batch(
     topo: TopologyOptions,
     model: ModelOptions,
+    answers: AnswerOptions,
     input: Annotated[str, typer.Option("-i", "--input", help="Questions file, '-' for stdin.")] = "-",
     output: Annotated[str, typer.Option("-o", "--output", help="Answers file (JSONL), '-' for stdout.")] = "-",
     concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 4,
-    sot: Annotated[str, typer.Option(help="auto, always or never.")] = "auto",
-    max_tokens: Annotated[int, typer.Option(help="Most new tokens per phase.")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 decodes greedily.")] = 0.0,
-    repeat_stop: RepeatOpt = REPEAT_STOP,
     timeout: Annotated[float, typer.Option(help="Seconds a request may stay silent.")] = 600.0,
 ):
     """Answer questions in batch: one line in (plain or JSONL), one JSON line out, in input order."""
     from specsot_mq.client import Client
     from specsot_mq.messages import Failed
-    from specsot_mq.sampling_params import SamplingParams
 
     if concurrency < 1:
         raise SpecSotError(f"--concurrency must be at least 1, got {concurrency}")
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, repeat_stop=repeat_stop)
+    params, sot = answers.params(), answers.sot
     options = _launch_options(topo, model)
     try:
         text = sys.stdin.read() if input == "-" else Path(input).read_text(encoding="utf-8")
@@ -247,12 +242,13 @@ CHAT_HELP = """/? help · /bye or /exit quit · /clear forget the conversation �
 
 
 @with_options
-def chat(topo: TopologyOptions, model: ModelOptions):
+def chat(topo: TopologyOptions, model: ModelOptions, answers: AnswerOptions):
     """Chat in the terminal: the skeleton streams, then one live row per point, then the answer."""
     from specsot_mq.sampling_params import SamplingParams
 
     console = Console(highlight=False)
-    settings = {"mode": "auto", "temperature": 0.0, "max_tokens": 256, "repeat_stop": REPEAT_STOP}
+    settings = {"mode": answers.sot, "temperature": answers.temperature, "max_tokens": answers.max_tokens,
+                "repeat_stop": answers.repeat_stop}  # fmt: skip
     history: list[tuple[str, str]] = []
     options = _launch_options(topo, model)
     with _topology(topo.run, options) as (address, keys):

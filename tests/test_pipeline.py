@@ -601,7 +601,7 @@ def test_ctrl_c_in_chat_stops_the_answer_without_a_traceback(tiny_model, tmp_pat
         launcher.write_run_file(run_file)
         branch = next(pid for name, pid in launcher.pids().items() if name.startswith("branch"))
         chat = subprocess.Popen([sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "chat", "--run",
-                                 str(run_file)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 str(run_file), "--sot", "always", "--max-tokens", "400"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
         out = []
         reader = threading.Thread(target=lambda: out.extend(iter(lambda: chat.stdout.read(1), "")), daemon=True)
@@ -618,7 +618,7 @@ def test_ctrl_c_in_chat_stops_the_answer_without_a_traceback(tiny_model, tmp_pat
 
         os.kill(branch, signal.SIGSTOP)
         try:
-            chat.stdin.write("/set max_tokens 400\n/set repeat_stop 0\n/set mode always\nHow do I start running?\n")
+            chat.stdin.write("/set repeat_stop 0\nHow do I start running?\n")  # (its other settings: flags)
             chat.stdin.flush()
             wait_for("1.")  # the skeleton streams: the request is mid-answer, its points held at the branch
             chat.send_signal(signal.SIGINT)
