@@ -416,5 +416,5 @@ class Gateway(Stage):
             return str(exc)
         if size > self.spec.max_len:
             return (f"the prompt is {size} tokens and the KV cache holds {self.spec.max_len} per sequence: shorten the "
-                    "prompt or raise the cache length (--max-len)")  # fmt: skip
+                    "prompt or start the stages with a longer cache (specsot launch or serve --max-len)")  # fmt: skip
         return None

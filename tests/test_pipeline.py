@@ -665,6 +665,7 @@ def test_specsot_run_answers_good_lines_and_fails_only_the_malformed_one(tiny_mo
     assert "not valid JSON" in rows[2]["error"] and "neither" in rows[4]["error"]
     # The gateway's refusal: a device stage's would begin "stage skeleton failed".
     assert rows[5]["error"].startswith("the prompt is") and "KV cache holds 512" in rows[5]["error"]
+    assert "specsot launch or serve --max-len" in rows[5]["error"]  # run itself takes no --max-len
     assert rows[0]["mode"] == "sot" and len(rows[0]["points"]) == 5 and rows[1]["mode"] == "direct"
     assert "3 of 6 lines failed" in out.stderr
 
