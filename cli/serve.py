@@ -147,13 +147,14 @@ class BadLine(SpecSotError):
         self.rid = rid
 
 
-def parse_batch_line(line: str, number: int) -> tuple[str, str]:
-    """(id, question) from one input line: a plain question, JSONL {"id", "question"}, or the
-    OpenAI batch format {"custom_id", "body": {"messages"}}. BadLine says what is wrong."""
+def parse_batch_line(line: str, number: int) -> tuple[str, str, list[dict]]:
+    """(id, question, earlier turns) from one input line: a plain question, JSONL {"id", "question"},
+    or the OpenAI batch format {"custom_id", "body": {"messages"}}, whose messages before the last
+    are the conversation so far (read as the server reads them). BadLine says what is wrong."""
     text = line.strip()
     rid = f"line-{number}"
     if not text.startswith("{"):
-        return rid, text
+        return rid, text, []
     try:
         row = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -163,14 +164,17 @@ def parse_batch_line(line: str, number: int) -> tuple[str, str]:
     rid = str(row.get("id", row.get("custom_id", rid)))
     if "question" in row:
         question = row["question"]
-    elif isinstance(row.get("body"), dict) and isinstance(row["body"].get("messages"), list):
-        users = [m.get("content") for m in row["body"]["messages"] if isinstance(m, dict) and m.get("role") == "user"]
-        question = users[-1] if users else None
-    else:
-        raise BadLine(f'line {number} has neither "question" nor "body": {{"messages": [...]}}', rid)
-    if not isinstance(question, str) or not question.strip():
-        raise BadLine(f"line {number}: the question must be a non-empty string", rid)
-    return rid, question
+        if not isinstance(question, str) or not question.strip():
+            raise BadLine(f"line {number}: the question must be a non-empty string", rid)
+        return rid, question, []
+    if isinstance(row.get("body"), dict) and "messages" in row["body"]:
+        from specsot_mq.server.api import ApiError, messages
+
+        try:
+            return rid, *messages(row["body"]["messages"])
+        except ApiError as exc:
+            raise BadLine(f"line {number}: {exc.message}", rid) from None
+    raise BadLine(f'line {number} has neither "question" nor "body": {{"messages": [...]}}', rid)
 
 
 @with_options
@@ -211,12 +215,12 @@ def run_batch(
         async def one(client, number, line):
             nonlocal failures
             try:
-                rid, question = parse_batch_line(line, number)
+                rid, question, history = parse_batch_line(line, number)
             except BadLine as exc:
                 failures += 1
                 return {"id": exc.rid, "line": number, "error": str(exc)}
             async with gate:
-                msg = await client.answer(question, params, sot, timeout=timeout)
+                msg = await client.answer(question, params, sot, timeout=timeout, history=history)
             if isinstance(msg, Failed):
                 failures += 1
                 return {"id": rid, "line": number, "error": msg.error}

@@ -110,7 +110,7 @@ def parse(body, chat: bool, model: str, defaults: SamplingParams) -> Request:
         raise ApiError(404, f"model {body.get('model')!r} is not served here: use {model!r} (GET /v1/models)",
                        "model", "model_not_found")  # fmt: skip
     if chat:
-        question, history = _messages(body.get("messages"))
+        question, history = messages(body.get("messages"))
     else:
         question, history = _prompt(body.get("prompt")), []
     if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
@@ -174,11 +174,13 @@ def _text(content, where: str) -> str:
     raise ApiError(400, f"{where}.content must be a string or a list of text parts (no images here)", where)
 
 
-def _messages(messages) -> tuple[str, list[dict]]:
-    if not isinstance(messages, list) or not messages:
+def messages(given) -> tuple[str, list[dict]]:
+    """(the question, the turns before it) from a chat request's messages (and an OpenAI batch line's:
+    `specsot run`); ApiError names what is wrong."""
+    if not isinstance(given, list) or not given:
         raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
     turns = []
-    for n, m in enumerate(messages):
+    for n, m in enumerate(given):
         where = f"messages[{n}]"
         if not isinstance(m, dict):
             raise ApiError(400, f"{where} must be an object with role and content", where)

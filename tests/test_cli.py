@@ -132,18 +132,29 @@ def test_piped_view_ends_the_skeleton_line_before_a_direct_answer(capsys):
         ('{"id": "q1", "question": "Hi"}', "q1", "Hi", None),
         ('{"id": 7, "question": "Hi"}', "7", "Hi", None),
         ('{"custom_id": "c", "body": {"messages": [{"role": "user", "content": "Hi"}]}}', "c", "Hi", None),
+        ('{"custom_id": "c2", "body": {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", '
+         '"content": "Hi"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": [{"type": "text", '
+         '"text": "Why?"}]}]}}', "c2", "Why?", None),  # the turns before its question are its history
         ('{"id": oops', "line-3", None, "line 3 is not valid JSON"),
         ("[1, 2]", "line-3", None, None),  # not an object: read as a plain question
         ('{"id": "q5"}', "q5", None, 'line 3 has neither "question"'),  # its own id, with the error
         ('{"id": "q6", "question": "  "}', "q6", None, "the question must be a non-empty string"),
-        ('{"custom_id": "c7", "body": {"messages": []}}', "c7", None, "the question must be a non-empty string"),
+        ('{"custom_id": "c7", "body": {"messages": []}}', "c7", None, "line 3: messages must be a non-empty list"),
+        ('{"custom_id": "c8", "body": {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", '
+         '"content": "Hello."}]}}', "c8", None, "the last message must be the user's question"),
     ],
 )
 def test_batch_lines_give_their_id_and_question_or_one_error(line, rid, question, error):
     from specsot_mq.cli.serve import BadLine, parse_batch_line
 
     if error is None:
-        assert parse_batch_line(line, 3) == (rid, question if question is not None else line)
+        got = parse_batch_line(line, 3)
+        assert got[:2] == (rid, question if question is not None else line)
+        if rid == "c2":
+            assert got[2] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                              {"role": "assistant", "content": "Hello."}]  # fmt: skip
+        else:
+            assert got[2] == []
     else:
         with pytest.raises(BadLine, match=re.escape(error)) as caught:
             parse_batch_line(line, 3)

@@ -655,19 +655,24 @@ def test_specsot_run_answers_good_lines_and_fails_only_the_malformed_one(tiny_mo
         launcher.write_run_file(run_file)
         lines = ["How do I start running?", '{"id": "q2", "question": "What is 17 * 23?"}', '{"id": oops',
                  '{"custom_id": "c4", "body": {"messages": [{"role": "user", "content": "Name a fruit."}]}}',
-                 '{"id": "q5"}', json.dumps({"id": "q6", "question": "word " * 600})]  # fmt: skip
+                 '{"id": "q5"}', json.dumps({"id": "q6", "question": "word " * 600}),
+                 json.dumps({"custom_id": "c7", "body": {"messages": [
+                     {"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Hi"},
+                     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a fruit."}]}})]  # fmt: skip
         out = subprocess.run([sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "run", "--run", str(run_file),
                               "--max-tokens", "8", "--concurrency", "3"], input="\n".join(lines), text=True,
                              capture_output=True, timeout=300)  # fmt: skip
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["id"] for r in rows] == ["line-1", "q2", "line-3", "c4", "q5", "q6"], out.stderr
-    assert [("error" in r) for r in rows] == [False, False, True, False, True, True]
+    assert [r["id"] for r in rows] == ["line-1", "q2", "line-3", "c4", "q5", "q6", "c7"], out.stderr
+    assert [("error" in r) for r in rows] == [False, False, True, False, True, True, False]
+    # a batch line's earlier turns reach the prompt: the same question, asked after them
+    assert rows[6]["stats"]["prompt_tokens"] > rows[3]["stats"]["prompt_tokens"]
     assert "not valid JSON" in rows[2]["error"] and "neither" in rows[4]["error"]
     # The gateway's refusal: a device stage's would begin "stage skeleton failed".
     assert rows[5]["error"].startswith("the prompt is") and "KV cache holds 512" in rows[5]["error"]
     assert "specsot launch or serve --max-len" in rows[5]["error"]  # run itself takes no --max-len
     assert rows[0]["mode"] == "sot" and len(rows[0]["points"]) == 5 and rows[1]["mode"] == "direct"
-    assert "3 of 6 lines failed" in out.stderr
+    assert "3 of 7 lines failed" in out.stderr
 
 
 def hostile_frames(rng, count: int, vocab: int):
