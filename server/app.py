@@ -252,7 +252,7 @@ async def models(request: Request):
 
 
 @router.get("/v1/models/{model:path}")
-async def model(request: Request, model: str):
+async def one_model(request: Request, model: str):
     server: ServerState = request.app.state.server
     server.authorize(request)
     if model != server.config.model:
