@@ -18,6 +18,7 @@ from rich.table import Table
 
 from specsot_mq.cli.options import AnswerOptions, LaunchFlags, ModelOptions, TopologyOptions, err, with_options
 from specsot_mq.errors import SpecSotError
+from specsot_mq.sot.router import MODES
 
 
 def _run_file(name: str) -> Path:
@@ -296,7 +297,7 @@ def _slash(line: str, settings: dict, history: list, console: Console) -> None:
         key, value = parts[1], parts[2]
         try:
             if key == "mode":
-                if value not in ("auto", "always", "never"):
+                if value not in MODES:
                     raise ValueError
                 settings[key] = value
             else:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from specsot_mq.messages import Again, Answer, MergePlan, PointEnd, PointText, Reassign, SkeletonText
 from specsot_mq.sampling_params import SamplingParams
+from specsot_mq.sot.router import MODES
 
 COMMON = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
           "stop", "n", "user", "sot", "timeout", "repeat_stop"}  # fmt: skip
@@ -133,8 +134,8 @@ def parse(body, chat: bool, model: str, defaults: SamplingParams) -> Request:
     stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "stop must be a non-empty string or a list of up to 4 of them", "stop")
-    sot = body.get("sot", "auto")
-    if sot not in ("auto", "always", "never"):
+    sot = "auto" if body.get("sot") is None else body["sot"]
+    if sot not in MODES:
         raise ApiError(400, f"sot must be auto, always or never, not {sot!r}", "sot")
     timeout = _number(body, "timeout", float, 0.001, 86400.0, None)
     _typed(body, "user", str, None)

@@ -51,11 +51,11 @@ def test_a_body_becomes_the_pipelines_request_and_every_bad_field_is_named():
     # response gave it carries null fields
     sent = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "top_logprobs": None, "logit_bias": {},
             "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
-            "n": None, "max_tokens": None, "messages": [{"role": "user", "content": "Hi"},
+            "n": None, "max_tokens": None, "sot": None, "messages": [{"role": "user", "content": "Hi"},
                                                         {"role": "assistant", "content": "Hello.", "refusal": None,
                                                          "tool_calls": None}, {"role": "user", "content": "Why?"}]}  # fmt: skip
     req = parse({"model": MODEL} | sent, True, MODEL, defaults)
-    assert req.question == "Why?" and req.params.max_tokens == 256 and len(req.history) == 2
+    assert req.question == "Why?" and req.params.max_tokens == 256 and len(req.history) == 2 and req.sot == "auto"
     assert parse({"model": MODEL, "prompt": "Why?", "echo": False, "best_of": 1, "suffix": None}, False, MODEL,
                  defaults).question == "Why?"  # fmt: skip
     bad = [
