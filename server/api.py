@@ -120,9 +120,9 @@ def parse(body, chat: bool, model: str, defaults: SamplingParams) -> Request:
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise ApiError(400, "stream_options takes only {\"include_usage\": bool}, with stream true", "stream_options")
-    if "max_tokens" in body and "max_completion_tokens" in body:
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-    cap = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    cap = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _number(body, cap, int, 1, 1 << 20, defaults.max_tokens)
     temperature = _number(body, "temperature", float, 0.0, 2.0, 0.0)
     top_p = _number(body, "top_p", float, 0.0, 1.0, 1.0)

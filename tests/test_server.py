@@ -58,6 +58,8 @@ def test_a_body_becomes_the_pipelines_request_and_every_bad_field_is_named():
     assert req.question == "Why?" and req.params.max_tokens == 256 and len(req.history) == 2 and req.sot == "auto"
     assert parse({"model": MODEL, "prompt": "Why?", "echo": False, "best_of": 1, "suffix": None}, False, MODEL,
                  defaults).question == "Why?"  # fmt: skip
+    for caps in ({"max_tokens": 5, "max_completion_tokens": None}, {"max_tokens": None, "max_completion_tokens": 5}):
+        assert parse({"model": MODEL, "prompt": "Why?"} | caps, False, MODEL, defaults).params.max_tokens == 5
     bad = [
         ({"logprobs": True}, 400, "send false, null or leave it out, not true"),
         ({"presence_penalty": 0.5}, 400, "no penalties are applied"),
