@@ -101,11 +101,9 @@ class AnswerOptions:
     repeat_stop: RepeatOpt = REPEAT_STOP
 
     def __post_init__(self):
-        from specsot_mq.errors import SpecSotError
-        from specsot_mq.sot.router import MODES
+        from specsot_mq.sot.router import check_mode
 
-        if self.sot not in MODES:
-            raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got {self.sot!r}")
+        check_mode(self.sot)
         self.params()  # SamplingParams checks the rest
 
     def params(self):

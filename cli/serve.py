@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import sys
@@ -18,7 +19,6 @@ from rich.table import Table
 
 from specsot_mq.cli.options import AnswerOptions, LaunchFlags, ModelOptions, TopologyOptions, err, with_options
 from specsot_mq.errors import SpecSotError
-from specsot_mq.sot.router import MODES
 
 
 def _run_file(name: str) -> Path:
@@ -249,11 +249,7 @@ CHAT_HELP = """/? help · /bye or /exit quit · /clear forget the conversation �
 @with_options
 def chat(topo: TopologyOptions, model: ModelOptions, answers: AnswerOptions):
     """Chat in the terminal: the skeleton streams, then one live row per point, then the answer."""
-    from specsot_mq.sampling_params import SamplingParams
-
     console = Console(highlight=False)
-    settings = {"mode": answers.sot, "temperature": answers.temperature, "max_tokens": answers.max_tokens,
-                "repeat_stop": answers.repeat_stop}  # fmt: skip
     history: list[tuple[str, str]] = []
     options = _launch_options(topo, model)
     with _topology(topo.run, options) as (address, keys):
@@ -271,13 +267,11 @@ def chat(topo: TopologyOptions, model: ModelOptions, answers: AnswerOptions):
             if line.startswith("/"):
                 if line in ("/bye", "/exit"):
                     break
-                _slash(line, settings, history, console)
+                answers = _slash(line, answers, history, console)
                 continue
-            params = SamplingParams(max_tokens=settings["max_tokens"], temperature=settings["temperature"],
-                                    repeat_stop=settings["repeat_stop"])  # fmt: skip
             rid = uuid.uuid4().hex[:12]
-            stopped, answer = asyncio.run(_stoppable(_chat_turn((address, keys), line, _turns(history), params,
-                                                                settings["mode"], rid, console)))  # fmt: skip
+            stopped, answer = asyncio.run(_stoppable(_chat_turn((address, keys), line, _turns(history), answers.params(),
+                                                                answers.sot, rid, console)))  # fmt: skip
             if stopped:
                 asyncio.run(_cancel((address, keys), rid))
                 console.print("[yellow]stopped[/]")
@@ -286,30 +280,31 @@ def chat(topo: TopologyOptions, model: ModelOptions, answers: AnswerOptions):
                 history.append((line, answer))
 
 
-def _slash(line: str, settings: dict, history: list, console: Console) -> None:
+# What /set changes: its name -> (the AnswerOptions field, how its value is read)
+SETTABLE = {"mode": ("sot", str), "temperature": ("temperature", float), "max_tokens": ("max_tokens", int),
+            "repeat_stop": ("repeat_stop", int)}  # fmt: skip
+
+
+def _slash(line: str, answers: AnswerOptions, history: list, console: Console) -> AnswerOptions:
+    """A chat command; returns the settings it leaves (AnswerOptions checks a /set value)."""
     parts = line.split()
     if parts[0] in ("/?", "/help"):
         console.print(CHAT_HELP)
     elif parts[0] == "/clear":
         history.clear()
         console.print("[dim]conversation cleared[/]")
-    elif parts[0] == "/set" and len(parts) == 3 and parts[1] in settings:
+    elif parts[0] == "/set" and len(parts) == 3 and parts[1] in SETTABLE:
         key, value = parts[1], parts[2]
+        name, read = SETTABLE[key]
         try:
-            if key == "mode":
-                if value not in MODES:
-                    raise ValueError
-                settings[key] = value
-            else:
-                settings[key] = float(value) if key == "temperature" else int(value)
-                if settings[key] < 0 or key == "max_tokens" and settings[key] < 1:
-                    raise ValueError
-        except ValueError:
+            answers = dataclasses.replace(answers, **{name: read(value)})
+        except (ValueError, SpecSotError):
             console.print(f"[red]/set {key} does not take {value!r}[/]")
-            return
-        console.print(f"[dim]{key} = {settings[key]}[/]")
+            return answers
+        console.print(f"[dim]{key} = {getattr(answers, name)}[/]")
     else:
         console.print(f"[red]unknown command {line!r}[/]: {CHAT_HELP}")
+    return answers
 
 
 def _turns(history: list[tuple[str, str]], keep: int = 3) -> list[dict]:

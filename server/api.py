@@ -107,9 +107,7 @@ def parse(body, chat: bool, model: str, defaults: SamplingParams) -> Request:
         elif name not in allowed:
             raise ApiError(400, f"'{name}' is not supported by this server; the fields it takes are "
                                 f"{', '.join(sorted(allowed))}", name, "unsupported_parameter")  # fmt: skip
-    if body.get("model") != model:
-        raise ApiError(404, f"model {body.get('model')!r} is not served here: use {model!r} (GET /v1/models)",
-                       "model", "model_not_found")  # fmt: skip
+    check_model(body.get("model"), model)
     if chat:
         question, history = messages(body.get("messages"))
     else:
@@ -143,6 +141,13 @@ def parse(body, chat: bool, model: str, defaults: SamplingParams) -> Request:
                             repeat_stop=repeat_stop)  # fmt: skip
     return Request(chat, model, question, history, params, sot, stream, bool(options and options.get("include_usage")),
                    timeout)  # fmt: skip
+
+
+def check_model(given, model: str) -> None:
+    """ApiError 404 where a request names a model other than the one served (`model`)."""
+    if given != model:
+        raise ApiError(404, f"model {given!r} is not served here: use {model!r} (GET /v1/models)", "model",
+                       "model_not_found")  # fmt: skip
 
 
 def _typed(body: dict, name: str, kind: type, default):

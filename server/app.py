@@ -255,9 +255,7 @@ async def models(request: Request):
 async def one_model(request: Request, model: str):
     server: ServerState = request.app.state.server
     server.authorize(request)
-    if model != server.config.model:
-        raise ApiError(404, f"model {model!r} is not served here: use {server.config.model!r} (GET /v1/models)",
-                       "model", "model_not_found")  # fmt: skip
+    api.check_model(model, server.config.model)
     return _model(server)
 
 

@@ -159,3 +159,22 @@ def test_batch_lines_give_their_id_and_question_or_one_error(line, rid, question
         with pytest.raises(BadLine, match=re.escape(error)) as caught:
             parse_batch_line(line, 3)
         assert caught.value.rid == rid
+
+
+def test_chat_set_changes_a_setting_and_keeps_the_old_one_when_the_value_is_refused():
+    import io
+
+    from rich.console import Console
+
+    from specsot_mq.cli.options import AnswerOptions
+    from specsot_mq.cli.serve import _slash
+
+    out = io.StringIO()
+    console = Console(file=out, width=200)
+    answers = _slash("/set max_tokens 40", AnswerOptions(), [], console)
+    assert answers.max_tokens == 40 and answers.params().max_tokens == 40
+    for bad in ("/set max_tokens 0", "/set max_tokens x", "/set mode maybe", "/set temperature -1"):
+        assert _slash(bad, answers, [], console) == answers, bad  # refused, the settings as they were
+    answers = _slash("/set mode always", answers, [], console)
+    assert answers.sot == "always" and answers.max_tokens == 40
+    assert out.getvalue().count("does not take") == 4 and "max_tokens = 40" in out.getvalue()

@@ -40,7 +40,7 @@ from specsot_mq.prompts import common_prefix, direct_ids, history_end, load_form
 from specsot_mq.sampling_params import SamplingParams
 from specsot_mq.sot.ordered import CUT_OFF, OrderedAnswer, dropped_points
 from specsot_mq.sot.parser import SPARE, Plan, Point, asked_count, item_starts, item_titles
-from specsot_mq.sot.router import MODES, Route, route
+from specsot_mq.sot.router import MODES, Route, check_mode, route
 from specsot_mq.sot.scheduler import DeviceProfile, schedule
 
 if TYPE_CHECKING:
@@ -66,8 +66,7 @@ class SoTConfig:
         if self.prompt_format.endswith(".json"):  # a user's format file: the same file for every stage process
             self.prompt_format = str(Path(self.prompt_format).expanduser().resolve())
         load_format(self.prompt_format)  # an unknown name or a bad file fails here, saying what is wrong
-        if self.sot not in MODES:
-            raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got '{self.sot}'")
+        check_mode(self.sot)
         for flag, value, low in (("--max-points", self.max_points, 2), ("--max-parallel", self.max_parallel, 1)):
             if value < low:
                 raise SpecSotError(f"{flag} must be at least {low}, got {value}")

@@ -30,6 +30,12 @@ from specsot_mq.errors import SpecSotError
 
 MODES = ("auto", "always", "never")
 
+
+def check_mode(mode: str) -> None:
+    """SpecSotError naming the modes where `mode` (a --sot value) is none of them."""
+    if mode not in MODES:
+        raise SpecSotError(f"--sot must be one of {', '.join(MODES)}, got {mode!r}")
+
 _AUX = r"(?:is|are|was|were|do|does|did|can|could|will|would|should|shall|has|have|had|am|may|must)"
 
 # (pattern, reason), tried in order, case-insensitive; the first match sends the question direct.
