@@ -337,21 +337,32 @@ async def _cancel(gateway: tuple, rid: str) -> None:
 
 
 async def _chat_turn(gateway: tuple, question, history, params, mode, rid, console: Console) -> str | None:
-    """One answer in chat, drawn as `ask` draws it; gateway: (client address, CURVE keys or None)."""
+    """One answer in chat, drawn as `ask` draws it; gateway: (client address, CURVE keys or None).
+    A conversation too long for the stages' cache is asked again without its oldest turn, until
+    it fits (or the question alone does not)."""
     from specsot_mq.cli.display import AnswerView
     from specsot_mq.client import Client
     from specsot_mq.messages import Answer, Failed
 
-    view = AnswerView(console, console)
     async with Client(gateway[0], keys=gateway[1]) as client:
-        try:
-            async for msg in client.ask(question, params, mode, rid=rid, timeout=600, history=history):
-                if isinstance(msg, Failed):
-                    console.print(f"[red]error:[/] {msg.error}")
-                    return None
-                view(msg)
-                if isinstance(msg, Answer):
-                    return msg.answer
-        finally:
-            view.close()
-    return None
+        while True:
+            view, failed = AnswerView(console, console), None
+            try:
+                # (read to its end, the Failed last: a generator left open would later drop the
+                # queue of the next try, which has the same request id)
+                async for msg in client.ask(question, params, mode, rid=rid, timeout=600, history=history):
+                    if isinstance(msg, Failed):
+                        failed = msg
+                        continue
+                    view(msg)
+                    if isinstance(msg, Answer):
+                        return msg.answer
+            finally:
+                view.close()
+            if failed is None:
+                return None
+            if failed.code != "too_long" or not history:
+                console.print(f"[red]error:[/] {failed.error}")
+                return None
+            history = history[2:]
+            console.print("[dim]too long for the stages' cache: asking again without the oldest turn[/]")

@@ -292,7 +292,7 @@ async def complete(request: Request, chat: bool):
     try:
         first = await run.next()  # a request that fails at once fails as an HTTP error
         if isinstance(first, Failed):
-            raise _http_error(first.error, run.timed_out)
+            raise _http_error(first)
     except BaseException as exc:
         await run.close()
         run.finish("timeout" if run.timed_out else "failed", None, exc)
@@ -314,7 +314,7 @@ async def complete(request: Request, chat: bool):
             msg = step.result()
         if isinstance(msg, Failed):
             outcome = "timeout" if run.timed_out else "failed"
-            raise _http_error(msg.error, run.timed_out)
+            raise _http_error(msg)
         outcome, answer = "completed", msg
         return api.body(req, _response_id(req, rid), msg)
     finally:
@@ -374,7 +374,7 @@ class Run:
         except asyncio.TimeoutError:
             self.timed_out = True
             await self.close()
-            return Failed(self.rid, "the request timed out: raise its \"timeout\" (seconds) or the server's --timeout")
+            return Failed(self.rid, "the request timed out: raise its \"timeout\" (seconds) or the server's --timeout", "timeout")
         if isinstance(msg, AnswerText) and self.first_text is None:
             self.first_text = time.monotonic()
         self.heard = type(msg).__name__ + (f" (points on {', '.join(msg.branches)})" if isinstance(msg, MergePlan) else "")
@@ -446,7 +446,7 @@ async def _sse(run: Run, first) -> AsyncIterator[str]:
                 break
             if isinstance(msg, Failed):  # the finish reason "abort", then the error (a client raises on it)
                 outcome = "timeout" if run.timed_out else "failed"
-                error = _http_error(msg.error, run.timed_out)
+                error = _http_error(msg)
                 yield _event(api.chunk(req, rid, finish="abort", ext={"error": msg.error}))
                 yield _event(error.body())
                 break
@@ -473,13 +473,20 @@ def _response_id(req: api.Request, rid: str) -> str:
     return f"{'chatcmpl' if req.chat else 'cmpl'}-{rid}"
 
 
-def _http_error(error: str, timed_out: bool) -> ApiError:
-    """A pipeline failure as an HTTP error: a timeout 504, a stage down 503, a request the model
-    cannot take (too long, a duplicate id) 400, anything else 500."""
-    if timed_out:
-        return ApiError(504, error, code="timeout", kind="timeout_error")
-    if any(s in error for s in ("not up yet", "is down", "stopped answering", "no branch stage", "no answer from the gateway")):
-        return ApiError(503, error, code="unavailable", kind="server_error", headers={"Retry-After": "5"})
-    if any(s in error for s in ("KV cache holds", "already in flight", "must be", "earlier turn", "unknown sampling")):
+def _http_error(failed: Failed) -> ApiError:
+    """A pipeline failure as an HTTP error, by its code (messages.FailCode): a request the model
+    cannot take 400 (a prompt longer than the cache: OpenAI's code context_length_exceeded), one
+    cancelled by another client with its id 499, no stage to take it 503, a timeout 504, anything
+    else 500."""
+    error, code = failed.error, failed.code
+    if code == "too_long":
+        return ApiError(400, error, code="context_length_exceeded")
+    if code == "invalid":
         return ApiError(400, error, code="invalid_request")
+    if code == "cancelled":
+        return ApiError(499, error, code="cancelled")
+    if code == "unavailable":
+        return ApiError(503, error, code="unavailable", kind="server_error", headers={"Retry-After": "5"})
+    if code == "timeout":
+        return ApiError(504, error, code="timeout", kind="timeout_error")
     return ApiError(500, error, code="internal_error", kind="server_error")

@@ -119,7 +119,7 @@ class Client:
             except asyncio.TimeoutError:
                 done = True  # nothing was sent: nothing to cancel
                 yield Failed(rid, f"cannot reach the gateway at {self.address}: is `specsot launch` running (and, for "
-                                  "a run over tcp, are its keys given: attach with --run)?")  # fmt: skip
+                                  "a run over tcp, are its keys given: attach with --run)?", "unavailable")  # fmt: skip
                 return
             deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
             while True:
@@ -146,11 +146,13 @@ class Client:
             except TimeoutError:
                 pass
             if deadline is not None and loop.time() >= deadline:
-                return Failed(rid, f"no answer from the gateway at {self.address} in time: is `specsot launch` still running?")
+                return Failed(rid, f"no answer from the gateway at {self.address} in time: is `specsot launch` still running?",
+                              "timeout")  # fmt: skip
             try:
                 await self.status(timeout=ALIVE_S)
             except SpecSotError:
-                return Failed(rid, f"the gateway at {self.address} stopped answering: is `specsot launch` still running?")
+                return Failed(rid, f"the gateway at {self.address} stopped answering: is `specsot launch` still running?",
+                              "unavailable")  # fmt: skip
 
     async def cancel(self, rid: str) -> None:
         """Stop a request everywhere (nothing when this client is closed already)."""

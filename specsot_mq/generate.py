@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specsot_mq.decoder import Decoder, PlainDecoder
-from specsot_mq.errors import SpecSotError
+from specsot_mq.errors import PromptTooLong, SpecSotError
 from specsot_mq.kv_cache import KVCache
 from specsot_mq.lookup import History, ListTokens
 from specsot_mq.model import LlamaModel
@@ -188,7 +188,7 @@ class Generator:
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             raise SpecSotError(f"the prompt holds token ids outside the model's vocabulary (0 to {vocab - 1})")
         if len(ids) > self.cache.capacity:
-            raise SpecSotError(
+            raise PromptTooLong(
                 f"the prompt is {len(ids)} tokens and the KV cache holds {self.cache.capacity} per sequence: "
                 "shorten the prompt or raise the cache length (--max-len)"
             )
@@ -215,7 +215,8 @@ class Generator:
         rest. The SoT skeleton prompt's instructions and worked examples are the same for every
         question. Call it while the generator is idle (it uses slot 0)."""
         ids = list(ids)
-        if len(ids) < 2 or ids in self.prefixes:  # nothing worth keeping, or kept already
+        # nothing worth keeping, longer than a slot (no prompt that begins with it fits), or kept already
+        if len(ids) < 2 or len(ids) >= self.cache.capacity or ids in self.prefixes:
             return
         decoder = self.new_decoder(SamplingParams(max_tokens=1))  # greedy: draws nothing
         seq = Sequence(0, Job(None, ids + ids[-1:], decoder.sampler.params))  # one token past them, as a prompt needs

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -285,11 +285,23 @@ class Answer(Message):
     finish: str = "stop"  # "length" when an output hit its token cap, else "stop"
 
 
+# Why a request failed, for a client to act on (server/app.py gives each its HTTP status):
+#   invalid      the request as sent cannot be answered (a bad field, an id already in flight)
+#   too_long     its prompt does not fit a device stage's cache: a chat can leave out its oldest
+#                turns and ask again (cli/serve.py, the web chat)
+#   unavailable  no stage can take it now (down, restarting, unreachable): retry in a moment
+#   timeout      its deadline passed
+#   cancelled    its client cancelled it
+#   internal     anything else (a stage failed while decoding it)
+FailCode = Literal["invalid", "too_long", "unavailable", "timeout", "cancelled", "internal"]
+
+
 class Failed(Message):
-    """The request cannot be answered; error says why and what to do."""
+    """The request cannot be answered; error says why and what to do, code what kind of failure."""
 
     rid: str
     error: str
+    code: FailCode = "internal"
 
 
 # What a client sees of a request, in order, from the stages or the in-process engine alike

@@ -35,11 +35,11 @@ import zmq.asyncio
 from msgspec.structs import asdict, replace
 
 from specsot_mq.messages import (
-    Abort, Again, Answer, AnswerText, Ask, Down, Reassign, Reroute, Cancel, Failed, Heartbeat, Membership, MergePlan, PointEnd, PointText, Ready,
+    Abort, Again, Answer, AnswerText, Ask, Down, Reassign, Reroute, Cancel, Failed, FailCode, Heartbeat, Membership, MergePlan, PointEnd, PointText, Ready,
     SkeletonText, Status, StatusQuery, WireError, decode, encode,
 )  # fmt: skip
 from specsot_mq.client import secure
-from specsot_mq.errors import SpecSotError
+from specsot_mq.errors import PromptTooLong, SpecSotError
 from specsot_mq.sot.flow import Flow, SoTConfig
 from specsot_mq.stages.base import Stage
 
@@ -200,7 +200,7 @@ class Gateway(Stage):
                 msg.stats["restarts"] = request.attempt
             await self._send_client(request.client, replace(msg, rid=rid))
         elif isinstance(msg, Failed):
-            await self._fail(rid, msg.error)
+            await self._fail(rid, msg.error, msg.code)
 
     async def _stream(self, rid: str, request: _Request, msg) -> None:
         """Text for the client, less what it already has from an earlier attempt."""
@@ -209,7 +209,8 @@ class Gateway(Stage):
         fresh = request.shown.fresh(stream, msg.text, 0 if tokens is None else len(tokens))
         if fresh is None:
             await self._fail(rid, f"this request started again after a stage died, and its redo wrote another {stream} "
-                                  "than the one streamed (a sampled request without a reproducible seed): retry it")  # fmt: skip
+                                  "than the one streamed (a sampled request without a reproducible seed): retry it",
+                             "unavailable")  # fmt: skip
             return
         text, seen = fresh
         if text or (tokens is not None and seen < len(tokens)):
@@ -283,7 +284,7 @@ class Gateway(Stage):
             if not held and not (ring and request.deadline is None):
                 continue
             if (held and not survivors) or request.reroutes >= MAX_REROUTES:
-                await self._fail(rid, error)
+                await self._fail(rid, error, "unavailable")
                 continue
             request.reroutes += 1
             if ring:
@@ -344,9 +345,9 @@ class Gateway(Stage):
             await self._send_client(client, Status(ready, stages))
         elif isinstance(msg, Ask):
             if msg.rid in self.requests:
-                await self._send_client(client, Failed(msg.rid, f"request id {msg.rid} is already in flight"))
+                await self._send_client(client, Failed(msg.rid, f"request id {msg.rid} is already in flight", "invalid"))
             elif bad := self._bad_ask(msg):
-                await self._send_client(client, Failed(msg.rid, bad))
+                await self._send_client(client, bad)
             else:
                 if msg.params.temperature > 0 and msg.params.seed is None:
                     msg.params.seed = secrets.randbits(31)  # a redo after a fault then writes the same
@@ -354,7 +355,7 @@ class Gateway(Stage):
                 self.requests[msg.rid] = _Request(client, msg, now, now + self.spec.restart_wait_s)
                 await self._unpark()
         elif isinstance(msg, Cancel):
-            await self._fail(msg.rid, "cancelled by the client")
+            await self._fail(msg.rid, "cancelled by the client", "cancelled")
 
     def _down(self) -> list[str]:
         """The stages a new request needs that are not up (any branch stage will do)."""
@@ -376,7 +377,8 @@ class Gateway(Stage):
                 await self.send(self.spec.named("skeleton")[0], replace(request.ask, rid=request.wire))
             elif now > request.deadline:
                 state = "is not up yet" if not all(self.health[n].ever_up for n in down) else "is down"
-                await self._fail(rid, f"stage {down[0]} {state} (waited {self.spec.restart_wait_s:.0f} s): retry in a moment")
+                await self._fail(rid, f"stage {down[0]} {state} (waited {self.spec.restart_wait_s:.0f} s): retry in a moment",
+                                 "unavailable")  # fmt: skip
 
     def _forget(self, rid: str) -> _Request | None:
         request = self.requests.pop(rid, None)
@@ -384,13 +386,13 @@ class Gateway(Stage):
             self.wired.pop(request.wire, None)
         return request
 
-    async def _fail(self, rid: str, error: str) -> None:
+    async def _fail(self, rid: str, error: str, code: FailCode) -> None:
         request = self._forget(rid)
         if request is None:
             return
         if request.deadline is None:
             await self._abort(request.wire, error)
-        await self._send_client(request.client, Failed(rid, error))
+        await self._send_client(request.client, Failed(rid, error, code))
 
     async def _abort(self, wire: str, error: str) -> None:
         for name in self.spec.kinds:  # straight to each: in a ring, past a dead node too
@@ -401,20 +403,20 @@ class Gateway(Stage):
         await self.clients.send_multipart([client, *encode(msg, "client", self.name)], copy=False)
 
 
-    def _bad_ask(self, msg: Ask) -> str | None:
+    def _bad_ask(self, msg: Ask) -> Failed | None:
         """What is wrong with a question as a client sent it (the stages after take it as checked)."""
         from specsot_mq.prompts import check_history
 
         if not msg.question.strip():
-            return "the question must be a non-empty string"
+            return Failed(msg.rid, "the question must be a non-empty string", "invalid")
         if "~" in msg.rid:
-            return f"request id {msg.rid!r} has a '~', which marks a restarted request's attempts: choose another id"
+            return Failed(msg.rid, f"request id {msg.rid!r} has a '~', which marks a restarted request's attempts: "
+                                   "choose another id", "invalid")  # fmt: skip
         try:
             check_history(msg.history)
-            size = self.flow.prompt_size(msg)
+            self.flow.check_fits(msg, self.spec.max_len, "start the stages with a longer cache (specsot launch or serve --max-len)")
+        except PromptTooLong as exc:
+            return Failed(msg.rid, str(exc), "too_long")
         except SpecSotError as exc:
-            return str(exc)
-        if size > self.spec.max_len:
-            return (f"the prompt is {size} tokens and the KV cache holds {self.spec.max_len} per sequence: shorten the "
-                    "prompt or start the stages with a longer cache (specsot launch or serve --max-len)")  # fmt: skip
+            return Failed(msg.rid, str(exc), "invalid")
         return None

@@ -67,7 +67,8 @@ class ScheduleStage(Stage):
             await self._again(msg)
         elif isinstance(msg, Planned):
             if not self.alive:
-                await self.send("gateway", Failed(msg.rid, "no branch stage is up: wait for the launcher to restart one"))
+                why = "no branch stage is up: wait for the launcher to restart one"
+                await self.send("gateway", Failed(msg.rid, why, "unavailable"))
                 return
             try:
                 await self._assign(msg)
@@ -78,7 +79,8 @@ class ScheduleStage(Stage):
         self.turn += 1
         k = self.turn % len(self.alive)
         order = self.alive[k:] + self.alive[:k]
-        plan, prompts = self.flow.assign(msg, [DeviceProfile(name, **self.spec.profiles[name]) for name in order])
+        plan, prompts = self.flow.assign(msg, [DeviceProfile(name, **self.spec.profiles[name]) for name in order],
+                                         self.spec.max_len)  # fmt: skip
         if plan.mode == "sot" and asked_count(msg.question):  # only a counted answer's points are written again
             remember(self.planned, msg.rid, msg)
         await self.send(self.merge, plan)
@@ -123,7 +125,8 @@ class ScheduleStage(Stage):
         survivors = [name for name in self.alive if name != msg.dead]
         if not tasks or not survivors:
             why = "no other branch stage is up" if tasks else "its tasks are no longer known here"
-            await self.send("gateway", Failed(msg.rid, f"stage {msg.dead} died holding this request and {why}"))
+            error = f"stage {msg.dead} died holding this request and {why}"
+            await self.send("gateway", Failed(msg.rid, error, "unavailable"))
             return
         self.turn += 1
         target = survivors[self.turn % len(survivors)]

@@ -55,8 +55,8 @@ class SkeletonStage(DeviceStage):
     def _start(self, msg: Ask, decision: Route | None) -> None:
         try:
             first = self.flow.route(msg, decision, self.gen.cache.capacity)
-        except SpecSotError as exc:
-            self.post("gateway", Failed(msg.rid, str(exc)))
+        except SpecSotError as exc:  # a bad sot mode
+            self.post("gateway", Failed(msg.rid, str(exc), "invalid"))
             return
         if not isinstance(first, Skeletoning):  # the direct way
             self.post(self.parse, first)

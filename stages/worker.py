@@ -24,9 +24,9 @@ from collections.abc import Callable
 import torch
 
 from specsot_mq.core_share import CoreShare
-from specsot_mq.errors import SpecSotError
+from specsot_mq.errors import PromptTooLong, SpecSotError
 from specsot_mq.generate import Delta, Generator, Job
-from specsot_mq.messages import Failed
+from specsot_mq.messages import Failed, FailCode
 from specsot_mq.stages.base import Stage
 
 log = logging.getLogger("specsot.worker")
@@ -37,7 +37,7 @@ class DeviceWorker:
     called on the event loop. Await `ready` for the Generator (or the error that load raised)."""
 
     def __init__(self, load: Callable[[], Generator], emit: Callable[[object, Delta], None],
-                 loop: asyncio.AbstractEventLoop, on_error: Callable[[object, str], None],
+                 loop: asyncio.AbstractEventLoop, on_error: Callable[[object, str, str], None],
                  share: CoreShare | None = None, threads: int | None = None):  # fmt: skip
         """share: this CPU stage's place on its host's core board; threads: a fixed torch thread
         count instead (None for both: torch's own)."""
@@ -143,7 +143,7 @@ class DeviceWorker:
                 log.exception("decoding failed")
                 self.gen.slots.forget_claims()  # what a slot held may be lost (a range server that restarted)
                 for job_key in active | {job.key for job in pending}:
-                    self.loop.call_soon_threadsafe(self.on_error, job_key, f"{type(exc).__name__}: {exc}")
+                    self.loop.call_soon_threadsafe(self.on_error, job_key, f"{type(exc).__name__}: {exc}", "internal")
             self.done_counts = self.spec_counts()
             self.decoder = None
             active.clear()
@@ -176,7 +176,8 @@ class DeviceWorker:
             return True
         except SpecSotError as exc:
             self.cancel(job.key[0])
-            self.loop.call_soon_threadsafe(self.on_error, job.key, str(exc))
+            code = "too_long" if isinstance(exc, PromptTooLong) else "invalid"
+            self.loop.call_soon_threadsafe(self.on_error, job.key, str(exc), code)
             return False
 
     @staticmethod
@@ -275,10 +276,10 @@ class DeviceStage(Stage):
     def on_delta(self, key, delta: Delta) -> None:
         """A job's new tokens (on the event loop)."""
 
-    def on_error(self, key, error: str) -> None:
-        """A job's batch failed: so does its request."""
+    def on_error(self, key, error: str, code: FailCode) -> None:
+        """A job failed (its batch, or its prompt too long): so does its request."""
         if self.running.pop(key[0], None) is not None:
-            self.post("gateway", Failed(key[0], f"stage {self.name} failed: {error}"))
+            self.post("gateway", Failed(key[0], f"stage {self.name} failed: {error}", code))
 
     def inflight(self) -> int:
         return len(self.running)

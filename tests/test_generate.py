@@ -194,8 +194,8 @@ def test_a_serving_worker_fails_only_the_request_whose_prompt_is_too_long():
             if {("a", 0), ("c", 0)} <= finish.keys() and errors:
                 done.set()
 
-        def on_error(key, error):
-            errors[key] = error
+        def on_error(key, error, code):
+            errors[key] = (error, code)
 
         worker = DeviceWorker(lambda: g, emit, loop, on_error)
         assert await worker.ready is g
@@ -207,7 +207,8 @@ def test_a_serving_worker_fails_only_the_request_whose_prompt_is_too_long():
         return tokens, finish, errors
 
     tokens, finish, errors = asyncio.run(scenario())
-    assert list(errors) == [("b", 0)] and "the prompt is 39 tokens" in errors[("b", 0)] and "--max-len" in errors[("b", 0)]
+    error, code = errors[("b", 0)]
+    assert list(errors) == [("b", 0)] and "the prompt is 39 tokens" in error and "--max-len" in error and code == "too_long"
     assert tokens[("a", 0)] == alone[(1, 2, 3)] and tokens[("c", 0)] == alone[(4, 5, 6, 7)]
     assert finish[("a", 0)] == finish[("c", 0)] == "length"
     assert ("b", 1) not in tokens  # the failed request's other job, admitted with it, never ran

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from specsot_mq.messages import (
-    KINDS, PROTOCOL, Answer, Ask, BranchTask, Heartbeat, MergePlan, PointText, Status, StatusQuery, WireError, decode,
+    KINDS, PROTOCOL, Answer, Ask, BranchTask, FailCode, Heartbeat, MergePlan, PointText, Status, StatusQuery, WireError, decode,
     Tensor, encode, ids, peek,
 )  # fmt: skip
 from specsot_mq.sampling_params import SamplingParams
@@ -97,7 +97,7 @@ SAMPLES = {str: "x", int: 3, float: 1.5, bool: True, dict: {"a": [1, "b"]}, list
            np.ndarray: ids([1, 2]), list[np.ndarray]: [ids([4]), ids([])],
            SamplingParams: SamplingParams(max_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=3, stop=("\n\n", "2.")),
            bytes: b"\x00\x01", Tensor | None: Tensor("float16", [1, 2], b"\x00\x3c\x00\x40"),
-           list[Tensor]: [Tensor("float32", [1], b"\x00\x00\x80\x3f")]}  # fmt: skip
+           list[Tensor]: [Tensor("float32", [1], b"\x00\x00\x80\x3f")], FailCode: "too_long"}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -129,6 +129,8 @@ MALFORMED = {
     "extra field": [GOOD[0], msgspec.msgpack.encode({**msgspec.msgpack.decode(GOOD[1]), "x": 1})],
     "missing token-id frame": POINT[:2],
     "token-id frame of odd length": POINT[:2] + [b"\0" * 5],
+    "failure code not in its list": [msgspec.msgpack.encode([PROTOCOL, "Failed", "g", "s"]),
+                                     msgspec.msgpack.encode({"rid": "r", "error": "e", "code": "oops"})],
     "unknown extension": [POINT[0], msgspec.msgpack.encode({"rid": "r", "index": 1, "text": "", "token_ids": msgspec.msgpack.Ext(7, b"")}),
                           b"1234"],
 }  # fmt: skip

@@ -594,7 +594,8 @@ def test_ctrl_c_in_chat_stops_the_answer_without_a_traceback(tiny_model, tmp_pat
     """Ctrl+C mid-answer: the chat says "stopped" and reads the next line, every stage drops the
     request, and nothing prints a traceback. The branch stage is held (SIGSTOP) from before the
     question until the chat has stopped, so the points cannot finish before the interrupt however
-    fast the model or slow the machine (the gateway waits far longer than that for a heartbeat)."""
+    fast the model or slow the machine (the gateway waits far longer than that for a heartbeat).
+    Then a conversation that outgrows the stages' cache goes on without its oldest turn."""
     spec, run_dir = tiny_spec(tiny_model, "p2p", devices="127.0.0.1#cpu", point_tokens=360, dead_after_s=300.0)
     with launched(spec, run_dir) as launcher:
         run_file = tmp_path / "run.json"
@@ -607,11 +608,11 @@ def test_ctrl_c_in_chat_stops_the_answer_without_a_traceback(tiny_model, tmp_pat
         reader = threading.Thread(target=lambda: out.extend(iter(lambda: chat.stdout.read(1), "")), daemon=True)
         reader.start()
 
-        def wait_for(text: str) -> None:
+        def wait_for(text: str, times: int = 1) -> None:
             deadline = time.monotonic() + 120
-            while text not in "".join(out) and time.monotonic() < deadline and chat.poll() is None:
+            while "".join(out).count(text) < times and time.monotonic() < deadline and chat.poll() is None:
                 time.sleep(0.01)
-            if text not in "".join(out):  # say whether the chat died (and how) or hung
+            if "".join(out).count(text) < times:  # say whether the chat died (and how) or hung
                 died = chat.poll() is not None
                 raise AssertionError(f"{text!r} not in the chat's output; the chat {'exited ' + str(chat.returncode) if died else 'still runs'}"
                                      f"\n--- stdout:\n{''.join(out)}\n--- stderr:\n{chat.stderr.read() if died else ''}")  # fmt: skip
@@ -626,11 +627,18 @@ def test_ctrl_c_in_chat_stops_the_answer_without_a_traceback(tiny_model, tmp_pat
         finally:
             os.kill(branch, signal.SIGCONT)
         asyncio.run(_all_idle(spec))  # the abort reached every stage, the branch included
+        # Each question fits the cache (512 tokens) alone, the second not after the first's turn.
+        long = "word " * 440
+        chat.stdin.write(f"/set mode never\n/set max_tokens 20\n{long}\n{long}\n")
+        chat.stdin.flush()
+        wait_for("mode direct", times=2)
         errors = chat.communicate("/bye\n", timeout=60)[1]
         reader.join(10)
         logs = launcher.tail(next(name for name in launcher.pids() if name.startswith("branch")), 200)
     text = "".join(out)
     assert "mode sot" not in text, text  # the answer did not finish
+    assert text.count("too long for the stages' cache: asking again without the oldest turn") == 1, text
+    assert "error" not in text, text
     assert "Traceback" not in text + errors + logs and "Error" not in errors, (text, errors, logs)
     assert chat.returncode == 0
 

@@ -247,6 +247,7 @@ def test_a_body_over_the_limit_is_413_at_once_and_a_prompt_over_the_cache_is_400
         _client(base).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 1200}])
     message = caught.value.body["message"]  # the gateway's: a device stage's would begin "stage skeleton failed"
     assert message.startswith("the prompt is") and "KV cache holds 1024" in message and "--max-len" in message
+    assert caught.value.code == "context_length_exceeded"  # OpenAI's code for it (the web chat acts on it)
 
 
 def _stage_slots(base: str) -> float:
@@ -405,6 +406,15 @@ def test_the_web_chat_in_a_real_browser(served, tmp_path):
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".assistant")[1].find_element(By.CSS_SELECTOR, ".error").text == "stopped")
         assert _wait_slots_free(base) == 0
         assert driver.find_element(By.ID, "send").is_displayed()
+        # A question that fits the cache (1024 tokens) alone, but not after the first turn: the
+        # server says context_length_exceeded, and the chat asks again without that turn.
+        driver.execute_script("document.getElementById('input').value = arguments[0];", "word " * 960)
+        driver.find_element(By.ID, "input").send_keys(Keys.ENTER)
+        third = lambda d: d.find_elements(By.CSS_SELECTOR, ".assistant")[2]  # noqa: E731
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".assistant")) == 3
+                   and "mode direct" in third(d).find_element(By.CSS_SELECTOR, ".stats").text)  # fmt: skip
+        stats = third(driver).find_element(By.CSS_SELECTOR, ".stats").text
+        assert "1 earliest turn left out (the conversation outgrew the model's cache)" in stats, stats
     finally:
         driver.quit()
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import ours_from_hf, tiny_hf
+from specsot_mq.errors import PromptTooLong
 from specsot_mq.generate import Delta, Generator
 from specsot_mq.sampling import SamplingParams
 from specsot_mq.messages import Answer, AnswerText, Ask, PointText, Skeleton, SkeletonText
@@ -240,6 +241,26 @@ def test_questions_the_router_sends_direct_get_the_plain_answer(tiny):
     assert engine.generate("What is 17 * 23?", PARAMS, history=[]).mode == "direct"
     assert SoTEngine(tiny, SoTConfig(sot="never", max_parallel=5), router=router).generate("Why?", PARAMS).mode == "direct"
     assert len(asked) == 2  # --sot never asks no router
+
+
+def test_prompts_longer_than_the_cache_fail_at_once_or_go_the_direct_way(tiny):
+    """In a cache too small for them: a skeleton's prompt (--sot always) is one PromptTooLong
+    before anything is decoded or streamed (the engine computed the prompts' shared beginnings
+    first, and one longer than the cache crashed it), and a plan whose points' prompts would not
+    fit is answered the direct way, whose prompt fits."""
+    tok, question = tiny.tokenizer, "How do I start running?"
+    skeleton = len(load_format("sot").skeleton_ids(tok, question))
+    small = SoTEngine(Generator(tiny.model, tok, max_len=skeleton - 1, num_slots=5), SoTConfig(sot="always", max_parallel=5))
+    with pytest.raises(PromptTooLong, match=f"the prompt is {skeleton} tokens and the KV cache holds {skeleton - 1} per"):
+        next(small.stream(question, PARAMS))
+    prefix, suffixes = point_prompts(tok, small.format, question, PLAN)
+    longest = len(prefix) + max(map(len, suffixes.values()))
+    fits = SoTEngine(Generator(tiny.model, tok, max_len=longest, num_slots=5), SoTConfig(max_parallel=5))
+    assert list(fits.expand(question, PLAN, PARAMS))[-1].mode == "sot"
+    short = SoTEngine(Generator(tiny.model, tok, max_len=longest - 1, num_slots=5), SoTConfig(max_parallel=5))
+    final = list(short.expand(question, PLAN, PARAMS))[-1]
+    assert final.mode == "direct" and final.reason == f"the points' prompts ({longest} tokens) would not fit the cache ({longest - 1})"
+    assert final.answer == short.gen.generate(question, PARAMS).text
 
 
 def scripted(tok, chain: dict[int, int]):

@@ -85,12 +85,13 @@ function renderSide() {
   }
 }
 
-function statsLine(how) {
+function statsLine(how, leftOut) {
   if (!how) return "";
   const tokens = Object.values(how.phases).reduce((a, p) => a + p.tokens, 0);
   const taus = Object.entries(how.phases).filter(([, p]) => p.tau).map(([n, p]) => `${n} ${p.tau.toFixed(2)}`);
   return `mode ${how.mode} · ${how.points.length} points · ${tokens} tokens · ${how.seconds.toFixed(2)} s` +
-    (taus.length ? ` · tau ${taus.join(", ")}` : "");
+    (taus.length ? ` · tau ${taus.join(", ")}` : "") +
+    (leftOut ? ` · ${leftOut} earliest turn${leftOut > 1 ? "s" : ""} left out (the conversation outgrew the model's cache)` : "");
 }
 
 // The view of one assistant message: skeleton, point rows, answer, stats, error.
@@ -136,9 +137,9 @@ function assistantView(msg) {
       const el = div.querySelector(".answer");
       if (final) el.innerHTML = markdown(text); else el.textContent = text;
     },
-    done(how) {
+    done(how, leftOut) {
       div.querySelectorAll(".point").forEach((r) => r.classList.add("done"));
-      div.querySelector(".stats").textContent = statsLine(how);
+      div.querySelector(".stats").textContent = statsLine(how, leftOut);
     },
     error(text) { const el = div.querySelector(".error"); el.hidden = false; el.textContent = text; },
   };
@@ -149,7 +150,7 @@ function assistantView(msg) {
       for (const p of msg.how.points) view.point(p.index, p.text);
     }
     view.answer(msg.content || "", true);
-    if (msg.how) view.done(msg.how);
+    if (msg.how) view.done(msg.how, msg.leftOut);
     if (msg.error) view.error(msg.error);
   }
   return view;
@@ -239,13 +240,20 @@ async function ask(text) {
   const s = settings();
   try {
     if (!model) await fetchModel();
-    const response = await fetch("/v1/chat/completions", {
-      method: "POST", headers: headers(), signal: running.signal,
-      body: JSON.stringify({ model, messages: [...history, { role: "user", content: text }], stream: true,
-                             sot: s.sot, temperature: s.temperature, max_tokens: s.max_tokens }),
-    });
-    if (!response.ok) {
+    let response;
+    for (;;) {  // a conversation longer than the model's cache is asked again without its earliest turn
+      response = await fetch("/v1/chat/completions", {
+        method: "POST", headers: headers(), signal: running.signal,
+        body: JSON.stringify({ model, messages: [...history, { role: "user", content: text }], stream: true,
+                               sot: s.sot, temperature: s.temperature, max_tokens: s.max_tokens }),
+      });
+      if (response.ok) break;
       const body = await response.json().catch(() => ({}));
+      if (body.error && body.error.code === "context_length_exceeded" && history.length) {
+        history.splice(0, 2);
+        msg.leftOut = (msg.leftOut || 0) + 1;
+        continue;
+      }
       throw new Error(`${response.status}: ${body.error ? body.error.message : response.statusText}`);
     }
     for await (const data of events(response)) {
@@ -261,7 +269,7 @@ async function ask(text) {
       if (!final && ext.restart) view.restart(ext.restart.indices);
       if (!final && ext.point_end) view.pointEnd(ext.point_end.index);
       if (choice && choice.delta && choice.delta.content) { msg.content += choice.delta.content; view.answer(msg.content, false); }
-      if (final) { msg.how = ext; view.answer(msg.content, true); view.done(ext); }
+      if (final) { msg.how = ext; view.answer(msg.content, true); view.done(ext, msg.leftOut); }
       box.scrollTop = box.scrollHeight;
     }
   } catch (e) {

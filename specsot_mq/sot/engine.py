@@ -78,6 +78,7 @@ class SoTEngine:
         start = time.monotonic()
         ask = Ask(uuid.uuid4().hex[:12], question, params or SamplingParams(), self.config.sot, list(history))
         self.routed = None
+        self.flow.check_fits(ask, self.gen.cache.capacity)
         try:
             skeleton = self.flow.route(ask, capacity=self.gen.cache.capacity)
             yield from self._answer(skeleton, start)
@@ -109,7 +110,7 @@ class SoTEngine:
         """The rest of a request once its plan is known: its points (or its direct answer), merged,
         then those a counted answer left out written again (Merging's Again), where it asks."""
         rid, device = planned.rid, self.device.name
-        plan, prompts = self.flow.assign(planned, [self.device])
+        plan, prompts = self.flow.assign(planned, [self.device], self.gen.cache.capacity)
         merging = Merging(self.format)
         yield from merging.feed(plan, device)
         jobs = prompts.jobs(plan.branches[device])

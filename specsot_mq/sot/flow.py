@@ -31,7 +31,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specsot_mq.errors import SpecSotError
+import msgspec
+
+from specsot_mq.errors import PromptTooLong, SpecSotError
 from specsot_mq.messages import (
     Again, Answer, AnswerText, Ask, BranchTask, MergePlan, Planned, PointEnd, PointText, Reassign, Skeleton, SkeletonText,
     ids,
@@ -236,6 +238,14 @@ class Flow:
             sizes.append(len(self.format.skeleton_ids(self.tokenizer, ask.question, ask.history, count)))
         return max(sizes)
 
+    def check_fits(self, ask: Ask, capacity: int, fix: str = "raise the cache length (--max-len)") -> None:
+        """Raise PromptTooLong, saying `fix`, where the request's longest prompt (prompt_size)
+        cannot fit a cache slot of `capacity` tokens; SpecSotError on a bad `ask.sot`."""
+        size = self.prompt_size(ask)
+        if size > capacity:
+            raise PromptTooLong(f"the prompt is {size} tokens and the KV cache holds {capacity} per sequence: "
+                                f"shorten the prompt or {fix}")  # fmt: skip
+
     def parse(self, msg: Skeleton, plan: Callable[[str], Plan] | None = None) -> Planned:
         """The skeleton's plan of points, or the direct way when it is not a usable list; `plan`:
         a replacement parser (text -> Plan). As many points as the question names, where it
@@ -257,11 +267,20 @@ class Flow:
                 mode, reason, asked = "direct", f"skeleton says direct: {parsed.reason}", asked_count(msg.question) or 0
         return Planned(msg.rid, msg.question, msg.params, mode, reason, msg.text, points, msg.stats, msg.history, asked)
 
-    def assign(self, msg: Planned, devices: list[DeviceProfile]) -> tuple[MergePlan, AnswerPrompts]:
+    def assign(self, msg: Planned, devices: list[DeviceProfile], capacity: int | None = None) -> tuple[MergePlan, AnswerPrompts]:
         """The points spread over the devices, longest predicted first (LPT; a direct answer goes
         whole to the first device; the plan's `branches` says which device decodes which points),
-        with their prompts: one shared prefix, a short suffix each."""
+        with their prompts: one shared prefix, a short suffix each. `capacity`: the cache's tokens
+        per sequence; a plan whose longest point prompt is longer goes direct (the request's
+        direct prompt was checked to fit when it came in)."""
         fmt, tok = self.format, self.tokenizer
+        if msg.mode == "sot":
+            plan = Plan("plan", [Point(i, title, predicted or None) for i, title, predicted in msg.points])
+            prefix, suffixes = point_prompts(tok, fmt, msg.question, plan, msg.history)
+            longest = len(prefix) + max(map(len, suffixes.values()))
+            if capacity is not None and longest > capacity:
+                reason = f"the points' prompts ({longest} tokens) would not fit the cache ({capacity})"
+                msg = msgspec.structs.replace(msg, mode="direct", reason=reason)  # the prompt the gateway checked
         if msg.mode != "sot":
             asked = fmt.counted_direct.format(question=msg.question, count=msg.count) if msg.count else msg.question
             prompt = direct_ids(tok, asked, msg.history)
@@ -271,8 +290,6 @@ class Flow:
             # answer); not where the question was asked for its count (the history holds it as asked).
             keep = history_end(lambda h: direct_ids(tok, asked, h), msg.history) if msg.count else len(prompt)
             return plan, AnswerPrompts(msg.rid, msg.params, [], {0: prompt}, keep)
-        plan = Plan("plan", [Point(i, title, predicted or None) for i, title, predicted in msg.points])
-        prefix, suffixes = point_prompts(tok, fmt, msg.question, plan, msg.history)
         assignments = [a for a in schedule(plan.points, devices) if a.point_indices]
         merge_plan = MergePlan(msg.rid, "sot", msg.reason, msg.skeleton, [(p.index, p.title) for p in plan.points],
                                {a.device: a.point_indices for a in assignments}, msg.stats, msg.question)  # fmt: skip
