@@ -123,6 +123,12 @@ def train_draft(
         layers = tuple(int(x) for x in feature_layers.split(",")) if feature_layers else None
     except ValueError:
         raise SpecSotError(f"--feature-layers {feature_layers!r}: give layer numbers separated by commas, e.g. 2,15,27,30") from None
+    if questions < 1:
+        raise SpecSotError(f"--questions {questions}: give the number of questions to answer for the data, at least 1 (e.g. 640)")
+    if epochs < 0:
+        raise SpecSotError(f"--epochs {epochs}: give 0 (write the data only) or more")
+    if draft_vocab < 1:
+        raise SpecSotError(f"--draft-vocab {draft_vocab}: give the number of tokens the head guesses among, at least 1 (e.g. 8192)")
     if batch < 1:
         raise SpecSotError(f"--batch {batch}: give the number of sequences to decode together, at least 1 (e.g. 64)")
     if prompts not in recipe.PROMPT_SOURCES:

@@ -334,6 +334,8 @@ def load_generator(
     dev = resolve_device(device)
     check_dtype(dtype)  # a bad flag fails before a model is pulled
     check_quantize(quantize)
+    if max_len < 1:
+        raise SpecSotError(f"--max-len must be at least 1 token, got {max_len}")
     folder = resolve_model(model)
     activations = resolve_dtype(dtype, dev, runs_quantized(folder, quantize, dev))
     draft_path = resolve_draft(draft, folder)

@@ -62,6 +62,9 @@ def test_run_plan_local_and_remote(tmp_path):
     remote = plan_run(parse_devices("127.0.0.1#cpu,192.0.2.7#0"), profiles, "p2p", tmp_path, base_port=7000)
     assert remote.table["gateway"] == "tcp://127.0.0.1:7000" and remote.table["branch@192.0.2.7#0"].startswith("tcp://192.0.2.7:")
     assert remote.hosts["branch@192.0.2.7#0"] == "192.0.2.7" and remote.hosts["merge"] == "127.0.0.1"
+    for bad in (0, 65533, 80000):  # 7 stages' ports do not fit from there
+        with pytest.raises(SpecSotError, match=f"--base-port {bad} leaves too few tcp ports"):
+            plan_run(parse_devices("127.0.0.1#cpu,192.0.2.7#0"), profiles, "p2p", tmp_path, base_port=bad)
     with pytest.raises(SpecSotError, match="--topology"):
         plan_run(parse_devices("127.0.0.1#cpu"), profiles, "mesh", tmp_path)
 

@@ -69,7 +69,8 @@ class SoTConfig:
             self.prompt_format = str(Path(self.prompt_format).expanduser().resolve())
         load_format(self.prompt_format)  # an unknown name or a bad file fails here, saying what is wrong
         check_mode(self.sot)
-        for flag, value, low in (("--max-points", self.max_points, 2), ("--max-parallel", self.max_parallel, 1)):
+        for flag, value, low in (("--max-points", self.max_points, 2), ("--max-parallel", self.max_parallel, 1),
+                                 ("--skeleton-tokens", self.skeleton_tokens, 1), ("--point-tokens", self.point_tokens, 1)):
             if value < low:
                 raise SpecSotError(f"{flag} must be at least {low}, got {value}")
 
