@@ -148,10 +148,12 @@ class BadLine(SpecSotError):
         self.rid = rid
 
 
-def parse_batch_line(line: str, number: int) -> tuple[str, str, list[dict]]:
+def parse_batch_line(line: str, number: int) -> tuple[str, str | list[str], list[dict]]:
     """(id, question, earlier turns) from one input line: a plain question, JSONL {"id", "question"},
-    or the OpenAI batch format {"custom_id", "body": {"messages"}}, whose messages before the last
-    are the conversation so far (read as the server reads them). BadLine says what is wrong."""
+    the OpenAI batch format {"custom_id", "body": {"messages"}}, whose messages before the last are
+    the conversation so far (read as the server reads them), or MT-bench's {"question_id", "turns"}:
+    its list of questions, each asked after the answers to those before it. BadLine says what is
+    wrong."""
     text = line.strip()
     rid = f"line-{number}"
     if not text.startswith("{"):
@@ -162,7 +164,12 @@ def parse_batch_line(line: str, number: int) -> tuple[str, str, list[dict]]:
         raise BadLine(f"line {number} is not valid JSON ({exc.msg} at column {exc.colno})", rid) from None
     if not isinstance(row, dict):
         raise BadLine(f"line {number} must be a JSON object", rid)
-    rid = str(row.get("id", row.get("custom_id", rid)))
+    rid = str(row.get("id", row.get("custom_id", row.get("question_id", rid))))
+    if "turns" in row:
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise BadLine(f"line {number}: turns must be a non-empty list of non-empty strings (the questions)", rid)
+        return rid, turns, []
     if "question" in row:
         question = row["question"]
         if not isinstance(question, str) or not question.strip():
@@ -175,7 +182,7 @@ def parse_batch_line(line: str, number: int) -> tuple[str, str, list[dict]]:
             return rid, *messages(row["body"]["messages"])
         except ApiError as exc:
             raise BadLine(f"line {number}: {exc.message}", rid) from None
-    raise BadLine(f'line {number} has neither "question" nor "body": {{"messages": [...]}}', rid)
+    raise BadLine(f'line {number} has none of "question", "turns" or "body": {{"messages": [...]}}', rid)
 
 
 @with_options
@@ -188,7 +195,8 @@ def run_batch(
     concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 4,
     timeout: Annotated[float, typer.Option(help="Seconds a request may stay silent.")] = 600.0,
 ):
-    """Answer questions in batch: one line in (plain or JSONL), one JSON line out, in input order."""
+    """Answer questions in batch: one line in (plain or JSONL), one JSON line out, in input order
+    (for an MT-bench line, its answer to each of its turns)."""
     from specsot_mq.client import Client
     from specsot_mq.messages import Failed
 
@@ -216,18 +224,21 @@ def run_batch(
         async def one(client, number, line):
             nonlocal failures
             try:
-                rid, question, history = parse_batch_line(line, number)
+                rid, asked, history = parse_batch_line(line, number)
             except BadLine as exc:
                 failures += 1
                 return {"id": exc.rid, "line": number, "error": str(exc)}
-            async with gate:
-                msg = await client.answer(question, params, sot, timeout=timeout, history=history)
-            if isinstance(msg, Failed):
-                failures += 1
-                return {"id": rid, "line": number, "error": msg.error}
-            return {"id": rid, "line": number, "answer": msg.answer, "mode": msg.mode, "reason": msg.reason,
-                    "skeleton": msg.skeleton, "points": [{"index": i, "title": t, "text": x} for i, t, x in msg.points],
-                    "stats": msg.stats}  # fmt: skip
+            turns = []  # an MT-bench line's answers, each turn asked after those before it
+            for question in [asked] if isinstance(asked, str) else asked:
+                async with gate:
+                    msg = await client.answer(question, params, sot, timeout=timeout, history=history)
+                if isinstance(msg, Failed):
+                    failures += 1
+                    return {"id": rid, "line": number, "error": msg.error} | ({} if isinstance(asked, str) else {"turns": turns})
+                turns.append({"answer": msg.answer, "mode": msg.mode, "reason": msg.reason, "skeleton": msg.skeleton,
+                              "points": [{"index": i, "title": t, "text": x} for i, t, x in msg.points], "stats": msg.stats})  # fmt: skip
+                history = [*history, {"role": "user", "content": question}, {"role": "assistant", "content": msg.answer}]
+            return {"id": rid, "line": number} | (turns[0] if isinstance(asked, str) else {"turns": turns})
 
         async with Client(address, keys=keys) as client:
             tasks = [asyncio.create_task(one(client, n, line)) for n, line in lines]

@@ -141,7 +141,10 @@ def test_piped_view_ends_the_skeleton_line_before_a_direct_answer(capsys):
          '"text": "Why?"}]}]}}', "c2", "Why?", None),  # the turns before its question are its history
         ('{"id": oops', "line-3", None, "line 3 is not valid JSON"),
         ("[1, 2]", "line-3", None, None),  # not an object: read as a plain question
-        ('{"id": "q5"}', "q5", None, 'line 3 has neither "question"'),  # its own id, with the error
+        ('{"id": "q5"}', "q5", None, 'line 3 has none of "question", "turns" or "body"'),  # its own id, with the error
+        ('{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]}', "81", ["Write a poem.", "Shorter."],
+         None),  # MT-bench's: its questions, asked in turn
+        ('{"question_id": 82, "turns": ["Hi", ""]}', "82", None, "line 3: turns must be a non-empty list of non-empty"),
         ('{"id": "q6", "question": "  "}', "q6", None, "the question must be a non-empty string"),
         ('{"custom_id": "c7", "body": {"messages": []}}', "c7", None, "line 3: messages must be a non-empty list"),
         ('{"custom_id": "c8", "body": {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", '

@@ -666,21 +666,25 @@ def test_specsot_run_answers_good_lines_and_fails_only_the_malformed_one(tiny_mo
                  '{"id": "q5"}', json.dumps({"id": "q6", "question": "word " * 600}),
                  json.dumps({"custom_id": "c7", "body": {"messages": [
                      {"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Hi"},
-                     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a fruit."}]}})]  # fmt: skip
+                     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a fruit."}]}}),
+                 json.dumps({"question_id": 81, "category": "writing", "turns": ["Name a fruit.", "Name a fruit."]})]  # fmt: skip
         out = subprocess.run([sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "run", "--run", str(run_file),
                               "--max-tokens", "8", "--concurrency", "3"], input="\n".join(lines), text=True,
                              capture_output=True, timeout=300)  # fmt: skip
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["id"] for r in rows] == ["line-1", "q2", "line-3", "c4", "q5", "q6", "c7"], out.stderr
-    assert [("error" in r) for r in rows] == [False, False, True, False, True, True, False]
+    assert [r["id"] for r in rows] == ["line-1", "q2", "line-3", "c4", "q5", "q6", "c7", "81"], out.stderr
+    assert [("error" in r) for r in rows] == [False, False, True, False, True, True, False, False]
+    # MT-bench's line: an answer per turn, the second asked after the first and its answer
+    first, second = rows[7]["turns"]
+    assert first["answer"] == rows[3]["answer"] and second["stats"]["prompt_tokens"] > first["stats"]["prompt_tokens"]
     # a batch line's earlier turns reach the prompt: the same question, asked after them
     assert rows[6]["stats"]["prompt_tokens"] > rows[3]["stats"]["prompt_tokens"]
-    assert "not valid JSON" in rows[2]["error"] and "neither" in rows[4]["error"]
+    assert "not valid JSON" in rows[2]["error"] and "none of" in rows[4]["error"]
     # The gateway's refusal: a device stage's would begin "stage skeleton failed".
     assert rows[5]["error"].startswith("the prompt is") and "KV cache holds 512" in rows[5]["error"]
     assert "specsot launch or serve --max-len" in rows[5]["error"]  # run itself takes no --max-len
     assert rows[0]["mode"] == "sot" and len(rows[0]["points"]) == 5 and rows[1]["mode"] == "direct"
-    assert "3 of 7 lines failed" in out.stderr
+    assert "3 of 8 lines failed" in out.stderr
 
 
 def hostile_frames(rng, count: int, vocab: int):
