@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from specsot_mq.errors import SpecSotError
+
 
 class KVCache:
     def __init__(
@@ -34,7 +36,12 @@ class KVCache:
         """spare: (slots, positions) allocated beyond `num_slots` and `capacity`, which no sequence
         owns: a captured step's padding rows write there (cuda_graphs.py)."""
         shape = (num_layers, num_slots + spare[0], num_kv_heads, capacity + spare[1], head_dim)
-        self.kv = _zeros((2, *shape), dtype, device)  # keys and values in one buffer: one gather reads both
+        try:
+            self.kv = _zeros((2, *shape), dtype, device)  # keys and values in one buffer: one gather reads both
+        except OSError as exc:  # more than the OS maps (on a CPU only the positions used take memory)
+            size = 2 * math.prod(shape) * dtype.itemsize / 2**30
+            raise SpecSotError(f"a KV cache for {num_slots} sequences of {capacity} positions takes {size:,.1f} GiB, more than "
+                               f"this machine maps ({exc.strerror}): lower --max-len (or the slots)") from None  # fmt: skip
         self.k, self.v = self.kv[0], self.kv[1]
         self.capacity = capacity
         self.spare = spare

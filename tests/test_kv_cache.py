@@ -112,3 +112,11 @@ def test_overflow_is_a_clear_error():
     slots.check(1, 8, 2)  # fits exactly
     with pytest.raises(KVCacheOverflow, match=r"slot 1 holds 8 of 10 positions and 3 more do not fit"):
         slots.check(1, 8, 3)
+
+
+def test_a_cache_beyond_what_the_machine_maps_is_one_error_naming_the_flag():
+    """2^49 bytes: past the 47-bit address space of an x86-64 process, whatever the OS overcommits."""
+    from specsot_mq.errors import SpecSotError
+
+    with pytest.raises(SpecSotError, match=r"a KV cache for 1 sequences of \d+ positions takes .* GiB, .* lower --max-len"):
+        KVCache(1, 1, 1, 2**46, 1, torch.float32)
