@@ -254,7 +254,22 @@ def run_batch(
 
 
 CHAT_HELP = """/? help · /bye or /exit quit · /clear forget the conversation · /set mode auto|always|never ·
-/set temperature T · /set max_tokens N · /set repeat_stop N (0 = off) · Ctrl+C stops an answer · Ctrl+D quits"""
+/set temperature T · /set max_tokens N · /set repeat_stop N (0 = off) · \"\"\" begins and ends a question of
+several lines · Ctrl+C stops an answer · Ctrl+D quits"""
+
+
+def _read(console: Console) -> str:
+    """A question or command from the terminal: one line, or (a pasted text) the lines from one
+    that begins with \"\"\" to one that ends with it, without the quotes. EOFError at the end."""
+    line = console.input("[bold]>>> [/]")
+    if not line.lstrip().startswith('"""'):
+        return line.strip()
+    lines, rest = [], line.lstrip()[3:]
+    while not rest.rstrip().endswith('"""'):
+        lines.append(rest)
+        rest = console.input("[dim]... [/]")
+    lines.append(rest.rstrip()[:-3])
+    return "\n".join(lines).strip()
 
 
 @with_options
@@ -267,7 +282,7 @@ def chat(topo: TopologyOptions, model: ModelOptions, answers: AnswerOptions):
         console.print(f"[dim]connected to {address} · {CHAT_HELP}[/]")
         while True:
             try:
-                line = console.input("[bold]>>> [/]").strip()
+                line = _read(console)
             except EOFError:
                 break
             except KeyboardInterrupt:

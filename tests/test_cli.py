@@ -185,3 +185,23 @@ def test_chat_set_changes_a_setting_and_keeps_the_old_one_when_the_value_is_refu
     answers = _slash("/set mode always", answers, [], console)
     assert answers.sot == "always" and answers.max_tokens == 40
     assert out.getvalue().count("does not take") == 4 and "max_tokens = 40" in out.getvalue()
+
+
+def test_chat_reads_a_question_of_several_lines_between_triple_quotes():
+    from specsot_mq.cli.serve import _read
+
+    class Typed:  # a terminal whose user types these lines
+        def __init__(self, *lines):
+            self.lines = list(lines)
+
+        def input(self, prompt):
+            if not self.lines:
+                raise EOFError
+            return self.lines.pop(0)
+
+    assert _read(Typed("  Why is the sky blue?  ")) == "Why is the sky blue?"
+    assert _read(Typed('"""Summarize this:', "", "  first line", 'second line"""', "next")) == "Summarize this:\n\n  first line\nsecond line"
+    assert _read(Typed('"""', "one", "two", '"""')) == "one\ntwo"
+    assert _read(Typed('"""just one"""')) == "just one"
+    with pytest.raises(EOFError):  # input ended inside the quotes: nothing half-read is asked
+        _read(Typed('"""', "one"))
