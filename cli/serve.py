@@ -228,17 +228,17 @@ def run_batch(
             except BadLine as exc:
                 failures += 1
                 return {"id": exc.rid, "line": number, "error": str(exc)}
-            turns = []  # an MT-bench line's answers, each turn asked after those before it
-            for question in [asked] if isinstance(asked, str) else asked:
+            many, turns = not isinstance(asked, str), []  # an MT-bench line: each turn asked after those before it
+            for question in asked if many else [asked]:
                 async with gate:
                     msg = await client.answer(question, params, sot, timeout=timeout, history=history)
                 if isinstance(msg, Failed):
                     failures += 1
-                    return {"id": rid, "line": number, "error": msg.error} | ({} if isinstance(asked, str) else {"turns": turns})
+                    return {"id": rid, "line": number, "error": msg.error} | ({"turns": turns} if many else {})
                 turns.append({"answer": msg.answer, "mode": msg.mode, "reason": msg.reason, "skeleton": msg.skeleton,
                               "points": [{"index": i, "title": t, "text": x} for i, t, x in msg.points], "stats": msg.stats})  # fmt: skip
                 history = [*history, {"role": "user", "content": question}, {"role": "assistant", "content": msg.answer}]
-            return {"id": rid, "line": number} | (turns[0] if isinstance(asked, str) else {"turns": turns})
+            return {"id": rid, "line": number} | ({"turns": turns} if many else turns[0])
 
         async with Client(address, keys=keys) as client:
             tasks = [asyncio.create_task(one(client, n, line)) for n, line in lines]

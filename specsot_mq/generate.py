@@ -188,10 +188,7 @@ class Generator:
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             raise SpecSotError(f"the prompt holds token ids outside the model's vocabulary (0 to {vocab - 1})")
         if len(ids) > self.cache.capacity:
-            raise PromptTooLong(
-                f"the prompt is {len(ids)} tokens and the KV cache holds {self.cache.capacity} per sequence: "
-                "shorten the prompt or raise the cache length (--max-len)"
-            )
+            raise PromptTooLong.of(len(ids), self.cache.capacity)
 
     def new_decoder(self, params: SamplingParams) -> Decoder:
         """The decoder for one call: EAGLE when the generator has a draft head, else plain (with

@@ -414,7 +414,8 @@ class Gateway(Stage):
                                    "choose another id", "invalid")  # fmt: skip
         try:
             check_history(msg.history)
-            self.flow.check_fits(msg, self.spec.max_len, "start the stages with a longer cache (specsot launch or serve --max-len)")
+            fix = "start the stages with a longer cache (specsot launch or serve --max-len)"
+            self.flow.check_fits(msg, self.spec.max_len, fix)
         except PromptTooLong as exc:
             return Failed(msg.rid, str(exc), "too_long")
         except SpecSotError as exc:

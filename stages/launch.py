@@ -169,13 +169,13 @@ def plan_run(devices: list[Device], profiles: dict[str, DeviceProfile], topology
     served = {f"range@{d.name}": (d, bounds) for d, bounds in zip(devices, ranges or [])}
     hosts |= {name: d.host for name, (d, _) in served.items()}
     local = all(is_local(host) for host in hosts.values())
-    port = iter(range(base_port, 65536))
+    port = iter(range(base_port, 65536) if base_port >= 1 else ())
 
     def address(name: str) -> str:
         if local:
             return f"ipc://{run_dir}/{_safe(name)}.sock"
         number = next(port, None)
-        if number is None or base_port < 1:
+        if number is None:
             raise SpecSotError(f"--base-port {base_port} leaves too few tcp ports (1 to 65535) for every stage: choose "
                                "one such as 5600")  # fmt: skip
         return f"tcp://{hosts.get(name, first.host)}:{number}"

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from specsot_mq.errors import PromptTooLong, SpecSotError
+from specsot_mq.errors import RAISE_MAX_LEN, PromptTooLong, SpecSotError
 from specsot_mq.messages import (
     Again, Answer, AnswerText, Ask, BranchTask, MergePlan, Planned, PointEnd, PointText, Reassign, Skeleton, SkeletonText,
     ids,
@@ -239,13 +239,12 @@ class Flow:
             sizes.append(len(self.format.skeleton_ids(self.tokenizer, ask.question, ask.history, count)))
         return max(sizes)
 
-    def check_fits(self, ask: Ask, capacity: int, fix: str = "raise the cache length (--max-len)") -> None:
+    def check_fits(self, ask: Ask, capacity: int, fix: str = RAISE_MAX_LEN) -> None:
         """Raise PromptTooLong, saying `fix`, where the request's longest prompt (prompt_size)
         cannot fit a cache slot of `capacity` tokens; SpecSotError on a bad `ask.sot`."""
         size = self.prompt_size(ask)
         if size > capacity:
-            raise PromptTooLong(f"the prompt is {size} tokens and the KV cache holds {capacity} per sequence: "
-                                f"shorten the prompt or {fix}")  # fmt: skip
+            raise PromptTooLong.of(size, capacity, fix)
 
     def parse(self, msg: Skeleton, plan: Callable[[str], Plan] | None = None) -> Planned:
         """The skeleton's plan of points, or the direct way when it is not a usable list; `plan`:
