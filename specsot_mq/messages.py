@@ -301,7 +301,7 @@ class Failed(Message):
 
     rid: str
     error: str
-    code: FailCode = "internal"
+    code: FailCode
 
 
 # What a client sees of a request, in order, from the stages or the in-process engine alike

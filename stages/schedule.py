@@ -73,7 +73,7 @@ class ScheduleStage(Stage):
             try:
                 await self._assign(msg)
             except SpecSotError as exc:
-                await self.send("gateway", Failed(msg.rid, str(exc)))
+                await self.send("gateway", Failed(msg.rid, str(exc), "internal"))
 
     async def _assign(self, msg: Planned) -> None:
         self.turn += 1

@@ -48,7 +48,7 @@ class SkeletonStage(DeviceStage):
             return
         self.routing.discard(msg.rid)
         if done.exception() is not None:
-            self.post("gateway", Failed(msg.rid, f"stage {self.name} failed to route: {done.exception()}"))
+            self.post("gateway", Failed(msg.rid, f"stage {self.name} failed to route: {done.exception()}", "internal"))
             return
         self._start(msg, done.result())
 
