@@ -42,7 +42,7 @@ from specsot_mq.prompts import common_prefix, direct_ids, history_end, load_form
 from specsot_mq.sampling_params import SamplingParams
 from specsot_mq.sot.ordered import CUT_OFF, OrderedAnswer, dropped_points
 from specsot_mq.sot.parser import SPARE, Plan, Point, asked_count, item_starts, item_titles
-from specsot_mq.sot.router import MODES, Route, check_mode, route
+from specsot_mq.sot.router import Route, check_mode, route
 from specsot_mq.sot.scheduler import DeviceProfile, schedule
 
 if TYPE_CHECKING:
@@ -231,8 +231,7 @@ class Flow:
         """Tokens of the longest prompt a request must fit: its direct answer's, and with --sot
         always its skeleton's (with auto a skeleton too long goes direct). Raises SpecSotError on
         a bad `ask.sot`."""
-        if ask.sot not in MODES:
-            route(ask.question, ask.sot)  # raises, naming the modes
+        check_mode(ask.sot)
         sizes = [len(direct_ids(self.tokenizer, ask.question, ask.history))]
         if ask.sot == "always":
             count = points_asked(ask.question)

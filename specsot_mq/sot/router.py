@@ -87,12 +87,11 @@ def route(question: str, mode: str = "auto", classify=None) -> Route:
     """Decide SoT or direct for a question; mode is "auto", "always" or "never". `classify`:
     question -> Route, the learned router (learned_router.LearnedRouter), which mode "auto" needs;
     it applies short_answer itself."""
+    check_mode(mode)
     if mode == "always":
         return Route(True, "--sot always")
     if mode == "never":
         return Route(False, "--sot never")
-    if mode != "auto":
-        raise SpecSotError(f"unknown SoT mode '{mode}': use --sot auto|always|never")
     if classify is None:
         raise SpecSotError("--sot auto needs the model's router: route where the model is (the engine, the skeleton stage)")
     return classify(question)
