@@ -124,9 +124,7 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
         if problem is not None and dest.exists():
             console.print(f"[yellow]{dest} needs rebuilding ({problem}); pulling it again")
             shutil.rmtree(dest)
-        for stale in models.glob(f".{entry.name}.staging-*"):  # left by an interrupted pull
-            shutil.rmtree(stale, ignore_errors=True)
-        staging = Path(tempfile.mkdtemp(dir=models, prefix=f".{entry.name}.staging-"))
+        staging = _staging(models, entry.name)
         try:
             gguf_path = download_gguf(entry.name, staging / "download", progress)
             built = staging / entry.name
@@ -140,6 +138,15 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
             shutil.rmtree(staging, ignore_errors=True)
     console.print(f"[green]{entry.name}[/] is ready in {dest}")
     return dest
+
+
+def _staging(models: Path, name: str) -> Path:
+    """A new folder in `models` to build model `name` in, before it is renamed into place; those
+    an interrupted run left (killed mid-conversion: up to the model's size) are removed first. The
+    caller holds the name's lock, so no other run is building in one."""
+    for stale in models.glob(f".{name}.staging-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(dir=models, prefix=f".{name}.staging-"))
 
 
 def convert_apart(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
@@ -242,7 +249,7 @@ def gguf_folder(path: Path, progress: bool = True) -> Path:
         if model_folder_problem(dest, digest, verify_hashes=False) is None:
             return dest
         shutil.rmtree(dest, ignore_errors=True)
-        staging = Path(tempfile.mkdtemp(dir=models, prefix=f".{dest.name}.staging-"))
+        staging = _staging(models, dest.name)
         try:
             built = staging / "model"
             console.print(f"Converting {path.name} once into {dest} (the file itself is only read)")

@@ -195,7 +195,10 @@ def test_the_conversion_is_cached_by_content_and_the_file_only_read(home, tmp_pa
 
     monkeypatch.setattr(pull_module, "convert_apart", fake_convert)
     before = hashlib.sha256(path.read_bytes()).hexdigest()
+    stale = home / "models" / f".gguf-a-{before[:12]}.staging-x"  # left by a conversion killed midway
+    (stale / "model").mkdir(parents=True)
     first = resolve_model(str(path))
+    assert first.name == f"gguf-a-{before[:12]}" and not stale.exists()
     assert resolve_model(str(path)) == first and len(converted) == 1  # a second run starts at once
     copy = tmp_path / "copy" / "a.gguf"
     copy.parent.mkdir()
