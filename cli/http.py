@@ -62,9 +62,10 @@ def serve(
     repeat_stop: RepeatOpt = REPEAT_STOP,
     max_body_mb: Annotated[float, typer.Option(help="Largest request body in MB; a larger one gets 413.")] = 4.0,
 ):
-    """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models),
-    /health, /metrics and a web chat at / (over a running launch, or a local one started with
-    launch's flags)."""
+    """Serve the OpenAI-compatible API and a web chat, over a running launch or a local one.
+
+    /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics and the web chat at /; over the launch named by --run, else a local one started with launch's flags.
+    """
     import uvicorn
 
     from specsot_mq.cli.serve import _launch_options, _run_file, _sigterm_as_interrupt

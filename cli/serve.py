@@ -195,8 +195,10 @@ def run_batch(
     concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 4,
     timeout: Annotated[float, typer.Option(help="Seconds a request may stay silent.")] = 600.0,
 ):
-    """Answer questions in batch: one line in (plain or JSONL), one JSON line out, in input order
-    (for an MT-bench line, its answer to each of its turns)."""
+    """Answer questions in batch: one line in, one JSON line out, in input order.
+
+    A line is a plain question, JSONL {"id", "question"}, or an MT-bench line (then its answer to each of its turns).
+    """
     from specsot_mq.client import Client
     from specsot_mq.messages import Failed
 
