@@ -217,8 +217,10 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path, writer: int = 0,
         gen.keep_prefix(head)
     done = {(r["chunk"], r["asked"]) for r in rows if r["kind"] == "answer"} if done is None else done
     answered = {r["question"]: r["chunk"] for r in rows if r["kind"] == "answer"}
-    chunks = [c for c in range(math.ceil(cfg.questions / cfg.batch))
-              if c % cfg.workers == writer and (c, min(cfg.batch, cfg.questions - c * cfg.batch)) not in done]  # fmt: skip
+    def size(c: int) -> int:  # the questions chunk c asks (the last one may ask fewer)
+        return min(cfg.batch, cfg.questions - c * cfg.batch)
+
+    chunks = [c for c in range(math.ceil(cfg.questions / cfg.batch)) if c % cfg.workers == writer and (c, size(c)) not in done]
     bar = counter is None
     tokens = sum(len(r["output"]) for r in rows)
     with _progress() if bar else contextlib.nullcontext() as progress, path.open("a") as out:
@@ -236,12 +238,12 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path, writer: int = 0,
         for i in range(0, len(missing), 4 * cfg.batch):
             chunk = missing[i : i + 4 * cfg.batch]
             save(_sot_rows(chunk, [answered[q] for q in chunk], fmt, stamp, gen, cfg))
-        task = progress.add_task(_source(cfg), total=len(chunks) * cfg.batch, info="") if bar else None
+        task = progress.add_task(_source(cfg), total=sum(map(size, chunks)), info="") if bar else None
         prefix = _magpie_prefix(tok)
         for c in chunks:
             if deadline is not None and time.time() >= deadline:
                 break
-            asked = min(cfg.batch, cfg.questions - c * cfg.batch)
+            asked = size(c)
             qs = _questions(gen, cfg, c * cfg.batch, asked, prefix)
             if not qs:  # every templated question is asked
                 break
