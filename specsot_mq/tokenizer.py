@@ -59,8 +59,12 @@ class ChatTokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True):
-        """The chat rendered by its template (the ids of the text, no special tokens added)."""
-        text = self._template.render(messages=messages, tools=None, documents=None,
+        """The chat rendered by its template (the ids of the text, no special tokens added). A
+        template that lets the model think first (Qwen3's, SmolLM3's: `enable_thinking`) is
+        rendered with thinking off, as transformers renders it given enable_thinking=False: a
+        skeleton, a point and a direct answer are each the answer itself, where a think block
+        before each would spend the phase's tokens before a word of it."""
+        text = self._template.render(messages=messages, tools=None, documents=None, enable_thinking=False,
                                      add_generation_prompt=add_generation_prompt, **self.special)  # fmt: skip
         return list(self._chat_ids(text)) if tokenize else text
 

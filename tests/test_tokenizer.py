@@ -1,6 +1,9 @@
 """The tokenizer (the `tokenizers` library and a jinja2 chat template, no transformers) gives the
 ids and text transformers' own tokenizer gives for the same model folder."""
 
+import json
+import shutil
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -49,3 +52,25 @@ def test_special_tokens_and_chat_prompt_ids(both):
     for chat in CHATS:
         want = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
         assert chat_prompt_ids(ours, chat) == list(want["input_ids"] if hasattr(want, "keys") else want)
+
+
+# How Qwen3's template (and SmolLM3's) lets the model think first unless told not to.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_a_template_that_thinks_first_is_rendered_with_thinking_off(default_model_dir, tmp_path):
+    """Every phase's prompt is the answer's own beginning: a model whose template would open a
+    think block gets the template's empty one, as transformers renders with enable_thinking=False."""
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
+    ours, theirs = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    for chat in CHATS:
+        text = ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert text == theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+        assert chat_prompt_ids(ours, chat) == theirs.encode(text, add_special_tokens=False)
