@@ -160,10 +160,7 @@ class Generator:
         self.history = History()  # what it wrote lately: prompt lookup's guesses where a sequence holds none
         self.prefill = PrefillMeter()  # what a prompt token costs to compute here, measured
         self._model_thread: ThreadPoolExecutor | None = None  # the async APIs' steps run here (on_model_thread)
-        eos = set(model.cfg.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_ids = frozenset(eos)
+        self.eos_ids = frozenset(model.cfg.eos_token_ids).union(tokenizer.end_ids if tokenizer is not None else ())
         if draft is not None:
             self.new_decoder(SamplingParams())  # the draft cache, allocated here
 

@@ -15,6 +15,10 @@ from specsot_mq.errors import SpecSotError
 from specsot_mq.openmp import release_freed_memory
 
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")  # what a chat template may name
+# Special tokens that end a turn in the chat formats of the families the product runs (Llama 3's,
+# ChatML's: Qwen's and SmolLM's, Phi's, Gemma's), where a file's eos may name another: llama.cpp
+# ends generation at these too, found by their text.
+END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>")
 
 
 def load_tokenizer(folder: str | Path) -> ChatTokenizer:
@@ -45,6 +49,15 @@ class ChatTokenizer:
         self.eos_token = self.special.get("eos_token")
         self.eos_token_id = self._id(self.eos_token)
         self.pad_token_id = self._id(self.special.get("pad_token"))
+
+    @cached_property
+    def end_ids(self) -> frozenset[int]:
+        """The tokens that end an answer: the eos token, and the special tokens of END_OF_TURN the
+        vocabulary holds (a Llama 3 file whose eos is <|end_of_text|> ends its chat turns with
+        <|eot_id|>; Qwen2.5's model may end with <|endoftext|> where its eos is <|im_end|>)."""
+        special = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
+        ids = {self.eos_token_id, *(self._id(t) for t in END_OF_TURN if t in special)}
+        return frozenset(ids - {None})
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)

@@ -20,6 +20,7 @@ class CharTokenizer:
     """Token i is chr(65 + i); token 0 is the EOS; enough of the tokenizer API for the loop."""
 
     eos_token_id = 0
+    end_ids = frozenset({0})
     chat_template = None
 
     def decode(self, ids, skip_special_tokens=True):
@@ -392,6 +393,7 @@ class WordTokenizer:
 
     WORDS = ["", "1.", " Sleep", " well", "\n", "2.", " Less", " coffee", "3.", " sleep", " WELL", "!", "4.", " Walk"]
     eos_token_id = 0
+    end_ids = frozenset({0})
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(self.WORDS[i] for i in ids)

@@ -7,6 +7,9 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
+from conftest import ours_from_hf, tiny_hf
+
+from specsot_mq.generate import Generator
 from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
 
 pytestmark = pytest.mark.slow  # the real tokenizer comes with the default model
@@ -74,3 +77,19 @@ def test_a_template_that_thinks_first_is_rendered_with_thinking_off(default_mode
         assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
         assert text == theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, enable_thinking=False)
         assert chat_prompt_ids(ours, chat) == theirs.encode(text, add_special_tokens=False)
+
+
+def test_an_answer_ends_at_any_end_of_turn_token_the_vocabulary_holds(default_model_dir, tmp_path):
+    """A file's eos may name one token while its chat ends turns with another (a Llama 3 file's
+    <|end_of_text|> and <|eot_id|>): the ids that end an answer are the eos and every special
+    end-of-turn token of the vocabulary, whichever the eos is; not the turn's opening token."""
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    ours = load_tokenizer(default_model_dir)
+    ids = {t: ours.encode(t, add_special_tokens=False)[0] for t in ("<|im_end|>", "<|endoftext|>", "<|im_start|>")}
+    assert ours.eos_token == "<|im_end|>" and ours.end_ids == {ids["<|im_end|>"], ids["<|endoftext|>"]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    other = load_tokenizer(tmp_path)
+    assert other.eos_token_id == ids["<|endoftext|>"] and other.end_ids == ours.end_ids
+    model = ours_from_hf(tiny_hf("llama", vocab_size=len(other)))  # its config's eos: another token
+    assert Generator(model, other, max_len=16).eos_ids == {*model.cfg.eos_token_ids, *ours.end_ids}
