@@ -105,16 +105,48 @@ class ChatTokenizer:
         return env.from_string(self.chat_template)
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict] | str, system: str | None = None) -> list[int]:
-    """Token ids of a chat prompt ending where the assistant's answer begins."""
+def chat_prompt_ids(tokenizer, messages: list[dict] | str) -> list[int]:
+    """Token ids of a chat prompt ending where the assistant's answer begins. A template that
+    refuses the conversation as it is (Mistral's and Llama 2's: roles must alternate, and some
+    take no system message; a point's prompt has the conversation's earlier questions without
+    their answers) gets it again with the system message at the head of the first question and
+    each run of one role's messages joined; one it still refuses is a SpecSotError with its reason."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
-    if system is not None:
-        messages = [{"role": "system", "content": system}, *messages]
-    if tokenizer.chat_template:
+    if not tokenizer.chat_template:
+        return tokenizer.encode("\n".join(m["content"] for m in messages))
+    from jinja2.exceptions import TemplateError
+
+    try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    text = "\n".join(m["content"] for m in messages)
-    return tokenizer.encode(text)
+    except TemplateError as refused:
+        joined = alternating(messages)
+        try:
+            if joined != messages:
+                return tokenizer.apply_chat_template(joined, add_generation_prompt=True)
+        except TemplateError as again:
+            refused = again
+        raise SpecSotError(f"the model's chat template refuses this conversation ({refused}): "
+                           "send turns that alternate user and assistant, ending with the user's") from None  # fmt: skip
+
+
+def alternating(messages: list[dict]) -> list[dict]:
+    """The conversation as strict templates take it: a system message joined to the head of the
+    first user message, then each run of messages of one role joined into one, by blank lines."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "system":
+            continue
+        if out and out[-1]["role"] == m["role"]:
+            out[-1] = {"role": m["role"], "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if system and out and out[0]["role"] == "user":
+        out[0] = {"role": "user", "content": "\n\n".join([*system, out[0]["content"]])}
+    elif system:
+        out.insert(0, {"role": "user", "content": "\n\n".join(system)})
+    return out
 
 
 class Detokenizer:

@@ -93,3 +93,39 @@ def test_an_answer_ends_at_any_end_of_turn_token_the_vocabulary_holds(default_mo
     assert other.eos_token_id == ids["<|endoftext|>"] and other.end_ids == ours.end_ids
     model = ours_from_hf(tiny_hf("llama", vocab_size=len(other)))  # its config's eos: another token
     assert Generator(model, other, max_len=16).eos_ids == {*model.cfg.eos_token_ids, *ours.end_ids}
+
+
+# How Mistral's and Llama 2's templates refuse a system message and turns that do not alternate.
+STRICT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]{% else %}{{ m.content }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def test_a_template_that_wants_alternating_turns_gets_them(default_model_dir, tmp_path):
+    """A system message goes at the head of the first question and one role's run of messages is
+    joined (a point's prompt holds the earlier questions without their answers): every phase's
+    prompt renders, as transformers renders the joined conversation; what the template still
+    refuses is one clear error."""
+    from specsot_mq.errors import SpecSotError
+    from specsot_mq.prompts import load_format
+
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": STRICT_TEMPLATE}))
+    ours, theirs = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "user", "content": "And rivers?"}]  # fmt: skip
+    joined = [{"role": "user", "content": "Be brief.\n\nHi\n\nAnd rivers?"}]
+    want = theirs.apply_chat_template(joined, add_generation_prompt=True, tokenize=False)
+    assert chat_prompt_ids(ours, chat) == theirs.encode(want, add_special_tokens=False)
+    history = CHATS[1][:3]  # a system message and a turn answered
+    fmt = load_format()
+    for ids in (fmt.skeleton_ids(ours, "Name rivers.", history), fmt.point_ids(ours, "Name rivers.", "1. Nile", 1, "Nile", history),
+                fmt.again_ids(ours, "Name rivers.", 1, "Nile", history)):  # fmt: skip
+        assert ours.decode(ids).count("[INST]") >= 1
+    with pytest.raises(SpecSotError, match="refuses this conversation .*must alternate"):
+        chat_prompt_ids(ours, [{"role": "assistant", "content": "Hello."}])
