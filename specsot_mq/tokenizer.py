@@ -98,11 +98,26 @@ class ChatTokenizer:
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        class Generation(jinja2.ext.Extension):
+            """`{% generation %}...{% endgeneration %}`, which templates written for training put
+            around the assistant's words (transformers' assistant mask): its body as it is."""
+
+            tags = {"generation"}
+
+            def parse(self, parser):
+                next(parser.stream)
+                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols, Generation])  # fmt: skip
         env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)  # fmt: skip
         env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
-        return env.from_string(self.chat_template)
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise SpecSotError(f"the model's chat template cannot be read ({e.message}, its line {e.lineno}): "
+                               "use a model folder or GGUF file whose template transformers renders") from None  # fmt: skip
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict] | str) -> list[int]:

@@ -129,3 +129,29 @@ def test_a_template_that_wants_alternating_turns_gets_them(default_model_dir, tm
         assert ours.decode(ids).count("[INST]") >= 1
     with pytest.raises(SpecSotError, match="refuses this conversation .*must alternate"):
         chat_prompt_ids(ours, [{"role": "assistant", "content": "Hello."}])
+
+
+@pytest.mark.parametrize("template, error", [
+    ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}\n"
+     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", None),
+    ("{% for m in messages %}{{ m.content }{% endfor %}", "cannot be read"),
+], ids=["generation-tags", "broken"])  # fmt: skip
+def test_a_template_written_for_training_renders_and_a_broken_one_is_one_error(default_model_dir, tmp_path, template, error):
+    """A fine-tuned model's template may mark the assistant's words with {% generation %} (for
+    training on them alone): rendered as transformers renders it. One that does not parse is one
+    error naming it."""
+    from specsot_mq.errors import SpecSotError
+
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    ours = load_tokenizer(tmp_path)
+    if error:
+        with pytest.raises(SpecSotError, match=error):
+            chat_prompt_ids(ours, CHATS[0])
+        return
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    for chat in CHATS:
+        text = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == text
+        assert chat_prompt_ids(ours, chat) == theirs.encode(text, add_special_tokens=False)
