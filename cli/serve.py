@@ -256,8 +256,8 @@ def run_batch(
 
 
 CHAT_HELP = """/? help · /bye or /exit quit · /clear forget the conversation · /set mode auto|always|never ·
-/set temperature T · /set max_tokens N · /set repeat_stop N (0 = off) · \"\"\" begins and ends a question of
-several lines · Ctrl+C stops an answer · Ctrl+D quits"""
+/set temperature T · /set max_tokens N · /set repeat_stop N (0 = off) · /set system TEXT (alone: none) ·
+\"\"\" begins and ends a question of several lines · Ctrl+C stops an answer · Ctrl+D quits"""
 
 
 def _read(console: Console) -> str:
@@ -278,7 +278,7 @@ def _read(console: Console) -> str:
 def chat(topo: TopologyOptions, model: ModelOptions, answers: AnswerOptions):
     """Chat in the terminal: the skeleton streams, then one live row per point, then the answer."""
     console = Console(highlight=False)
-    history: list[tuple[str, str]] = []
+    conversation = Conversation()
     options = _launch_options(topo, model)
     with _topology(topo.run, options) as (address, keys):
         console.print(f"[dim]connected to {address} · {CHAT_HELP}[/]")
@@ -295,17 +295,17 @@ def chat(topo: TopologyOptions, model: ModelOptions, answers: AnswerOptions):
             if line.startswith("/"):
                 if line in ("/bye", "/exit"):
                     break
-                answers = _slash(line, answers, history, console)
+                answers = _slash(line, answers, conversation, console)
                 continue
             rid = uuid.uuid4().hex[:12]
-            stopped, answer = asyncio.run(_stoppable(_chat_turn((address, keys), line, _turns(history), answers.params(),
+            stopped, answer = asyncio.run(_stoppable(_chat_turn((address, keys), line, conversation.messages(), answers.params(),
                                                                 answers.sot, rid, console)))  # fmt: skip
             if stopped:
                 asyncio.run(_cancel((address, keys), rid))
                 console.print("[yellow]stopped[/]")
                 continue
             if answer is not None:
-                history.append((line, answer))
+                conversation.turns.append((line, answer))
 
 
 # What /set changes: its name -> (the AnswerOptions field, how its value is read)
@@ -313,14 +313,40 @@ SETTABLE = {"mode": ("sot", str), "temperature": ("temperature", float), "max_to
             "repeat_stop": ("repeat_stop", int)}  # fmt: skip
 
 
-def _slash(line: str, answers: AnswerOptions, history: list, console: Console) -> AnswerOptions:
+@dataclasses.dataclass
+class Conversation:
+    """What chat sends with each question: a system message (/set system) and the turns so far."""
+
+    system: str | None = None
+    turns: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    def messages(self, keep: int = 3) -> list[dict]:
+        """The system message and the last `keep` turns as chat messages: every phase's prompt
+        shows them before its own request (prompts/__init__.py)."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [{"role": role, "content": text}
+                       for q, a in self.turns[-keep:] for role, text in (("user", q), ("assistant", a))]  # fmt: skip
+
+
+def _without_oldest_turn(history: list[dict]) -> list[dict] | None:
+    """`history` without its oldest question and answer, its system message kept; None where no
+    turn is left to leave out."""
+    head = history[:1] if history and history[0]["role"] == "system" else []
+    turns = history[len(head) :]
+    return head + turns[2:] if turns else None
+
+
+def _slash(line: str, answers: AnswerOptions, conversation: Conversation, console: Console) -> AnswerOptions:
     """A chat command; returns the settings it leaves (AnswerOptions checks a /set value)."""
     parts = line.split()
     if parts[0] in ("/?", "/help"):
         console.print(CHAT_HELP)
     elif parts[0] == "/clear":
-        history.clear()
-        console.print("[dim]conversation cleared[/]")
+        conversation.turns.clear()
+        console.print(f"[dim]conversation cleared{' (the system message stays)' if conversation.system else ''}[/]")
+    elif parts[:2] == ["/set", "system"]:
+        conversation.system = line.split(None, 2)[2].strip() if len(parts) > 2 else None
+        console.print(f"[dim]system = {conversation.system!r}[/]" if conversation.system else "[dim]no system message[/]")
     elif parts[0] == "/set" and len(parts) == 3 and parts[1] in SETTABLE:
         key, value = parts[1], parts[2]
         name, read = SETTABLE[key]
@@ -333,12 +359,6 @@ def _slash(line: str, answers: AnswerOptions, history: list, console: Console) -
     else:
         console.print(f"[red]unknown command {line!r}[/]: {CHAT_HELP}")
     return answers
-
-
-def _turns(history: list[tuple[str, str]], keep: int = 3) -> list[dict]:
-    """The last `keep` turns as chat messages: every phase's prompt shows them as earlier turns
-    of the conversation, before its own request (prompts/__init__.py)."""
-    return [{"role": role, "content": text} for q, a in history[-keep:] for role, text in (("user", q), ("assistant", a))]
 
 
 async def _stoppable(turn) -> tuple[bool, object]:
@@ -389,8 +409,9 @@ async def _chat_turn(gateway: tuple, question, history, params, mode, rid, conso
                 view.close()
             if failed is None:
                 return None
-            if failed.code != "too_long" or not history:
+            shorter = _without_oldest_turn(history) if failed.code == "too_long" else None
+            if shorter is None:
                 console.print(f"[red]error:[/] {failed.error}")
                 return None
-            history = history[2:]
+            history = shorter
             console.print("[dim]too long for the stages' cache: asking again without the oldest turn[/]")

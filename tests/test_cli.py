@@ -174,17 +174,43 @@ def test_chat_set_changes_a_setting_and_keeps_the_old_one_when_the_value_is_refu
     from rich.console import Console
 
     from specsot_mq.cli.options import AnswerOptions
-    from specsot_mq.cli.serve import _slash
+    from specsot_mq.cli.serve import Conversation, _slash
 
     out = io.StringIO()
     console = Console(file=out, width=200)
-    answers = _slash("/set max_tokens 40", AnswerOptions(), [], console)
+    answers = _slash("/set max_tokens 40", AnswerOptions(), Conversation(), console)
     assert answers.max_tokens == 40 and answers.params().max_tokens == 40
     for bad in ("/set max_tokens 0", "/set max_tokens x", "/set mode maybe", "/set temperature -1"):
-        assert _slash(bad, answers, [], console) == answers, bad  # refused, the settings as they were
-    answers = _slash("/set mode always", answers, [], console)
+        assert _slash(bad, answers, Conversation(), console) == answers, bad  # refused, the settings as they were
+    answers = _slash("/set mode always", answers, Conversation(), console)
     assert answers.sot == "always" and answers.max_tokens == 40
     assert out.getvalue().count("does not take") == 4 and "max_tokens = 40" in out.getvalue()
+
+
+def test_chat_set_system_goes_first_in_every_question_and_outlives_clear_and_trimming():
+    """/set system TEXT: a system message sent before the conversation's turns with every
+    question (as ollama's /set system); /clear forgets the turns, not it; a conversation too long
+    for the cache leaves out its oldest turn, never the system message; /set system alone: none."""
+    import io
+
+    from rich.console import Console
+
+    from specsot_mq.cli.options import AnswerOptions
+    from specsot_mq.cli.serve import Conversation, _slash, _without_oldest_turn
+
+    console, chat = Console(file=io.StringIO(), width=200), Conversation()
+    _slash("/set system   You answer as a ship's captain.  ", AnswerOptions(), chat, console)
+    chat.turns += [("Hi", "Ahoy."), ("Where to?", "North.")]
+    sent = chat.messages()
+    assert sent[0] == {"role": "system", "content": "You answer as a ship's captain."}
+    assert [m["role"] for m in sent[1:]] == ["user", "assistant"] * 2
+    assert _without_oldest_turn(sent) == [sent[0], *sent[3:]]
+    assert _without_oldest_turn(_without_oldest_turn(sent)) == [sent[0]]
+    assert _without_oldest_turn([sent[0]]) is None and _without_oldest_turn([]) is None
+    _slash("/clear", AnswerOptions(), chat, console)
+    assert chat.messages() == [sent[0]]
+    _slash("/set system", AnswerOptions(), chat, console)
+    assert chat.messages() == []
 
 
 def test_chat_reads_a_question_of_several_lines_between_triple_quotes():
