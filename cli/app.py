@@ -53,6 +53,7 @@ def ask(
     max_points: Annotated[int, typer.Option(help="Most points in a plan.")] = 8,
     max_parallel: Annotated[int, typer.Option(help="Points decoded at once (cache slots).")] = 8,
     prompt_format: FormatOpt = "sot",
+    system: Annotated[Optional[str], typer.Option(help="A system message, sent before the question.")] = None,
 ):
     """Answer one question: a streamed skeleton, then every point expanded in parallel."""
     from specsot_mq.cli.display import AnswerView
@@ -73,7 +74,8 @@ def ask(
     gen = load_generator(model.model, dtype=model.dtype, device=device, max_len=max_len, num_slots=max_parallel,
                          draft=model.draft, tree=tree, quantize=model.quantize)  # fmt: skip
     engine = SoTEngine(gen, config)
-    engine.generate(question, params, on_event=AnswerView(Console(highlight=False, soft_wrap=True), err))
+    history = [{"role": "system", "content": system.strip()}] if system and system.strip() else []
+    engine.generate(question, params, on_event=AnswerView(Console(highlight=False, soft_wrap=True), err), history=history)
 
 
 @app.command("train-draft")

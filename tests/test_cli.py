@@ -109,6 +109,15 @@ def test_ask_streams_an_answer_and_a_summary(default_model_dir):
     assert "tokens" in summary and "tok/s" in summary
 
 
+@pytest.mark.slow
+def test_ask_sends_a_system_message_before_the_question(default_model_dir):
+    """--system TEXT: the answer follows it (the default model answers in French when told to)."""
+    args = ("ask", "Name a primary colour.", "--max-tokens", "12", "--dtype", "fp32", "--sot", "never")
+    plain, told = specsot(*args), specsot(*args, "--system", "Answer in French.")
+    assert plain.returncode == 0 and told.returncode == 0, told.stderr
+    assert told.stdout.strip() and told.stdout != plain.stdout
+
+
 def test_piped_view_ends_the_skeleton_line_before_a_direct_answer(capsys):
     """A skeleton that turns direct (streamed to stderr) ends its line before the answer starts."""
     import io
