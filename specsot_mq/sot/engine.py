@@ -75,6 +75,8 @@ class SoTEngine:
     def stream(self, question: str, params: SamplingParams | None = None, history: list[dict] = ()) -> Iterator[ClientEvent]:
         """Answer one question, yielding events as the skeleton and the points grow; `history`:
         the conversation's earlier turns ({"role", "content"}), which every phase's prompt shows."""
+        if self.config.sot == "auto":
+            self._router()  # trained once per model, on first use: not this answer's time
         start = time.monotonic()
         ask = Ask(uuid.uuid4().hex[:12], question, params or SamplingParams(), self.config.sot, list(history))
         self.routed = None
@@ -143,12 +145,16 @@ class SoTEngine:
                 yield from merging.feed(again, device)
                 jobs = self.flow.again(planned, again).jobs([index for index, _, _ in again.points])
 
-    def _route(self, question: str) -> Route:
+    def _router(self):
+        """The router --sot auto asks: the one given, else the model's learned one (cached)."""
         if self.router is None:
             from specsot_mq.sot.learned_router import LearnedRouter
 
             self.router = LearnedRouter.for_model(self.gen.model, self.gen.tokenizer)
-        if not hasattr(self.router, "route"):  # a plain question -> Route (no forward to go on from)
+        return self.router
+
+    def _route(self, question: str) -> Route:
+        if not hasattr(self._router(), "route"):  # a plain question -> Route (no forward to go on from)
             return self.router(question)
         draft = self.gen.draft
         decision, self.routed = self.router.route(question, tuple(draft.cfg.feature_layers) if draft else ())

@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -79,23 +80,31 @@ class LearnedRouter:
                 weights = {k: f.get_tensor(k) for k in f.keys()}
                 info = json.loads(f.metadata()["info"])
             return cls(model, tokenizer, weights, info)
-        print("specsot: training the --sot auto router for this model (once, a few seconds)...", file=sys.stderr, flush=True)
-        router = cls.train(model, tokenizer)
+        print(f"specsot: training the --sot auto router for this model, once (cached in {path.parent})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        router = cls.train(model, tokenizer, progress=True)
         router.save(path)
         return router
 
     @classmethod
-    def train(cls, model, tokenizer) -> LearnedRouter:
-        """Fit on the train split and measure on the validation split."""
+    def train(cls, model, tokenizer, progress: bool = False) -> LearnedRouter:
+        """Fit on the train split and measure on the validation split (`progress`: a bar on stderr
+        for each, gone when done: a few seconds for the default model, minutes at real sizes)."""
+        from rich.console import Console
+        from rich.progress import track
+
+        def bar(rows: list[dict], what: str):
+            return track(rows, what, console=Console(stderr=True), transient=True, disable=not progress)
+
         start = time.perf_counter()
         router = cls(model, tokenizer, {}, {})
         train, valid = load_labels("train"), load_labels("valid")
-        x = router.features([r["question"] for r in train])
+        x = router.features(r["question"] for r in bar(train, "router: reading the labelled questions"))
         y = torch.tensor([r["label"] == "plan" for r in train], dtype=torch.float32)
         router.weights = fit(x, y)
         seconds = time.perf_counter() - start
         t = time.perf_counter()
-        got = [router.p_plan(r["question"]) >= 0.5 for r in valid]
+        got = [router.p_plan(r["question"]) >= 0.5 for r in bar(valid, "router: validating")]
         ms = (time.perf_counter() - t) / len(valid) * 1000
         right = sum(g == (r["label"] == "plan") for g, r in zip(got, valid))
         router.info = {"recipe": RECIPE, "layer": router.layer, "train": len(train), "valid": len(valid),
@@ -116,7 +125,7 @@ class LearnedRouter:
         """Whether the classifier separates the labels on this model (else rule_route decides)."""
         return self.info.get("valid_accuracy", 0.0) >= MIN_ACCURACY
 
-    def features(self, questions: list[str]) -> torch.Tensor:
+    def features(self, questions: Iterable[str]) -> torch.Tensor:
         """[N, 2 * hidden]: each question's last-token and mean hidden state at self.layer."""
         return torch.stack([self._forward(q)[0] for q in questions])
 
