@@ -29,7 +29,7 @@ def load_tokenizer(folder: str | Path) -> ChatTokenizer:
 class ChatTokenizer:
     """A fast tokenizer and its chat template: the calls the project makes of a tokenizer
     (encode, decode, apply_chat_template, eos_token_id, len), answered as transformers'
-    PreTrainedTokenizerFast answers them."""
+    PreTrainedTokenizerFast answers them; and end_ids, the tokens that end an answer."""
 
     def __init__(self, folder: Path):
         from tokenizers import Tokenizer
