@@ -99,11 +99,14 @@ class AnswerOptions:
     max_tokens: Annotated[int, typer.Option(help="Most new tokens per phase.")] = 256
     temperature: Annotated[float, typer.Option(help="0 decodes greedily.")] = 0.0
     repeat_stop: RepeatOpt = REPEAT_STOP
+    system: Annotated[Optional[str], typer.Option(
+        help="A system message before every question (and its conversation); a line of run's own system message wins.")] = None
 
     def __post_init__(self):
         from specsot_mq.sot.router import check_mode
 
         check_mode(self.sot)
+        self.system = (self.system or "").strip() or None
         self.params()  # SamplingParams checks the rest
 
     def params(self):

@@ -231,6 +231,8 @@ def run_batch(
                 failures += 1
                 return {"id": exc.rid, "line": number, "error": str(exc)}
             many, turns = not isinstance(asked, str), []  # an MT-bench line: each turn asked after those before it
+            if answers.system and not any(m["role"] == "system" for m in history):
+                history = [{"role": "system", "content": answers.system}, *history]
             for question in asked if many else [asked]:
                 async with gate:
                     msg = await client.answer(question, params, sot, timeout=timeout, history=history)
@@ -278,7 +280,7 @@ def _read(console: Console) -> str:
 def chat(topo: TopologyOptions, model: ModelOptions, answers: AnswerOptions):
     """Chat in the terminal: the skeleton streams, then one live row per point, then the answer."""
     console = Console(highlight=False)
-    conversation = Conversation()
+    conversation = Conversation(system=answers.system)
     options = _launch_options(topo, model)
     with _topology(topo.run, options) as (address, keys):
         console.print(f"[dim]connected to {address} · {CHAT_HELP}[/]")

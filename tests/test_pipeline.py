@@ -668,10 +668,17 @@ def test_specsot_run_answers_good_lines_and_fails_only_the_malformed_one(tiny_mo
                      {"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Hi"},
                      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a fruit."}]}}),
                  json.dumps({"question_id": 81, "category": "writing", "turns": ["Name a fruit.", "Name a fruit."]})]  # fmt: skip
-        out = subprocess.run([sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "run", "--run", str(run_file),
-                              "--max-tokens", "8", "--concurrency", "3"], input="\n".join(lines), text=True,
-                             capture_output=True, timeout=300)  # fmt: skip
+        def run(lines, *flags):
+            return subprocess.run([sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "run", "--run",
+                                   str(run_file), "--max-tokens", "8", "--concurrency", "3", *flags],
+                                  input="\n".join(lines), text=True, capture_output=True, timeout=300)  # fmt: skip
+
+        out = run(lines)
+        # --system: a system message before each line's question, where the line brings none of its own
+        told = [json.loads(line) for line in run([lines[3], lines[6]], "--system", "Answer in French.").stdout.splitlines()]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert told[0]["stats"]["prompt_tokens"] != rows[3]["stats"]["prompt_tokens"]  # the template's own system prompt replaced
+    assert told[1]["stats"]["prompt_tokens"] == rows[6]["stats"]["prompt_tokens"]
     assert [r["id"] for r in rows] == ["line-1", "q2", "line-3", "c4", "q5", "q6", "c7", "81"], out.stderr
     assert [("error" in r) for r in rows] == [False, False, True, False, True, True, False, False]
     # MT-bench's line: an answer per turn, the second asked after the first and its answer
