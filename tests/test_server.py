@@ -407,14 +407,21 @@ def test_the_web_chat_in_a_real_browser(served, tmp_path):
         assert _wait_slots_free(base) == 0
         assert driver.find_element(By.ID, "send").is_displayed()
         # A question that fits the cache (1024 tokens) alone, but not after the first turn: the
-        # server says context_length_exceeded, and the chat asks again without that turn.
-        driver.execute_script("document.getElementById('input').value = arguments[0];", "word " * 960)
+        # server says context_length_exceeded, and the chat asks again without that turn, keeping
+        # the system message the settings give (the requests the page sends are recorded).
+        driver.execute_script("document.getElementById('system').value = 'Be brief.';"
+                              "window.sent = []; const send = window.fetch;"
+                              "window.fetch = (url, o) => { if (o && o.body) window.sent.push(JSON.parse(o.body)); return send(url, o); };"
+                              "document.getElementById('input').value = arguments[0];", "word " * 960)  # fmt: skip
         driver.find_element(By.ID, "input").send_keys(Keys.ENTER)
         third = lambda d: d.find_elements(By.CSS_SELECTOR, ".assistant")[2]  # noqa: E731
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".assistant")) == 3
                    and "mode direct" in third(d).find_element(By.CSS_SELECTOR, ".stats").text)  # fmt: skip
         stats = third(driver).find_element(By.CSS_SELECTOR, ".stats").text
         assert "1 earliest turn left out (the conversation outgrew the model's cache)" in stats, stats
+        sent = [[m["role"] for m in body["messages"]] for body in driver.execute_script("return window.sent;")]
+        assert sent == [["system", "user", "assistant", "user"], ["system", "user"]], sent
+        assert driver.execute_script("return window.sent[1].messages[0].content;") == "Be brief."
     finally:
         driver.quit()
 

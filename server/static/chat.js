@@ -14,10 +14,10 @@ let model = null;
 function save() { localStorage.setItem(STORE, JSON.stringify(chats)); }
 function chat() { return chats.find((c) => c.id === current); }
 function settings() {
-  return { key: $("api-key").value.trim(), sot: $("sot").value,
+  return { key: $("api-key").value.trim(), sot: $("sot").value, system: $("system").value.trim(),
            temperature: Number($("temperature").value) || 0, max_tokens: Number($("max-tokens").value) || 256 };
 }
-for (const id of ["api-key", "sot", "temperature", "max-tokens"]) {
+for (const id of ["api-key", "sot", "temperature", "max-tokens", "system"]) {
   const el = $(id);
   el.value = localStorage.getItem("specsot." + id) ?? el.value;
   el.addEventListener("change", () => localStorage.setItem("specsot." + id, el.value));
@@ -238,13 +238,14 @@ async function ask(text) {
   running = new AbortController();
   $("send").hidden = true; $("stop").hidden = false;
   const s = settings();
+  const system = s.system ? [{ role: "system", content: s.system }] : [];  // first, and never left out
   try {
     if (!model) await fetchModel();
     let response;
     for (;;) {  // a conversation longer than the model's cache is asked again without its earliest turn
       response = await fetch("/v1/chat/completions", {
         method: "POST", headers: headers(), signal: running.signal,
-        body: JSON.stringify({ model, messages: [...history, { role: "user", content: text }], stream: true,
+        body: JSON.stringify({ model, messages: [...system, ...history, { role: "user", content: text }], stream: true,
                                sot: s.sot, temperature: s.temperature, max_tokens: s.max_tokens }),
       });
       if (response.ok) break;
