@@ -15,8 +15,8 @@ from specsot_mq.errors import SpecSotError
 from specsot_mq.openmp import release_freed_memory
 
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")  # what a chat template may name
-# Special tokens that end a turn in the chat formats of the families the product runs (Llama 3's,
-# ChatML's: Qwen's and SmolLM's, Phi's, Gemma's), where a file's eos may name another: llama.cpp
+# Special tokens that end a turn in common chat formats (Llama 3's; ChatML's, as Qwen and SmolLM
+# use it; Phi-3's <|end|>, Gemma's <end_of_turn>), where a file's eos may name another: llama.cpp
 # ends generation at these too, found by their text.
 END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>")
 

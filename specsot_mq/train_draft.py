@@ -217,6 +217,7 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path, writer: int = 0,
         gen.keep_prefix(head)
     done = {(r["chunk"], r["asked"]) for r in rows if r["kind"] == "answer"} if done is None else done
     answered = {r["question"]: r["chunk"] for r in rows if r["kind"] == "answer"}
+
     def size(c: int) -> int:  # the questions chunk c asks (the last one may ask fewer)
         return min(cfg.batch, cfg.questions - c * cfg.batch)
 
