@@ -58,6 +58,7 @@ def ask(
     """Answer one question: a streamed skeleton, then every point expanded in parallel."""
     from specsot_mq.cli.display import AnswerView
     from specsot_mq.loader import load_generator
+    from specsot_mq.prompts import with_system
     from specsot_mq.sampling_params import SamplingParams
     from specsot_mq.sot.engine import SoTEngine
     from specsot_mq.sot.flow import SoTConfig
@@ -74,8 +75,8 @@ def ask(
     gen = load_generator(model.model, dtype=model.dtype, device=device, max_len=max_len, num_slots=max_parallel,
                          draft=model.draft, tree=tree, quantize=model.quantize)  # fmt: skip
     engine = SoTEngine(gen, config)
-    history = [{"role": "system", "content": system.strip()}] if system and system.strip() else []
-    engine.generate(question, params, on_event=AnswerView(Console(highlight=False, soft_wrap=True), err), history=history)
+    view = AnswerView(Console(highlight=False, soft_wrap=True), err)
+    engine.generate(question, params, on_event=view, history=with_system([], system))
 
 
 @app.command("train-draft")

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from specsot_mq.cli.options import AnswerOptions, LaunchFlags, ModelOptions, TopologyOptions, err, with_options
 from specsot_mq.errors import SpecSotError
+from specsot_mq.prompts import with_system
 
 
 def _run_file(name: str) -> Path:
@@ -231,8 +232,7 @@ def run_batch(
                 failures += 1
                 return {"id": exc.rid, "line": number, "error": str(exc)}
             many, turns = not isinstance(asked, str), []  # an MT-bench line: each turn asked after those before it
-            if answers.system and not any(m["role"] == "system" for m in history):
-                history = [{"role": "system", "content": answers.system}, *history]
+            history = with_system(history, answers.system)
             for question in asked if many else [asked]:
                 async with gate:
                     msg = await client.answer(question, params, sot, timeout=timeout, history=history)
@@ -325,9 +325,8 @@ class Conversation:
     def messages(self, keep: int = 3) -> list[dict]:
         """The system message and the last `keep` turns as chat messages: every phase's prompt
         shows them before its own request (prompts/__init__.py)."""
-        head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + [{"role": role, "content": text}
-                       for q, a in self.turns[-keep:] for role, text in (("user", q), ("assistant", a))]  # fmt: skip
+        turns = [{"role": role, "content": text} for q, a in self.turns[-keep:] for role, text in (("user", q), ("assistant", a))]
+        return with_system(turns, self.system)
 
 
 def _without_oldest_turn(history: list[dict]) -> list[dict] | None:

@@ -158,6 +158,15 @@ def check_history(history) -> list[dict]:
     return history
 
 
+def with_system(history: list[dict], system: str | None) -> list[dict]:
+    """`history` with the system message `system` first (the --system flags, chat's /set system),
+    unless `system` is blank or the history brings a system message of its own."""
+    text = (system or "").strip()
+    if not text or any(m["role"] == "system" for m in history):
+        return list(history)
+    return [{"role": "system", "content": text}, *history]
+
+
 def split_system(history: list[dict]) -> tuple[list[dict], list[dict]]:
     """(the system messages, the other turns) of a conversation's earlier turns."""
     return [m for m in history if m["role"] == "system"], [m for m in history if m["role"] != "system"]
