@@ -18,6 +18,8 @@ SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")  # what a chat te
 # Special tokens that end a turn in common chat formats (Llama 3's; ChatML's, as Qwen and SmolLM
 # use it; Phi-3's <|end|>, Gemma's <end_of_turn>), where a file's eos may name another: llama.cpp
 # ends generation at these too, found by their text.
+# A reasoning model's think block opens with this; where its template forces it open, it is closed.
+THINK = "<think>"
 END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>")
 
 
@@ -76,9 +78,13 @@ class ChatTokenizer:
         template that lets the model think first (Qwen3's, SmolLM3's: `enable_thinking`) is
         rendered with thinking off, as transformers renders it given enable_thinking=False: a
         skeleton, a point and a direct answer are each the answer itself, where a think block
-        before each would spend the phase's tokens before a word of it."""
+        before each would spend the phase's tokens before a word of it. A template that opens the
+        think block itself, whatever it is given (DeepSeek-R1's distills, QwQ: the prompt ends
+        "<think>\n"), gets it closed at once, empty, as Qwen3's template writes it."""
         text = self._template.render(messages=messages, tools=None, documents=None, enable_thinking=False,
                                      add_generation_prompt=add_generation_prompt, **self.special)  # fmt: skip
+        if add_generation_prompt and text.rstrip().endswith(THINK):
+            text = text.rstrip() + "\n\n</think>\n\n"
         return list(self._chat_ids(text)) if tokenize else text
 
     @cached_property

@@ -79,6 +79,28 @@ def test_a_template_that_thinks_first_is_rendered_with_thinking_off(default_mode
         assert chat_prompt_ids(ours, chat) == theirs.encode(text, add_special_tokens=False)
 
 
+# How DeepSeek-R1's distills and QwQ open the answer's think block whatever they are given.
+FORCED_THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+def test_a_template_that_forces_a_think_block_open_gets_it_closed(default_model_dir, tmp_path):
+    """A reasoning model whose template opens the think block itself would think before every
+    phase: its prompts close the block at once, empty, as a thinking-off Qwen3 prompt does; a
+    conversation's earlier turns, rendered without a generation prompt, are left as they are."""
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": FORCED_THINKING_TEMPLATE}))
+    ours = load_tokenizer(tmp_path)
+    for chat in CHATS:
+        text = ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and text.count("<think>") == 1
+        assert chat_prompt_ids(ours, chat) == ours.encode(text, add_special_tokens=False)
+        assert "<think>" not in ours.apply_chat_template(chat, tokenize=False)
+
+
 def test_an_answer_ends_at_any_end_of_turn_token_the_vocabulary_holds(default_model_dir, tmp_path):
     """A file's eos may name one token while its chat ends turns with another (a Llama 3 file's
     <|end_of_text|> and <|eot_id|>): the ids that end an answer are the eos and every special
