@@ -75,9 +75,10 @@ def cpu_flags() -> dict:
 
 
 class LlamaServer:
-    """llama.cpp's own llama-server on a GGUF file, started on a free local port, one request at a time."""
+    """llama.cpp's own llama-server on a GGUF file, started on a free local port, with `slots`
+    sequences decoded together (one: a request at a time), sharing `ctx` cache entries."""
 
-    def __init__(self, folder: Path, gguf: Path, threads: int, ctx: int = 4096):
+    def __init__(self, folder: Path, gguf: Path, threads: int, ctx: int = 4096, slots: int = 1):
         import socket
 
         self.folder = folder
@@ -89,7 +90,7 @@ class LlamaServer:
             self.port = s.getsockname()[1]
         self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen([str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c",
-                                         str(ctx), "-np", "1", "--host", "127.0.0.1", "--port", str(self.port)],
+                                         str(ctx), "-np", str(slots), "--host", "127.0.0.1", "--port", str(self.port)],
                                         stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
         deadline = time.time() + 120
         while self.request("GET", "/health") is None:
