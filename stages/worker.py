@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,12 @@ from specsot_mq.messages import Failed, FailCode
 from specsot_mq.stages.base import Stage
 
 log = logging.getLogger("specsot.worker")
+
+# A job's new tokens leave the worker at most this often (its first ones and its end at once). Each
+# message wakes the event loop and then every stage process it passes through, on the cores the
+# model's next step runs on: sent a step at a time, direct answers through a launch decoded at 0.6x
+# the in-process engine's speed on 2 cores (benchmarks/HISTORY.md). A reader sees 20 updates a second.
+STREAM_INTERVAL_S = 0.05
 
 
 class DeviceWorker:
@@ -131,12 +138,14 @@ class DeviceWorker:
             active = self.active = set()
             try:
                 decoder = self.decoder = self.gen.new_decoder(pending[0].params)
+                outgoing = Coalescer(STREAM_INTERVAL_S)
                 for job_key, delta in self.gen.run(self._tracking(admit, active), decoder,
                                                    cancelled=lambda k: k[0] in self.cancelled,
                                                    before_step=self._fit_threads):  # fmt: skip
                     if delta.finish_reason:
                         active.discard(job_key)
-                    self.loop.call_soon_threadsafe(self.emit, job_key, delta)
+                    for key, due in outgoing.add(job_key, delta):
+                        self.loop.call_soon_threadsafe(self.emit, key, due)
                     if self._stop.is_set():
                         return
             except Exception as exc:  # a failed batch fails its requests, not the stage
@@ -188,6 +197,34 @@ class DeviceWorker:
             return jobs
 
         return wrapped
+
+
+class Coalescer:
+    """A running batch's deltas on their way out, each job's joined until they are due: a job's
+    first delta and its last (a finish) at once, and every job's held tokens together once
+    `interval` seconds have passed since they last went (one wake-up downstream for the batch's
+    jobs, not one each). Every job ends with a finish, so nothing is held for good."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic):
+        self.interval, self.clock = interval, clock
+        self.held: dict[object, Delta] = {}  # key -> its tokens not sent yet, as one delta
+        self.started: set = set()  # keys whose first delta went
+        self.last = clock()  # when the held deltas last went together
+
+    def add(self, key, delta: Delta) -> list[tuple[object, Delta]]:
+        """Take a job's delta; return the deltas due now, (key, delta) each, a job's in order."""
+        if (old := self.held.pop(key, None)) is not None:
+            delta = Delta(old.text + delta.text, old.token_ids + delta.token_ids, delta.finish_reason, delta.stop)
+        self.held[key] = delta
+        if (now := self.clock()) - self.last >= self.interval:
+            self.last = now
+            due = list(self.held)
+        else:
+            due = [key] if delta.finish_reason or key not in self.started else []
+        out = [(k, self.held.pop(k)) for k in due]
+        for k, d in out:
+            (self.started.discard if d.finish_reason else self.started.add)(k)
+        return out
 
 
 class _Call:

@@ -260,6 +260,30 @@ def test_a_serving_worker_loads_and_decodes_on_its_own_thread_taking_its_core_sh
     assert share.board[0] == share.board[1] == 0  # out of work: it holds no cores
 
 
+def test_a_worker_sends_a_job_s_first_tokens_and_its_end_at_once_and_the_rest_together_at_intervals():
+    """A device stage's deltas leave its worker joined per job: each message wakes the processes
+    it passes through on the cores the next step needs, so a job's first tokens (time to first
+    text) and its end go at once, and the rest of the batch's tokens together every interval."""
+    from specsot_mq.sequence import Delta
+    from specsot_mq.stages.worker import Coalescer
+
+    now = [0.0]
+    c = Coalescer(0.05, clock=lambda: now[0])
+    assert c.add("a", Delta("A", [1])) == [("a", Delta("A", [1]))]
+    now[0] = 0.01
+    assert c.add("b", Delta("B", [2])) == [("b", Delta("B", [2]))]
+    assert c.add("a", Delta("a", [3])) == [] and c.add("b", Delta("b", [4])) == []
+    now[0] = 0.02
+    assert c.add("a", Delta("x", [5])) == []
+    now[0] = 0.05  # an interval since they last went together: every job's held tokens go
+    assert c.add("b", Delta("y", [6])) == [("a", Delta("ax", [3, 5])), ("b", Delta("by", [4, 6]))]
+    now[0] = 0.06
+    assert c.add("a", Delta("!", [7], "stop", "\n")) == [("a", Delta("!", [7], "stop", "\n"))]
+    assert c.add("b", Delta("z", [8])) == []
+    assert c.add("b", Delta("", [9], "length")) == [("b", Delta("z", [8, 9], "length"))]
+    assert not c.held and not c.started
+
+
 # ---- the sampler ------------------------------------------------------------------------
 
 
