@@ -45,6 +45,7 @@ def ask(
     temperature: Annotated[float, typer.Option(help="0 decodes greedily.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="Sample among the k likeliest tokens (0 = all).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    min_p: Annotated[float, typer.Option(help="Drop tokens less likely than this share of the likeliest (0 = off).")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     repeat_stop: RepeatOpt = REPEAT_STOP,
@@ -69,7 +70,7 @@ def ask(
     question = question.strip()
     if not question:
         raise SpecSotError("the question is empty: pass it as an argument or on stdin with '-'")
-    params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop or ()), repeat_stop=repeat_stop)
+    params = SamplingParams(max_tokens, temperature, top_k, top_p, min_p, seed, tuple(stop or ()), repeat_stop=repeat_stop)
     config = SoTConfig(sot=sot, prompt_format=prompt_format, max_points=max_points, max_parallel=max_parallel)
     tree = TreeParams(**model.tree())
     gen = load_generator(model.model, dtype=model.dtype, device=device, max_len=max_len, num_slots=max_parallel,

@@ -5,7 +5,7 @@ completion bodies and stream chunks.
 What a body may hold (anything else is a 400 that names it):
 - chat: model, messages, stream, stream_options, max_tokens / max_completion_tokens, temperature,
   top_p, seed, stop, n (1 only), user; and the extensions sot (auto|always|never), timeout
-  (seconds), repeat_stop (tokens; 0 = off).
+  (seconds), repeat_stop (tokens; 0 = off), top_k and min_p (as llama-server and vLLM take them).
 - completions: the same with prompt (a string, or a list of one string) instead of messages. The
   prompt is answered as a question (the chat template applies): every request goes through the
   same plan-and-expand pipeline.
@@ -35,7 +35,7 @@ from specsot_mq.sampling_params import SamplingParams
 from specsot_mq.sot.router import MODES
 
 COMMON = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-          "stop", "n", "user", "sot", "timeout", "repeat_stop"}  # fmt: skip
+          "stop", "n", "user", "sot", "timeout", "repeat_stop", "top_k", "min_p"}  # fmt: skip
 CHAT = COMMON | {"messages"}
 COMPLETION = COMMON | {"prompt"}
 
@@ -126,6 +126,8 @@ def parse(body, chat: bool, model: str, defaults: SamplingParams) -> Request:
     top_p = _number(body, "top_p", float, 0.0, 1.0, 1.0)
     if top_p == 0.0:
         raise ApiError(400, "top_p must be above 0 (1 keeps every token)", "top_p")
+    top_k = _number(body, "top_k", int, 0, 1 << 31, 0)
+    min_p = _number(body, "min_p", float, 0.0, 1.0, 0.0)
     seed = _number(body, "seed", int, -(1 << 63), (1 << 63) - 1, None)
     repeat_stop = _number(body, "repeat_stop", int, 0, 1 << 20, defaults.repeat_stop)
     stop = body.get("stop")
@@ -137,8 +139,8 @@ def parse(body, chat: bool, model: str, defaults: SamplingParams) -> Request:
         raise ApiError(400, f"sot must be auto, always or never, not {sot!r}", "sot")
     timeout = _number(body, "timeout", float, 0.001, 86400.0, None)
     _typed(body, "user", str, None)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop),
-                            repeat_stop=repeat_stop)  # fmt: skip
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            seed=seed, stop=tuple(stop), repeat_stop=repeat_stop)  # fmt: skip
     return Request(chat, model, question, history, params, sot, stream, bool(options and options.get("include_usage")),
                    timeout)  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""The token sampler (greedy, temperature, top-k, top-p, seeded) for the settings of sampling_params.py."""
+"""The token sampler (greedy, temperature, top-k, min-p, top-p, seeded) for the settings of sampling_params.py."""
 
 from __future__ import annotations
 
@@ -32,13 +32,17 @@ class Sampler:
                 self.generator.manual_seed(params.seed)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution [N, V] actually sampled from: temperature, then top-k, then top-p."""
+        """The distribution [N, V] actually sampled from: temperature, then top-k, then min-p (a
+        token less likely than min_p times the likeliest is dropped), then top-p."""
         p = self.params
         logits = logits.float() / max(p.temperature, 1e-5)
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), 0.0)
+            probs = probs / probs.sum(-1, keepdim=True)
         if p.top_p < 1:
             probs = top_p_filter(probs, p.top_p)
         return probs

@@ -20,6 +20,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0 = no limit
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than this share of the likeliest; 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings; the output ends before the first one
     ignore_eos: bool = False
@@ -43,6 +44,7 @@ class SamplingParams:
             (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
             (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1] (0 = off), got {self.min_p}"),
             (self.repeat_stop >= 0, f"repeat_stop must be >= 0 (0 = off), got {self.repeat_stop}"),
             (self.max_line_chars >= 0, f"max_line_chars must be >= 0 (0 = off), got {self.max_line_chars}"),
         ]

@@ -308,6 +308,10 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert torch.allclose(p, torch.tensor([[2 / 3, 1 / 3, 0, 0]]))
     tiny_p = Sampler(SamplingParams(temperature=1.0, top_p=0.01)).probs(logits)
     assert torch.allclose(tiny_p, torch.tensor([[1.0, 0, 0, 0]]))
+    m = Sampler(SamplingParams(temperature=1.0, min_p=0.4)).probs(logits)  # below 0.4 x 0.5 = 0.2: dropped
+    assert torch.allclose(m, torch.tensor([[2 / 3, 1 / 3, 0, 0]]))
+    hot = Sampler(SamplingParams(temperature=2.0, min_p=0.5)).probs(logits)  # after temperature: flatter, more kept
+    assert hot[0, :3].gt(0).all() and hot[0, 3] == 0
 
 
 def test_sampling_frequencies_follow_the_distribution():
@@ -358,6 +362,8 @@ def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero():
         ({"top_k": -2}, "top_k"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
         ({"repeat_stop": -1}, "repeat_stop"),
     ],
 )

@@ -38,13 +38,14 @@ def test_a_body_becomes_the_pipelines_request_and_every_bad_field_is_named():
                                               {"role": "user", "content": "Hi"},
                                               {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]},
                                               {"role": "user", "content": " Name two colors. "}],
-                 "max_completion_tokens": 40, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": "END",
+                 "max_completion_tokens": 40, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 3, "stop": "END",
                  "sot": "always", "stream": True, "stream_options": {"include_usage": True}}, True, MODEL, defaults)  # fmt: skip
     assert req.question == "Name two colors."
     assert req.history == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                            {"role": "assistant", "content": "Hello."}]  # fmt: skip
     p = req.params
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop, p.repeat_stop) == (40, 0.5, 0.9, 3, ("END",), 16)
+    assert (p.top_k, p.min_p) == (40, 0.05)
     assert req.sot == "always" and req.stream and req.include_usage
     assert parse({"model": MODEL, "prompt": ["Why?"]}, False, MODEL, defaults).question == "Why?"
     # what OpenAI clients send at its no-effect value (or null) is taken; a message sent back as a
@@ -70,6 +71,8 @@ def test_a_body_becomes_the_pipelines_request_and_every_bad_field_is_named():
         ({"n": True}, 400, "n=True"),
         ({"n": 2}, 400, "n=2"),
         ({"temperature": 3}, 400, "temperature"),
+        ({"top_k": -1}, 400, "top_k"),
+        ({"min_p": 2}, 400, "min_p"),
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"sot": "maybe"}, 400, "sot"),

@@ -427,9 +427,10 @@ def test_prompt_lookup_is_off_when_sampling(base):
 
 def test_sampling_through_the_decoder_keeps_the_base_distribution(base):
     """The first speculative token (the one after the prefill's) follows the base distribution,
-    with a head whose draft vocabulary is a shuffled part of the base's (chi-square)."""
+    as temperature, top-k and min-p shape it, with a head whose draft vocabulary is a shuffled part
+    of the base's (chi-square)."""
     prompt, b, rounds = [BOS, 5, 6, 7], 16, 100
-    params = SamplingParams(max_tokens=2, temperature=1.5, top_k=12, seed=1, ignore_eos=True)
+    params = SamplingParams(max_tokens=2, temperature=1.5, top_k=12, min_p=0.1, seed=1, ignore_eos=True)
     gen = Generator(base, CharTokenizer(), max_len=32, num_slots=b)
     head, sampler = random_head(base), Sampler(params)
     counts = torch.zeros(base.cfg.vocab_size, dtype=torch.float64)
