@@ -29,6 +29,7 @@ class Delta:
     finish_reason: str | None = None  # None while running; then "stop" (EOS or stop string), "length" or
     # "repeat" (the output began to loop, see SamplingParams.repeat_stop and stop_repeated_line)
     stop: str | None = None  # the stop string that ended it (not in `text`), as vLLM's stop_reason
+    steps: int = 1  # the loop's deltas it holds: one from the loop, more where a stage joined them
 
 
 @dataclass(slots=True)

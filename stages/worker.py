@@ -214,7 +214,8 @@ class Coalescer:
     def add(self, key, delta: Delta) -> list[tuple[object, Delta]]:
         """Take a job's delta; return the deltas due now, (key, delta) each, a job's in order."""
         if (old := self.held.pop(key, None)) is not None:
-            delta = Delta(old.text + delta.text, old.token_ids + delta.token_ids, delta.finish_reason, delta.stop)
+            delta = Delta(old.text + delta.text, old.token_ids + delta.token_ids, delta.finish_reason, delta.stop,
+                          old.steps + delta.steps)  # fmt: skip
         self.held[key] = delta
         if (now := self.clock()) - self.last >= self.interval:
             self.last = now

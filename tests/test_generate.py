@@ -276,11 +276,11 @@ def test_a_worker_sends_a_job_s_first_tokens_and_its_end_at_once_and_the_rest_to
     now[0] = 0.02
     assert c.add("a", Delta("x", [5])) == []
     now[0] = 0.05  # an interval since they last went together: every job's held tokens go
-    assert c.add("b", Delta("y", [6])) == [("a", Delta("ax", [3, 5])), ("b", Delta("by", [4, 6]))]
+    assert c.add("b", Delta("y", [6])) == [("a", Delta("ax", [3, 5], steps=2)), ("b", Delta("by", [4, 6], steps=2))]
     now[0] = 0.06
     assert c.add("a", Delta("!", [7], "stop", "\n")) == [("a", Delta("!", [7], "stop", "\n"))]
     assert c.add("b", Delta("z", [8])) == []
-    assert c.add("b", Delta("", [9], "length")) == [("b", Delta("z", [8, 9], "length"))]
+    assert c.add("b", Delta("", [9], "length")) == [("b", Delta("z", [8, 9], "length", steps=2))]
     assert not c.held and not c.started
 
 

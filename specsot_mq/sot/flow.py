@@ -81,11 +81,11 @@ class Progress:
 
     started: float = field(default_factory=time.monotonic)  # when it was queued
     tokens: int = 0
-    steps: int = 0  # deltas it got: decoder steps that gave it tokens
+    steps: int = 0  # the loop's deltas it got: decoder steps that gave it tokens
 
     def add(self, delta: Delta) -> None:
         self.tokens += len(delta.token_ids)
-        self.steps += 1
+        self.steps += delta.steps
 
     def seconds(self) -> float:
         return time.monotonic() - self.started
