@@ -18,9 +18,9 @@ SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")  # what a chat te
 # Special tokens that end a turn in common chat formats (Llama 3's; ChatML's, as Qwen and SmolLM
 # use it; Phi-3's <|end|>, Gemma's <end_of_turn>), where a file's eos may name another: llama.cpp
 # ends generation at these too, found by their text.
+END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>")
 # A reasoning model's think block opens with this; where its template forces it open, it is closed.
 THINK = "<think>"
-END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>")
 
 
 def load_tokenizer(folder: str | Path) -> ChatTokenizer:

@@ -34,8 +34,9 @@ log = logging.getLogger("specsot.worker")
 
 # A job's new tokens leave the worker at most this often (its first ones and its end at once). Each
 # message wakes the event loop and then every stage process it passes through, on the cores the
-# model's next step runs on: sent a step at a time, direct answers through a launch decoded at 0.6x
-# the in-process engine's speed on 2 cores (benchmarks/HISTORY.md). A reader sees 20 updates a second.
+# model's next step runs on: sent a step at a time, answers through a launch on 2 cores came at
+# 0.58x the in-process engine's rate at 1 client, 0.86x joined (benchmarks/HISTORY.md). A reader
+# sees 20 updates a second.
 STREAM_INTERVAL_S = 0.05
 
 
