@@ -295,8 +295,9 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slots_and_a_timeout_is_504
     while _cancelled(base) == cancelled and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _cancelled(base) == cancelled + 1
+    # 900 tokens take the tiny model far longer than 0.05 s, however fast its steps and the stages' messages
     r = httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=120,
-                   json={"model": MODEL, "messages": body["messages"], "timeout": 0.3} | LONG)  # fmt: skip
+                   json={"model": MODEL, "messages": body["messages"]} | LONG | {"max_tokens": 900, "timeout": 0.05})  # fmt: skip
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
     assert _wait_slots_free(base) == 0
     # A stream past its timeout: finish reason abort, the error, then [DONE].
