@@ -26,6 +26,9 @@ from specsot_mq.stages.launch import plan_run
 KEY = "sk-test"
 MODEL = "tiny"
 LONG = {"max_tokens": 400, "sot": "never"}  # a random model rarely ends by itself
+# Seconds of decoding for the requests that must outlast a timeout: sampled, so no prompt lookup
+# (greedy, a question asked again copies its earlier answer from the History several tokens a step)
+SLOW = {"max_tokens": 900, "temperature": 1.0, "seed": 0}
 PARAMS = SamplingParams(max_tokens=12)  # the server's defaults: 12 tokens per phase, no loop stop
 
 
@@ -288,21 +291,20 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slots_and_a_timeout_is_504
     cancelled = _cancelled(base)
     assert cancelled >= 1
     with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting and hangs up
-        long = body | {"stream": False, "max_tokens": 900}  # far longer than the wait, however fast decoding is
+        long = body | {"stream": False} | SLOW  # far longer than the wait, however fast decoding is
         httpx.post(f"{base}/v1/chat/completions", json=long, headers=headers, timeout=0.5)
     assert _wait_slots_free(base) == 0
     deadline = time.monotonic() + 10
     while _cancelled(base) == cancelled and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _cancelled(base) == cancelled + 1
-    # 900 tokens take the tiny model far longer than 0.05 s, however fast its steps and the stages' messages
     r = httpx.post(f"{base}/v1/chat/completions", headers=headers, timeout=120,
-                   json={"model": MODEL, "messages": body["messages"]} | LONG | {"max_tokens": 900, "timeout": 0.05})  # fmt: skip
+                   json={"model": MODEL, "messages": body["messages"]} | LONG | SLOW | {"timeout": 0.3})  # fmt: skip
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
     assert _wait_slots_free(base) == 0
     # A stream past its timeout: finish reason abort, the error, then [DONE].
     with httpx.stream("POST", f"{base}/v1/chat/completions", headers=headers, timeout=120,
-                      json=body | {"timeout": 0.5, "max_tokens": 900}) as response:  # fmt: skip
+                      json=body | SLOW | {"timeout": 0.5}) as response:  # fmt: skip
         assert response.status_code == 200
         events = _events(response)
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
