@@ -43,7 +43,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import cpu_name, load_prompts, run_script  # noqa: E402  (sibling scripts)
 from peer import LlamaServer, cpu_flags, gguf_file  # noqa: E402
-from serve import free_port, pct  # noqa: E402
+from serve import free_port, pct, wait_up  # noqa: E402
 
 from specsot_mq.pull import DEFAULT_MODEL, resolve_model, specsot_home  # noqa: E402
 from specsot_mq.sampling_params import REPEAT_STOP  # noqa: E402
@@ -68,17 +68,9 @@ class Ours:
                    str(args.max_tokens), "--repeat-stop", str(args.repeat_stop), "--max-len", str(args.max_len),
                    "--draft", args.draft]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 900  # a new GGUF is converted first
-        while True:
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                sys.exit(f"specsot serve did not come up: {self.log_text()[-1500:]}")
-            time.sleep(0.5)
+        if not wait_up(self.base, self.process, 900):  # a new GGUF is converted first
+            self.close()
+            sys.exit(f"specsot serve did not come up: {self.log_text()[-1500:]}")
         self.model = httpx.get(f"{self.base}/v1/models", timeout=10).json()["data"][0]["id"]
 
     def log_text(self) -> str:

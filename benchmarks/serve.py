@@ -57,6 +57,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_up(base: str, process: subprocess.Popen, seconds: float) -> bool:
+    """Whether the server at `base` answers /health within `seconds` (False at once if its process ends)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
 class Served:
     """A local topology and `specsot serve` attached to it (a process of its own)."""
 
@@ -75,16 +88,9 @@ class Served:
                                         "--run", str(self.run_file), "--port", str(self.port), "--max-concurrency",
                                         str(args.concurrency), "--max-tokens", str(args.max_tokens)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.close()
-        raise SystemExit("the server did not come up within 60 s")
+        if not wait_up(self.base, self.server, 60):
+            self.close()
+            raise SystemExit("the server did not come up within 60 s")
 
     def stages(self) -> dict[str, dict]:
         async def go():

@@ -83,8 +83,8 @@ class ChatTokenizer:
         "<think>\n"), gets it closed at once, empty, as Qwen3's template writes it."""
         text = self._template.render(messages=messages, tools=None, documents=None, enable_thinking=False,
                                      add_generation_prompt=add_generation_prompt, **self.special)  # fmt: skip
-        if add_generation_prompt and text.rstrip().endswith(THINK):
-            text = text.rstrip() + "\n\n</think>\n\n"
+        if add_generation_prompt and (end := text.rstrip()).endswith(THINK):
+            text = end + "\n\n</think>\n\n"
         return list(self._chat_ids(text)) if tokenize else text
 
     @cached_property

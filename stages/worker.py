@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -215,8 +216,8 @@ class Coalescer:
     def add(self, key, delta: Delta) -> list[tuple[object, Delta]]:
         """Take a job's delta; return the deltas due now, (key, delta) each, a job's in order."""
         if (old := self.held.pop(key, None)) is not None:
-            delta = Delta(old.text + delta.text, old.token_ids + delta.token_ids, delta.finish_reason, delta.stop,
-                          old.steps + delta.steps)  # fmt: skip
+            delta = replace(delta, text=old.text + delta.text, token_ids=old.token_ids + delta.token_ids,
+                            steps=old.steps + delta.steps)  # its end (finish, stop string) is the newer one's
         self.held[key] = delta
         if (now := self.clock()) - self.last >= self.interval:
             self.last = now

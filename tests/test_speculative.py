@@ -443,6 +443,7 @@ def test_sampling_through_the_decoder_keeps_the_base_distribution(base):
         first = sampler.probs(base(torch.tensor([prompt]), base.new_cache(1, 8), Step.fresh(torch.arange(4)[None])).logits[:, -1])
         ids = torch.tensor([prompt + [x] for x in range(v)])
         second = sampler.probs(base(ids, base.new_cache(v, 8), Step.fresh(torch.arange(5).expand(v, 5))).logits[:, -1])
+    assert 0 < int((first > 0).sum()) < params.top_k  # min-p drops some of top-k's tokens
     expected = b * rounds * (first.double() @ second.double())[0]
     big = expected > 5  # pool the rare tokens into one category
     observed = torch.cat([counts[big], counts[~big].sum()[None]])

@@ -14,6 +14,15 @@ from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer
 
 pytestmark = pytest.mark.slow  # the real tokenizer comes with the default model
 
+
+def folder_with(default_model_dir, tmp_path, **config):
+    """A tokenizer folder: the default model's tokenizer, its tokenizer_config.json with `config`
+    over it (another chat template, another eos token)."""
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    given = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**given, **config}))
+    return tmp_path
+
 CHATS = [
     [{"role": "user", "content": "How do I start running?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -68,9 +77,7 @@ THINKING_TEMPLATE = (
 def test_a_template_that_thinks_first_is_rendered_with_thinking_off(default_model_dir, tmp_path):
     """Every phase's prompt is the answer's own beginning: a model whose template would open a
     think block gets the template's empty one, as transformers renders with enable_thinking=False."""
-    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
-    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
+    folder_with(default_model_dir, tmp_path, chat_template=THINKING_TEMPLATE)
     ours, theirs = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
     for chat in CHATS:
         text = ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
@@ -90,28 +97,23 @@ def test_a_template_that_forces_a_think_block_open_gets_it_closed(default_model_
     """A reasoning model whose template opens the think block itself would think before every
     phase: its prompts close the block at once, empty, as a thinking-off Qwen3 prompt does; a
     conversation's earlier turns, rendered without a generation prompt, are left as they are."""
-    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
-    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": FORCED_THINKING_TEMPLATE}))
+    folder_with(default_model_dir, tmp_path, chat_template=FORCED_THINKING_TEMPLATE)
     ours = load_tokenizer(tmp_path)
     for chat in CHATS:
         text = ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and text.count("<think>") == 1
         assert chat_prompt_ids(ours, chat) == ours.encode(text, add_special_tokens=False)
-        assert "<think>" not in ours.apply_chat_template(chat, tokenize=False)
+        assert ours.apply_chat_template(chat, tokenize=False).endswith("<|im_end|>\n")  # nothing added
 
 
 def test_an_answer_ends_at_any_end_of_turn_token_the_vocabulary_holds(default_model_dir, tmp_path):
     """A file's eos may name one token while its chat ends turns with another (a Llama 3 file's
     <|end_of_text|> and <|eot_id|>): the ids that end an answer are the eos and every special
     end-of-turn token of the vocabulary, whichever the eos is; not the turn's opening token."""
-    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
-    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
     ours = load_tokenizer(default_model_dir)
     ids = {t: ours.encode(t, add_special_tokens=False)[0] for t in ("<|im_end|>", "<|endoftext|>", "<|im_start|>")}
     assert ours.eos_token == "<|im_end|>" and ours.end_ids == {ids["<|im_end|>"], ids["<|endoftext|>"]}
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
-    other = load_tokenizer(tmp_path)
+    other = load_tokenizer(folder_with(default_model_dir, tmp_path, eos_token="<|endoftext|>"))
     assert other.eos_token_id == ids["<|endoftext|>"] and other.end_ids == ours.end_ids
     model = ours_from_hf(tiny_hf("llama", vocab_size=len(other)))  # its config's eos: another token
     assert Generator(model, other, max_len=16).eos_ids == {*model.cfg.eos_token_ids, *ours.end_ids}
@@ -135,9 +137,7 @@ def test_a_template_that_wants_alternating_turns_gets_them(default_model_dir, tm
     from specsot_mq.errors import SpecSotError
     from specsot_mq.prompts import load_format
 
-    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
-    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": STRICT_TEMPLATE}))
+    folder_with(default_model_dir, tmp_path, chat_template=STRICT_TEMPLATE)
     ours, theirs = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "user", "content": "And rivers?"}]  # fmt: skip
@@ -164,9 +164,7 @@ def test_a_template_written_for_training_renders_and_a_broken_one_is_one_error(d
     error naming it."""
     from specsot_mq.errors import SpecSotError
 
-    shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
-    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    folder_with(default_model_dir, tmp_path, chat_template=template)
     ours = load_tokenizer(tmp_path)
     if error:
         with pytest.raises(SpecSotError, match=error):
