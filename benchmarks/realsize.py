@@ -6,7 +6,10 @@ type, both engines load the same .gguf file (ours through `--model FILE.gguf`, c
 the cache) and measure, on --threads threads, as llama-bench does: decode (tg: --new-tokens tokens
 one at a time from an empty cache), prefill (pp: a --prompt-tokens prompt in one forward), and one
 forward of k new rows (k = 1, 2, 4, 8, 16) as a multiple of one row's time, which is what
-speculation and the parallel points pay. Beside them: the bytes our decode reads per token against
+speculation and the parallel points pay. Decode and prefill run in --runs rounds, each round ours
+then one llama-bench run, and the ratios are the median of each round's: a shared VM's memory
+bandwidth changes by half for seconds at a time (a 1 GiB read at 33 GB/s, then at 55), which an
+engine timed minutes after the other took as a difference between them. Beside them: the bytes our decode reads per token against
 the memory bandwidth measured in the same run, and our process's resident memory against the file:
 all of it, and without the runtime's fixed cost (python and torch imported, before any model) and
 the KV cache.
@@ -146,20 +149,26 @@ def gguf_file(name: str, kind: str, llamacpp: Path, log) -> Path:
     return out
 
 
-def llama_bench(llamacpp: Path, path: Path, args) -> dict:
-    """llama-bench's tg, pp and k-row prompt rates (tokens/s, its mean over --runs)."""
-    def run(*flags) -> list[dict]:
-        out = subprocess.run([str(llamacpp / "bin" / "llama-bench"), "-m", str(path), "-t", str(args.threads),
-                              "-r", str(args.runs), "-o", "json", *flags], check=True, capture_output=True, text=True)
-        return json.loads(out.stdout)  # fmt: skip
+def llama_bench(llamacpp: Path, path: Path, threads: int, runs: int, *flags) -> list[dict]:
+    """llama-bench's entries (its mean over `runs`) for `flags` (-p, -n)."""
+    out = subprocess.run([str(llamacpp / "bin" / "llama-bench"), "-m", str(path), "-t", str(threads), "-r", str(runs),
+                          "-o", "json", *flags], check=True, capture_output=True, text=True)  # fmt: skip
+    return json.loads(out.stdout)
 
+
+def llama_rates(llamacpp: Path, path: Path, args) -> dict:
+    """One llama-bench run of decode (tg) and prefill (pp) as ours measures them: tokens/s."""
     result = {}
-    for entry in run("-p", str(args.prompt_tokens), "-n", str(args.new_tokens)):
-        key = "decode_tok_s" if entry["n_gen"] else "prefill_tok_s"
-        result[key] = entry["avg_ts"]
-    rows = {e["n_prompt"]: e["n_prompt"] / e["avg_ts"] * 1e3 for e in run("-p", ",".join(map(str, ROWS)), "-n", "0")}
-    result["row_ms"] = {k: rows[k] for k in ROWS}
+    for entry in llama_bench(llamacpp, path, args.threads, 1, "-p", str(args.prompt_tokens), "-n", str(args.new_tokens)):
+        result["decode_tok_s" if entry["n_gen"] else "prefill_tok_s"] = entry["avg_ts"]
     return result
+
+
+def llama_rows(llamacpp: Path, path: Path, args) -> dict:
+    """llama-bench's time of a k-row forward, ms (its -p k prompts)."""
+    entries = llama_bench(llamacpp, path, args.threads, args.runs, "-p", ",".join(map(str, ROWS)), "-n", "0")
+    rows = {e["n_prompt"]: e["n_prompt"] / e["avg_ts"] * 1e3 for e in entries}
+    return {k: rows[k] for k in ROWS}
 
 
 def ours(path: Path, args) -> dict:
@@ -169,7 +178,8 @@ def ours(path: Path, args) -> dict:
     resolve_model(str(path), auto_pull=False)
     out = subprocess.run([sys.executable, __file__, "--measure", str(path), "--threads", str(args.threads),
                           "--runs", str(args.runs), "--new-tokens", str(args.new_tokens),
-                          "--prompt-tokens", str(args.prompt_tokens)], capture_output=True, text=True)  # fmt: skip
+                          "--prompt-tokens", str(args.prompt_tokens), "--llamacpp", str(args.llamacpp)],
+                         capture_output=True, text=True)  # fmt: skip
     if out.returncode:
         raise RuntimeError(f"measuring {path.name} failed:\n{out.stderr[-2000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -187,7 +197,9 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 def measure(path: Path, args) -> dict:
     """In this process: load the GGUF as a device stage does (converted once, cached), then decode,
-    prefill and k-row forwards as llama-bench times them."""
+    prefill and k-row forwards as llama-bench times them; decode and prefill in rounds, each
+    followed by one llama-bench run of the same (`rounds`: both engines' rates and the memory
+    bandwidth, round by round)."""
     import torch
 
     from decode import measure_bandwidth, weight_bytes
@@ -215,22 +227,27 @@ def measure(path: Path, args) -> dict:
         for i in range(args.new_tokens):
             forward(1, i)
 
+    rounds = []
     with torch.no_grad():
         for k in ROWS:  # warm-up
             timed(lambda: forward(k, 0))
-        tg = [timed(decode) for _ in range(args.runs)]
-        pp = [timed(lambda: forward(args.prompt_tokens, 0)) for _ in range(args.runs)]
+        for _ in range(args.runs):
+            mine = {"decode_tok_s": args.new_tokens / timed(decode),
+                    "prefill_tok_s": args.prompt_tokens / timed(lambda: forward(args.prompt_tokens, 0))}  # fmt: skip
+            rounds.append({"ours": mine, "llamacpp": llama_rates(Path(args.llamacpp), path, args),
+                           "bandwidth_gb_s": measure_bandwidth(repeats=3) / 1e9})  # fmt: skip
         rows = {k: statistics.median(timed(lambda: forward(k, 0)) for _ in range(max(5, 3 * args.runs))) * 1e3
                 for k in ROWS}  # fmt: skip
     _, nbytes = weight_bytes(model, torch.float32)
-    decode_tok_s = args.new_tokens / statistics.median(tg)
+    decode_tok_s = statistics.median(r["ours"]["decode_tok_s"] for r in rounds)
     return {
         "decode_tok_s": decode_tok_s,
-        "prefill_tok_s": args.prompt_tokens / statistics.median(pp),
+        "prefill_tok_s": statistics.median(r["ours"]["prefill_tok_s"] for r in rounds),
+        "rounds": rounds,
         "row_ms": rows,
         "bytes_per_token": nbytes,
         "read_gb_s": nbytes * decode_tok_s / 1e9,
-        "bandwidth_gb_s": measure_bandwidth() / 1e9,
+        "bandwidth_gb_s": statistics.median(r["bandwidth_gb_s"] for r in rounds),
         "rss_runtime": runtime,
         "rss_loaded": loaded,
         "rss_after": rss_bytes(),
@@ -272,19 +289,29 @@ def main(argv=None) -> dict | None:
     for name in shapes:
         for kind in [t.strip() for t in args.types.split(",") if t.strip()]:
             path = gguf_file(name, kind, llamacpp, lambda m: console.print(f"[dim]{m}"))
-            console.print(f"[bold]{name} {kind}[/] ({path.stat().st_size / 2**20:.0f} MB): llama-bench, then ours")
-            theirs, mine = llama_bench(llamacpp, path, args), ours(path, args)
+            console.print(f"[bold]{name} {kind}[/] ({path.stat().st_size / 2**20:.0f} MB): {args.runs} rounds of "
+                          f"ours then llama-bench, then k-row forwards")  # fmt: skip
+            args.llamacpp = str(llamacpp)
+            mine = ours(path, args)
+            rounds = mine.pop("rounds")
+            theirs = {key: statistics.median(r["llamacpp"][key] for r in rounds) for key in ("decode_tok_s", "prefill_tok_s")}
+            theirs["row_ms"] = llama_rows(llamacpp, path, args)
+
+            def paired(key: str) -> list[float]:  # ours / llama.cpp, round by round
+                return sorted(r["ours"][key] / r["llamacpp"][key] for r in rounds)
+
             results.append({"shape": name, "type": kind, "file_bytes": path.stat().st_size, "llamacpp": theirs,
-                            "ours": mine,
-                            "decode_vs_llamacpp": mine["decode_tok_s"] / theirs["decode_tok_s"],
-                            "prefill_vs_llamacpp": mine["prefill_tok_s"] / theirs["prefill_tok_s"],
+                            "ours": mine, "rounds": rounds,
+                            "decode_vs_llamacpp": statistics.median(paired("decode_tok_s")),
+                            "decode_vs_llamacpp_range": paired("decode_tok_s")[:: max(1, len(rounds) - 1)],
+                            "prefill_vs_llamacpp": statistics.median(paired("prefill_tok_s")),
                             "rss_over_file": mine["rss_after"] / path.stat().st_size,
                             # the model's own memory, the runtime's fixed cost and the KV cache taken out
                             "model_over_file": (mine["rss_after"] - mine["rss_runtime"] - mine["kv_bytes"])
                             / path.stat().st_size})  # fmt: skip
     table = Table(title=f"Real sizes, random weights: llama-bench and ours on the same file ({args.threads} threads, "
                         f"{cpu_name()})")  # fmt: skip
-    for col in ("shape", "type", "MB", "decode tok/s llama.cpp / ours", "x", "prefill tok/s", "x",
+    for col in ("shape", "type", "MB", "decode tok/s llama.cpp / ours", "x (rounds' range)", "prefill tok/s", "x",
                 "k rows = x one row, k = 2 4 8 16: llama.cpp / ours", "read GB/s / bandwidth", "RSS / file", "runtime MB", "model / file"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("shape", "type") else "right")
     for r in results:
@@ -294,7 +321,8 @@ def main(argv=None) -> dict | None:
             return " ".join(f"{ms[k] / ms[1]:.2f}" for k in ROWS[1:])
 
         table.add_row(r["shape"], r["type"], f"{r['file_bytes'] / 2**20:.0f}",
-                      f"{t['decode_tok_s']:.1f} / {o['decode_tok_s']:.1f}", f"{r['decode_vs_llamacpp']:.2f}",
+                      f"{t['decode_tok_s']:.1f} / {o['decode_tok_s']:.1f}",
+                      f"{r['decode_vs_llamacpp']:.2f} ({'-'.join(f'{x:.2f}' for x in r['decode_vs_llamacpp_range'])})",
                       f"{t['prefill_tok_s']:.0f} / {o['prefill_tok_s']:.0f}", f"{r['prefill_vs_llamacpp']:.2f}",
                       f"{multiples(t['row_ms'])} / {multiples(o['row_ms'])}",
                       f"{o['read_gb_s']:.1f} / {o['bandwidth_gb_s']:.1f}", f"{r['rss_over_file']:.2f}",
