@@ -1,6 +1,10 @@
 """The peer under load: llama.cpp's own llama-server, with a slot per client (its continuous
 batching), against `specsot serve` over a local launch, on the same GGUF file and the same
-questions, at 1, 4 and 8 concurrent clients, one engine at a time on the same cores.
+questions, at 1, 4 and 8 concurrent clients, one engine at a time on the same cores: at each client
+count llama-server, then ours, each a fresh server. Fresh, because ours remembers what it wrote
+lately (prompt lookup's History) and would copy its greedy answers to questions asked at the
+client count before; in turns, because a shared VM's memory bandwidth moves for seconds at a time,
+and an engine measured minutes after the other would draw the difference.
 
     benchmarks/setup_llamacpp.sh        # once
     python benchmarks/peer_serve.py [--model FILE.gguf] [--clients 1,4,8] [--limit 24] [--max-tokens 256]
@@ -188,15 +192,16 @@ def main(argv=None) -> dict:
     tokenizer = load_tokenizer(resolve_model(args.model))
     results: dict[str, dict[int, dict]] = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    for name in ("llamacpp", "specsot"):
-        if name not in args.engines.split(","):
-            continue
-        engine = Theirs(args, gguf, tokenizer) if name == "llamacpp" else Ours(args)
-        try:
-            with Progress(*columns, console=out, transient=True) as progress:
-                results[name] = {n: asyncio.run(measure(engine, questions, n, args, progress)) for n in args.clients}
-        finally:
-            engine.close()
+    with Progress(*columns, console=out, transient=True) as progress:
+        for n in args.clients:
+            for name in ("llamacpp", "specsot"):
+                if name not in args.engines.split(","):
+                    continue
+                engine = Theirs(args, gguf, tokenizer) if name == "llamacpp" else Ours(args)
+                try:
+                    results.setdefault(name, {})[n] = asyncio.run(measure(engine, questions, n, args, progress))
+                finally:
+                    engine.close()
     table = Table(title=f"{len(questions)} questions from {source}, {gguf.name}, {cpu_name()}")
     for col in ("engine", "clients", "answers/min", "p50 s", "p95 s", "tok/s", "answers/min vs llama-server"):
         table.add_column(col, justify="left" if col == "engine" else "right")

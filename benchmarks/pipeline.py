@@ -71,19 +71,20 @@ def measure_split(args, questions, params, progress, run_dir: Path) -> tuple[dic
     devices_file, gb = budget_file(args, run_dir)
     if gb:
         progress.console.print(f"each split device's memory budget: {gb} GB ({args.split_memory} of the model's weights)")
-    launcher, spec = start_topology(LaunchOptions(
-        devices=args.split_devices, topology=args.topology, split="layers", model=args.model, dtype=args.dtype,
-        draft="none", threads=args.threads, point_tokens=args.max_tokens, skeleton_tokens=args.max_tokens,
-        devices_file=None if devices_file is None else str(devices_file)))  # fmt: skip
-    try:
-        asyncio.run(wait_ready(launcher))
-        with progress:
-            return {n: asyncio.run(answers_per_min(spec, params, n, questions,
-                                                   progress.add_task(f"split, {n} clients", total=len(questions)),
-                                                   progress))  # fmt: skip
-                    for n in [int(c) for c in args.clients.split(",")]}, gb
-    finally:
-        launcher.stop()
+    results = {}
+    for n in [int(c) for c in args.clients.split(",")]:  # a fresh launch each (see main)
+        launcher, spec = start_topology(LaunchOptions(
+            devices=args.split_devices, topology=args.topology, split="layers", model=args.model, dtype=args.dtype,
+            draft="none", threads=args.threads, point_tokens=args.max_tokens, skeleton_tokens=args.max_tokens,
+            devices_file=None if devices_file is None else str(devices_file)))  # fmt: skip
+        try:
+            asyncio.run(wait_ready(launcher))
+            with progress:
+                task = progress.add_task(f"split, {n} clients", total=len(questions))
+                results[n] = asyncio.run(answers_per_min(spec, params, n, questions, task, progress))
+        finally:
+            launcher.stop()
+    return results, gb
 
 
 async def answers_per_min(spec, params, n_clients: int, items: list[str], task, progress) -> float:
@@ -146,24 +147,28 @@ def main(argv=None) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-bench-"))
     spec = plan_run(parse_devices(args.devices), load_profiles(default_profiles_path()), args.topology, run_dir,
                     stage_threads=args.threads, model=args.model, dtype=args.dtype, draft=args.draft, sot=sot)  # fmt: skip
-    launcher = Launcher(spec, run_dir)
-    launcher.start()
     results, memory = {}, {}
-    try:
-        asyncio.run(wait_ready(launcher))
 
-        async def batch(n_clients: int, items: list[str], task) -> float:
-            return await answers_per_min(spec, params, n_clients, items, task, progress)
+    async def batch(n_clients: int, items: list[str], task) -> float:
+        return await answers_per_min(spec, params, n_clients, items, task, progress)
 
-        async def stage_memory() -> dict:
-            async with Client(spec.client_address) as client:
-                status = await client.status()
-            return {s["stage"]: (s.get("rss_mb", 0.0), s.get("peak_rss_mb", 0.0)) for s in status.stages}
+    async def stage_memory() -> dict:
+        async with Client(spec.client_address) as client:
+            status = await client.status()
+        return {s["stage"]: (s.get("rss_mb", 0.0), s.get("peak_rss_mb", 0.0)) for s in status.stages}
 
-        with progress:
-            for n in clients:
+    # A fresh launch for each client count: a stage remembers what it wrote lately (prompt lookup's
+    # History) and would copy its greedy answers to the questions asked at the count before.
+    for i, n in enumerate(clients):
+        launcher = Launcher(spec, run_dir)
+        launcher.start()
+        try:
+            asyncio.run(wait_ready(launcher))
+            with progress:
                 task = progress.add_task(f"pipeline, {n} clients", total=len(questions))
                 results[n] = asyncio.run(batch(n, questions, task))
+            if i < len(clients) - 1:  # the memory figures and the soak: on the last launch
+                continue
             time.sleep(2 * spec.heartbeat_s + 0.5)  # idle stages release freed memory on a heartbeat
             memory = asyncio.run(stage_memory())
             soak = None
@@ -178,8 +183,8 @@ def main(argv=None) -> dict:
                     time.sleep(2 * spec.heartbeat_s + 0.5)
                     for name, (now, _) in asyncio.run(stage_memory()).items():
                         soak[name].append(round(now))
-    finally:
-        launcher.stop()
+        finally:
+            launcher.stop()
 
     table = Table(title=f"{len(questions)} questions ({source}), {args.max_tokens} tokens per phase, {args.topology} "
                         f"over {args.devices}, {torch.get_num_threads()} threads in-process")  # fmt: skip
