@@ -72,10 +72,11 @@ class SpeedChooser:
     # varies (a lookup step decides 1 to 3 tokens) and a short window lets a good way lose a probe
     # by chance, after which it waits hundreds of steps for another try.
     decay = 0.95
-    # The head's tree is retired (drafting_pays) once it has run this many steps and is this many
-    # times slower than the fastest other way at every batch size where both are timed.
-    retire_after = 32
-    retire_margin = 1.2
+    # The head's tree is retired (drafting_pays) once it has run this many steps and decides tokens
+    # no faster than the fastest other way, over the batch sizes where both are timed, each size
+    # weighted by the steps decoded at it.
+    retire_after = 16
+    retire_margin = 1.0
 
     def __init__(self, ways: list[str]):
         self.ways = ways
@@ -121,21 +122,25 @@ class SpeedChooser:
 
     def drafting_pays(self) -> bool:
         """Whether the draft head still earns its upkeep (its pass over every prompt, reading each
-        decided token, the tree's probes): False once its tree ran `retire_after` steps and, at
-        every batch size where it and another way are timed, decided tokens `retire_margin` times
-        slower than the fastest other way. A generator then decodes greedily without the head
-        (Generator.new_decoder)."""
+        decided token, the tree's probes): False once its tree ran `retire_after` steps and decided
+        tokens no faster (`retire_margin`) than the fastest other way, over the batch sizes where
+        both are timed, each weighted by the steps decoded at it. The other ways' steps carry the
+        upkeep too (a decoder with the head runs them), so a tree no faster than they are cannot
+        pay for it. A generator then decodes greedily without the head (Generator.new_decoder).
+
+        Weighted, not size by size: a branch stage decodes points at every batch size, and at one
+        or two of them the tree's few probes often ran as fast as lookup by chance, which kept a
+        head that was slower at the sizes most steps ran at (benchmarks/HISTORY.md)."""
         if "eagle" not in self.ways or len(self.ways) == 1 or self.counts["eagle"] < self.retire_after:
             return True
-        compared = False
-        for size in self.by_size:
+        eagle = fastest = 0.0  # seconds per token, each size weighted by its steps
+        for size, at in self.by_size.items():
             rates = self.seconds_per_token(size)
             others = [rates[w] for w in self.ways_at(size) if w != "eagle" and rates[w] is not None]
             if rates["eagle"] is not None and others:
-                compared = True
-                if rates["eagle"] <= self.retire_margin * min(others):
-                    return True
-        return not compared
+                eagle += at["steps"] * rates["eagle"]
+                fastest += at["steps"] * min(others)
+        return fastest == 0 or eagle < self.retire_margin * fastest
 
     def record(self, way: str, seconds: float, tokens: int, size: int = 1) -> None:
         at = self._at(size)
