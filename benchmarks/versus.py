@@ -13,6 +13,14 @@ answers shorter shows there); the last line is JSON.
 
     python benchmarks/versus.py [--base HEAD~1] [--engine specsot|eagle|plain] [--limit 40] [--rounds 2]
                                 [--questions benchmarks/router_heldout.jsonl --label direct]
+
+`--launch` compares the two launched as topologies (`specsot launch`, each tree's own code and
+stage processes, both up at once) under `--clients` concurrent clients: the questions go in rounds
+of `--per-round` new ones (a stage's History would copy its answer to a question asked again),
+each round answered by one launch, then the other, the order flipped every round; it prints each
+round's answers per minute and the median over rounds of ours over the base's:
+
+    python benchmarks/versus.py --launch --base HEAD~1 [--clients 8] [--per-round 16] [--limit 80]
 """
 
 from __future__ import annotations
@@ -21,11 +29,13 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,13 +89,132 @@ def serve(args) -> None:
         print(json.dumps({"s": time.perf_counter() - start, "mode": mode, "tokens": tokens}), flush=True)
 
 
+@contextmanager
+def checked_out(base: str):
+    """(a temporary worktree of commit `base`, the cache its processes use: another commit may
+    store the model folder in another format), removed afterwards."""
+    from specsot_mq.pull import specsot_home
+
+    base_dir = Path(tempfile.mkdtemp(prefix="specsot-versus-"))
+    try:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base_dir), base], check=True,
+                       capture_output=True, text=True)  # fmt: skip
+    except subprocess.CalledProcessError as e:
+        shutil.rmtree(base_dir, ignore_errors=True)
+        sys.exit(f"benchmarks/versus.py: cannot check out --base {base}: {e.stderr.strip()}")
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", base], capture_output=True,
+                         text=True).stdout.strip()  # fmt: skip
+    try:
+        yield base_dir, specsot_home() / "versus" / sha
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_dir)], capture_output=True)
+        shutil.rmtree(base_dir, ignore_errors=True)
+
+
+def tree_env(tree: Path, home: Path | None) -> dict:
+    """The environment of a process that runs `tree`'s code (and its stage processes: they inherit it)."""
+    env = dict(os.environ, PYTHONPATH=str(tree), GOMP_SPINCOUNT="10000")
+    if home is not None:
+        env["SPECSOT_HOME"] = str(home)
+    return env
+
+
+class Launched:
+    """`specsot launch` of one tree (its cwd, so `python -m` finds that tree's stages), up until close()."""
+
+    def __init__(self, tree: Path, home: Path | None, run_file: Path, max_tokens: int):
+        self.run_file = run_file
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "launch",
+                                      "--run", str(run_file), "--point-tokens", str(max_tokens), "--skeleton-tokens",
+                                      str(max_tokens)], cwd=tree, env=tree_env(tree, home), stdout=self.log,
+                                     stderr=subprocess.STDOUT)  # fmt: skip
+        self.tree = tree
+
+    def info(self, timeout: float = 900) -> dict:
+        from specsot_mq.stages.launch import read_run_file
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (info := read_run_file(self.run_file)) is not None:
+                return info
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        self.log.seek(0)
+        sys.exit(f"benchmarks/versus.py: the launch of {self.tree} did not come up:\n{self.log.read().decode()[-1500:]}")
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def launched(args, questions: Path | None) -> dict:
+    """--launch: both trees launched, rounds of new questions at --clients, in turn."""
+    import asyncio
+
+    from decode import load_prompts
+
+    from specsot_mq.client import Client
+    from specsot_mq.messages import Answer
+    from specsot_mq.sampling_params import SamplingParams
+
+    prompts, source = load_prompts(questions, args.limit)
+    rounds = len(prompts) // args.per_round
+    if rounds < 1:
+        sys.exit(f"benchmarks/versus.py: {len(prompts)} questions make no round of --per-round {args.per_round}")
+    params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
+
+    async def per_minute(info: dict, items: list[str]) -> float:
+        gate = asyncio.Semaphore(args.clients)
+        async with Client(info["client_address"], keys=info.get("keys")) as client:
+            async def one(q: str) -> None:
+                async with gate:
+                    msg = await client.answer(q, params, timeout=600)
+                if not isinstance(msg, Answer):
+                    raise RuntimeError(f"a request failed: {msg.error}")
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one(q) for q in items))
+            return 60 * len(items) / (time.perf_counter() - start)
+
+    rows = []
+    with checked_out(args.base) as (base_dir, home), tempfile.TemporaryDirectory() as runs:
+        print(f"launching {args.base} and this checkout...", file=sys.stderr)
+        launches = {"base": Launched(base_dir, home, Path(runs) / "base.json", args.max_tokens),
+                    "ours": Launched(ROOT, None, Path(runs) / "ours.json", args.max_tokens)}  # fmt: skip
+        try:
+            infos = {name: launch.info() for name, launch in launches.items()}
+            for info in infos.values():  # warm: kernels, caches, the router
+                asyncio.run(per_minute(info, ["Say hello.", "Name two colours."]))
+            for r in range(rounds):
+                items = prompts[r * args.per_round : (r + 1) * args.per_round]
+                rate = {}
+                for name in ("base", "ours") if r % 2 == 0 else ("ours", "base"):
+                    rate[name] = asyncio.run(per_minute(infos[name], items))
+                rows.append(rate)
+                print(f"round {r + 1}/{rounds}: {args.base} {rate['base']:.1f}, this checkout {rate['ours']:.1f} answers/min, "
+                      f"{rate['ours'] / rate['base']:.3f}x", file=sys.stderr)  # fmt: skip
+        finally:
+            for launch in launches.values():
+                launch.close()
+    ratio = statistics.median(r["ours"] / r["base"] for r in rows)
+    print(f"launched, {args.clients} clients, {rounds} rounds of {args.per_round} questions ({source}): this checkout "
+          f"{ratio:.3f}x the answers per minute of {args.base} (median over rounds)")  # fmt: skip
+    result = {"base": args.base, "launch": True, "clients": args.clients, "per_round": args.per_round,
+              "median_speedup": round(ratio, 3), "rounds": [{k: round(v, 2) for k, v in r.items()} for r in rows]}  # fmt: skip
+    print(json.dumps(result), flush=True)
+    return result
+
+
 class Worker:
     """One tree's engine in a process of its own."""
 
     def __init__(self, tree: Path, argv: list[str], home: Path | None = None):
-        env = dict(os.environ, PYTHONPATH=str(tree), GOMP_SPINCOUNT="10000")
-        if home is not None:  # a cache of its own: another commit may store the model folder in another format
-            env["SPECSOT_HOME"] = str(home)
+        env = tree_env(tree, home)
         script = tree / "benchmarks" / "versus.py"
         if not script.exists():  # a base older than this script: run this one against its library
             script = Path(__file__).resolve()
@@ -111,14 +240,18 @@ def main(argv=None) -> dict:
     p.add_argument("--base", default="HEAD~1", help="the git commit to compare with (default HEAD~1)")
     p.add_argument("--engine", choices=ENGINES, default="specsot")
     p.add_argument("--questions", type=Path, default=None)
-    p.add_argument("--limit", type=int, default=40)
+    p.add_argument("--limit", type=int, default=None, help="questions (default 40; with --launch 80)")
     p.add_argument("--per-category", type=int, default=5)
     p.add_argument("--label", default=None, help="only the questions of this label (router_heldout.jsonl: direct, plan)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeat-stop", type=int, default=16)
+    p.add_argument("--launch", action="store_true", help="compare the two launched, under --clients concurrent clients")
+    p.add_argument("--clients", type=int, default=8, help="with --launch")
+    p.add_argument("--per-round", type=int, default=16, help="with --launch: new questions a round")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.limit = args.limit or (80 if args.launch else 40)
     if args.serve:
         return serve(args)
     worker_argv = ["--engine", args.engine, "--limit", str(args.limit), "--per-category", str(args.per_category),
@@ -129,22 +262,13 @@ def main(argv=None) -> dict:
     from decode import DEFAULT_QUESTIONS
 
     questions = args.questions or (DEFAULT_QUESTIONS if DEFAULT_QUESTIONS.is_file() else None)
+    if args.launch:
+        return launched(args, questions)
     if questions is not None:  # named by path: the base's worktree has no ../shared beside it
         worker_argv += ["--questions", str(questions.resolve())]
-    base_dir = Path(tempfile.mkdtemp(prefix="specsot-versus-"))
-    try:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base_dir), args.base], check=True,
-                       capture_output=True, text=True)  # fmt: skip
-    except subprocess.CalledProcessError as e:
-        shutil.rmtree(base_dir, ignore_errors=True)
-        sys.exit(f"benchmarks/versus.py: cannot check out --base {args.base}: {e.stderr.strip()}")
-    try:
+    with checked_out(args.base) as (base_dir, home):
         print(f"loading {args.base} and this checkout (each builds its kernels once)...", file=sys.stderr)
-        from specsot_mq.pull import specsot_home
-
-        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base], capture_output=True,
-                             text=True).stdout.strip()  # fmt: skip
-        base = Worker(base_dir, worker_argv, specsot_home() / "versus" / sha)
+        base = Worker(base_dir, worker_argv, home)
         ours = Worker(ROOT, worker_argv)
         times = {"base": {}, "ours": {}}
         tokens = {"base": {}, "ours": {}}  # each answer's length (greedy: the same every round)
@@ -163,9 +287,6 @@ def main(argv=None) -> dict:
         print(file=sys.stderr)
         base.close()
         ours.close()
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_dir)], capture_output=True)
-        shutil.rmtree(base_dir, ignore_errors=True)
     result = {"base": args.base, "engine": args.engine, "rounds": args.rounds}
     for mode in sorted(set(modes.values())):
         qs = [i for i in modes if modes[i] == mode]
