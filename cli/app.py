@@ -11,7 +11,8 @@ import typer
 from rich.console import Console
 
 from specsot_mq.cli import http, serve
-from specsot_mq.cli.options import DeviceOpt, DtypeOpt, FormatOpt, ModelOpt, ModelOptions, RepeatOpt, err, with_options
+from specsot_mq.cli.options import (DeviceOpt, DtypeOpt, FormatOpt, MinPOpt, ModelOpt, ModelOptions, RepeatOpt, SeedOpt,
+                                    TopKOpt, TopPOpt, err, with_options)
 from specsot_mq.errors import SpecSotError
 from specsot_mq.sampling_params import REPEAT_STOP
 
@@ -43,10 +44,10 @@ def ask(
     device: DeviceOpt = None,
     max_tokens: Annotated[int, typer.Option(help="Most new tokens to generate.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 decodes greedily.")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="Sample among the k likeliest tokens (0 = all).")] = 0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    min_p: Annotated[float, typer.Option(help="Drop tokens less likely than this share of the likeliest (0 = off).")] = 0.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     repeat_stop: RepeatOpt = REPEAT_STOP,
     max_len: Annotated[int, typer.Option(help="KV cache length (prompt + answer).")] = 4096,

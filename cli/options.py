@@ -28,6 +28,10 @@ QuantizeOpt = Annotated[str, typer.Option(envvar="SPECSOT_QUANTIZE",
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu, cuda or cuda:N (default: cuda if present).")]
 RepeatOpt = Annotated[int, typer.Option(
     help="End an output (each phase's) when its last N tokens already ran earlier in it: a loop. 0 = off.")]
+TopKOpt = Annotated[int, typer.Option(help="Sample among the k likeliest tokens (0 = all).")]
+TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass.")]
+MinPOpt = Annotated[float, typer.Option(help="Drop tokens less likely than this share of the likeliest (0 = off).")]
+SeedOpt = Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")]
 FormatOpt = Annotated[str, typer.Option(help="Prompt format: sot (a numbered plan), plan (the model picks [PLAN] or "
                                               "[DIRECT]), or the path of your own format file (.json, a copy of "
                                               "specsot_mq/prompts/sot.json changed).")]
@@ -98,6 +102,10 @@ class AnswerOptions:
     sot: Annotated[str, typer.Option(help="auto (the router decides), always or never.")] = "auto"
     max_tokens: Annotated[int, typer.Option(help="Most new tokens per phase.")] = 256
     temperature: Annotated[float, typer.Option(help="0 decodes greedily.")] = 0.0
+    top_k: TopKOpt = 0
+    top_p: TopPOpt = 1.0
+    min_p: MinPOpt = 0.0
+    seed: SeedOpt = None
     repeat_stop: RepeatOpt = REPEAT_STOP
     system: Annotated[Optional[str], typer.Option(
         help="A system message before every question (and its conversation); a line of run's own system message wins.")] = None
@@ -112,7 +120,8 @@ class AnswerOptions:
     def params(self):
         from specsot_mq.sampling_params import SamplingParams
 
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, repeat_stop=self.repeat_stop)
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, min_p=self.min_p, seed=self.seed, repeat_stop=self.repeat_stop)  # fmt: skip
 
 
 @dataclasses.dataclass(slots=True)

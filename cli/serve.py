@@ -258,7 +258,8 @@ def run_batch(
 
 
 CHAT_HELP = """/? help · /bye or /exit quit · /clear forget the conversation · /set mode auto|always|never ·
-/set temperature T · /set max_tokens N · /set repeat_stop N (0 = off) · /set system TEXT (alone: none) ·
+/set temperature T · /set top_k K · /set top_p P · /set min_p P · /set seed N|none · /set max_tokens N ·
+/set repeat_stop N (0 = off) · /set system TEXT (alone: none) ·
 \"\"\" begins and ends a question of several lines · Ctrl+C stops an answer · Ctrl+D quits"""
 
 
@@ -311,8 +312,13 @@ def chat(topo: TopologyOptions, model: ModelOptions, answers: AnswerOptions):
 
 
 # What /set changes: its name -> (the AnswerOptions field, how its value is read)
-SETTABLE = {"mode": ("sot", str), "temperature": ("temperature", float), "max_tokens": ("max_tokens", int),
-            "repeat_stop": ("repeat_stop", int)}  # fmt: skip
+def _seed(value: str) -> int | None:
+    return None if value.lower() == "none" else int(value)
+
+
+SETTABLE = {"mode": ("sot", str), "temperature": ("temperature", float), "top_k": ("top_k", int),
+            "top_p": ("top_p", float), "min_p": ("min_p", float), "seed": ("seed", _seed),
+            "max_tokens": ("max_tokens", int), "repeat_stop": ("repeat_stop", int)}  # fmt: skip
 
 
 @dataclasses.dataclass

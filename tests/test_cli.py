@@ -194,6 +194,14 @@ def test_chat_set_changes_a_setting_and_keeps_the_old_one_when_the_value_is_refu
     answers = _slash("/set mode always", answers, Conversation(), console)
     assert answers.sot == "always" and answers.max_tokens == 40
     assert out.getvalue().count("does not take") == 4 and "max_tokens = 40" in out.getvalue()
+    for line in ("/set temperature 0.8", "/set top_k 40", "/set top_p 0.95", "/set min_p 0.05", "/set seed 7"):
+        answers = _slash(line, answers, Conversation(), console)
+    params = answers.params()  # what every question of the chat is sent with
+    assert (params.temperature, params.top_k, params.top_p, params.min_p, params.seed) == (0.8, 40, 0.95, 0.05, 7)
+    for bad in ("/set top_p 0", "/set top_k -1", "/set min_p 2", "/set seed x"):
+        assert _slash(bad, answers, Conversation(), console) == answers, bad
+    assert _slash("/set seed none", answers, Conversation(), console).params().seed is None
+    assert out.getvalue().count("does not take") == 8
 
 
 def test_chat_set_system_goes_first_in_every_question_and_outlives_clear_and_trimming():
