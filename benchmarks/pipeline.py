@@ -1,5 +1,9 @@
 """Answers per minute of a launched stage topology at 1, 4 and 8 concurrent clients, against the
 in-process engine answering the same questions one at a time, plus every device stage's peak memory.
+Each client count gets a fresh launch: a stage's History (prompt lookup's guesses from what it wrote
+lately) would copy its greedy answers to the questions asked at the count before. The in-process
+engine and the launches run minutes apart, on machines whose speed drifts: to compare two commits'
+launches, `benchmarks/versus.py --launch` takes turns instead.
 
     python benchmarks/pipeline.py --limit 16 --max-tokens 64
 
