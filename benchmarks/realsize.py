@@ -9,10 +9,10 @@ forward of k new rows (k = 1, 2, 4, 8, 16) as a multiple of one row's time, whic
 speculation and the parallel points pay. Decode and prefill run in --runs rounds, each round ours
 then one llama-bench run, and the ratios are the median of each round's: a shared VM's memory
 bandwidth changes by half for seconds at a time (a 1 GiB read at 33 GB/s, then at 55), which an
-engine timed minutes after the other took as a difference between them. Beside them: the bytes our decode reads per token against
-the memory bandwidth measured in the same run, and our process's resident memory against the file:
-all of it, and without the runtime's fixed cost (python and torch imported, before any model) and
-the KV cache.
+engine timed minutes after the other took as a difference between them. Beside them: the bytes
+our decode reads per token against the memory bandwidth measured in the same rounds, and our
+process's resident memory against the file: all of it, and without the runtime's fixed cost
+(python and torch imported, before any model) and the KV cache.
 
     benchmarks/setup_llamacpp.sh        # once: llama.cpp's programs, about 5 minutes
     python benchmarks/realsize.py [--shapes smollm2-360m,qwen2.5-0.5b,smollm2-1.7b] \\
@@ -285,25 +285,25 @@ def main(argv=None) -> dict | None:
     if unknown:
         raise SpecSotError(f"unknown shape {unknown[0]!r}: use {', '.join(SHAPES)}")
     llamacpp = llamacpp_dir(args.llamacpp)
+    args.llamacpp = str(llamacpp)  # the measuring process runs llama-bench between its own rounds
     results = []
     for name in shapes:
         for kind in [t.strip() for t in args.types.split(",") if t.strip()]:
             path = gguf_file(name, kind, llamacpp, lambda m: console.print(f"[dim]{m}"))
             console.print(f"[bold]{name} {kind}[/] ({path.stat().st_size / 2**20:.0f} MB): {args.runs} rounds of "
                           f"ours then llama-bench, then k-row forwards")  # fmt: skip
-            args.llamacpp = str(llamacpp)
             mine = ours(path, args)
             rounds = mine.pop("rounds")
             theirs = {key: statistics.median(r["llamacpp"][key] for r in rounds) for key in ("decode_tok_s", "prefill_tok_s")}
             theirs["row_ms"] = llama_rows(llamacpp, path, args)
 
             def paired(key: str) -> list[float]:  # ours / llama.cpp, round by round
-                return sorted(r["ours"][key] / r["llamacpp"][key] for r in rounds)
+                return [r["ours"][key] / r["llamacpp"][key] for r in rounds]
 
             results.append({"shape": name, "type": kind, "file_bytes": path.stat().st_size, "llamacpp": theirs,
                             "ours": mine, "rounds": rounds,
                             "decode_vs_llamacpp": statistics.median(paired("decode_tok_s")),
-                            "decode_vs_llamacpp_range": paired("decode_tok_s")[:: max(1, len(rounds) - 1)],
+                            "decode_vs_llamacpp_range": [min(paired("decode_tok_s")), max(paired("decode_tok_s"))],
                             "prefill_vs_llamacpp": statistics.median(paired("prefill_tok_s")),
                             "rss_over_file": mine["rss_after"] / path.stat().st_size,
                             # the model's own memory, the runtime's fixed cost and the KV cache taken out
