@@ -8,7 +8,7 @@ one at a time from an empty cache), prefill (pp: a --prompt-tokens prompt in one
 forward of k new rows (k = 1, 2, 4, 8, 16) as a multiple of one row's time, which is what
 speculation and the parallel points pay. Decode and prefill run in --runs rounds, each round ours
 then one llama-bench run, and the ratios are the median of each round's: a shared VM's memory
-bandwidth changes by half for seconds at a time (a 1 GiB read at 33 GB/s, then at 55), which an
+bandwidth changes by half for seconds at a time (its 1 GiB read at 34 GB/s, then at 55), which an
 engine timed minutes after the other took as a difference between them. Beside them: the bytes
 our decode reads per token against the memory bandwidth measured in the same rounds, and our
 process's resident memory against the file: all of it, and without the runtime's fixed cost
