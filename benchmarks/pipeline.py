@@ -85,21 +85,26 @@ def measure_split(args, questions, params, progress, run_dir: Path) -> tuple[dic
             asyncio.run(wait_ready(launcher))
             with progress:
                 task = progress.add_task(f"split, {n} clients", total=len(questions))
-                results[n] = asyncio.run(answers_per_min(spec, params, n, questions, task, progress))
+                results[n] = asyncio.run(answers_per_min(spec.client_address, params, n, questions,
+                                                          done=lambda: progress.advance(task)))  # fmt: skip
         finally:
             launcher.stop()
     return results, gb
 
 
-async def answers_per_min(spec, params, n_clients: int, items: list[str], task, progress) -> float:
+async def answers_per_min(address: str, params, n_clients: int, items: list[str], keys: dict | None = None,
+                          done=None) -> float:  # fmt: skip
+    """Answers per minute of the topology at `address` (its CURVE `keys` where it has them) to
+    `items`, `n_clients` requests in flight at once; `done()` after each answer."""
     gate = asyncio.Semaphore(n_clients)
-    async with Client(spec.client_address) as client:
+    async with Client(address, keys=keys) as client:
         async def one(q):
             async with gate:
                 msg = await client.answer(q, params, timeout=600)
             if not isinstance(msg, Answer):
                 raise RuntimeError(f"a request failed: {msg.error}")
-            progress.advance(task)
+            if done is not None:
+                done()
 
         start = time.perf_counter()
         await asyncio.gather(*(one(q) for q in items))
@@ -154,7 +159,7 @@ def main(argv=None) -> dict:
     results, memory = {}, {}
 
     async def batch(n_clients: int, items: list[str], task) -> float:
-        return await answers_per_min(spec, params, n_clients, items, task, progress)
+        return await answers_per_min(spec.client_address, params, n_clients, items, done=lambda: progress.advance(task))
 
     async def stage_memory() -> dict:
         async with Client(spec.client_address) as client:

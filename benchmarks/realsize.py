@@ -297,14 +297,14 @@ def main(argv=None) -> dict | None:
             theirs = {key: statistics.median(r["llamacpp"][key] for r in rounds) for key in ("decode_tok_s", "prefill_tok_s")}
             theirs["row_ms"] = llama_rows(llamacpp, path, args)
 
-            def paired(key: str) -> list[float]:  # ours / llama.cpp, round by round
-                return [r["ours"][key] / r["llamacpp"][key] for r in rounds]
+            decode, prefill = ([r["ours"][key] / r["llamacpp"][key] for r in rounds]  # ours / llama.cpp, round by round
+                               for key in ("decode_tok_s", "prefill_tok_s"))
 
             results.append({"shape": name, "type": kind, "file_bytes": path.stat().st_size, "llamacpp": theirs,
                             "ours": mine, "rounds": rounds,
-                            "decode_vs_llamacpp": statistics.median(paired("decode_tok_s")),
-                            "decode_vs_llamacpp_range": [min(paired("decode_tok_s")), max(paired("decode_tok_s"))],
-                            "prefill_vs_llamacpp": statistics.median(paired("prefill_tok_s")),
+                            "decode_vs_llamacpp": statistics.median(decode),
+                            "decode_vs_llamacpp_range": [min(decode), max(decode)],
+                            "prefill_vs_llamacpp": statistics.median(prefill),
                             "rss_over_file": mine["rss_after"] / path.stat().st_size,
                             # the model's own memory, the runtime's fixed cost and the KV cache taken out
                             "model_over_file": (mine["rss_after"] - mine["rss_runtime"] - mine["kv_bytes"])

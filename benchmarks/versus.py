@@ -157,9 +157,8 @@ def launched(args, questions: Path | None) -> dict:
     import asyncio
 
     from decode import load_prompts
+    from pipeline import answers_per_min
 
-    from specsot_mq.client import Client
-    from specsot_mq.messages import Answer
     from specsot_mq.sampling_params import SamplingParams
 
     prompts, source = load_prompts(questions, args.limit)
@@ -168,18 +167,8 @@ def launched(args, questions: Path | None) -> dict:
         sys.exit(f"benchmarks/versus.py: {len(prompts)} questions make no round of --per-round {args.per_round}")
     params = SamplingParams(max_tokens=args.max_tokens, repeat_stop=args.repeat_stop)
 
-    async def per_minute(info: dict, items: list[str]) -> float:
-        gate = asyncio.Semaphore(args.clients)
-        async with Client(info["client_address"], keys=info.get("keys")) as client:
-            async def one(q: str) -> None:
-                async with gate:
-                    msg = await client.answer(q, params, timeout=600)
-                if not isinstance(msg, Answer):
-                    raise RuntimeError(f"a request failed: {msg.error}")
-
-            start = time.perf_counter()
-            await asyncio.gather(*(one(q) for q in items))
-            return 60 * len(items) / (time.perf_counter() - start)
+    def per_minute(info: dict, items: list[str]) -> float:
+        return asyncio.run(answers_per_min(info["client_address"], params, args.clients, items, info.get("keys")))
 
     rows = []
     with checked_out(args.base) as (base_dir, home), tempfile.TemporaryDirectory() as runs:
@@ -189,12 +178,12 @@ def launched(args, questions: Path | None) -> dict:
         try:
             infos = {name: launch.info() for name, launch in launches.items()}
             for info in infos.values():  # warm: kernels, caches, the router
-                asyncio.run(per_minute(info, ["Say hello.", "Name two colours."]))
+                per_minute(info, ["Say hello.", "Name two colours."])
             for r in range(rounds):
                 items = prompts[r * args.per_round : (r + 1) * args.per_round]
                 rate = {}
                 for name in ("base", "ours") if r % 2 == 0 else ("ours", "base"):
-                    rate[name] = asyncio.run(per_minute(infos[name], items))
+                    rate[name] = per_minute(infos[name], items)
                 rows.append(rate)
                 print(f"round {r + 1}/{rounds}: {args.base} {rate['base']:.1f}, this checkout {rate['ours']:.1f} answers/min, "
                       f"{rate['ours'] / rate['base']:.3f}x", file=sys.stderr)  # fmt: skip

@@ -76,7 +76,6 @@ class SpeedChooser:
     # no faster than the fastest other way, over the batch sizes where both are timed, each size
     # weighted by the steps decoded at it.
     retire_after = 16
-    retire_margin = 1.0
 
     def __init__(self, ways: list[str]):
         self.ways = ways
@@ -123,7 +122,7 @@ class SpeedChooser:
     def drafting_pays(self) -> bool:
         """Whether the draft head still earns its upkeep (its pass over every prompt, reading each
         decided token, the tree's probes): False once its tree ran `retire_after` steps and decided
-        tokens no faster (`retire_margin`) than the fastest other way, over the batch sizes where
+        tokens no faster than the fastest other way, over the batch sizes where
         both are timed, each weighted by the steps decoded at it. The other ways' steps carry the
         upkeep too (a decoder with the head runs them), so a tree no faster than they are cannot
         pay for it. A generator then decodes greedily without the head (Generator.new_decoder).
@@ -140,7 +139,7 @@ class SpeedChooser:
             if rates["eagle"] is not None and others:
                 eagle += at["steps"] * rates["eagle"]
                 fastest += at["steps"] * min(others)
-        return fastest == 0 or eagle < self.retire_margin * fastest
+        return fastest == 0 or eagle < fastest
 
     def record(self, way: str, seconds: float, tokens: int, size: int = 1) -> None:
         at = self._at(size)

@@ -23,6 +23,7 @@ def folder_with(default_model_dir, tmp_path, **config):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**given, **config}))
     return tmp_path
 
+
 CHATS = [
     [{"role": "user", "content": "How do I start running?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
