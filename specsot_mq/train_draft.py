@@ -485,51 +485,81 @@ class _StepCache:
         return torch.cat(self.k, 2), torch.cat(self.v, 2)
 
 
-def _step_mask(t: int, depth: int, device) -> torch.Tensor:
-    """[T, depth*T] visibility for the depth-`depth` pass: the query of anchor i sees the depth-1
-    entries of anchors <= i (drafted from true features) and, at each deeper level, only its own
-    chain's entry, as a tree node sees its real context and its ancestors at inference."""
-    i = torch.arange(t, device=device)
-    blocks = [i[:, None] >= i[None, :]] + [i[:, None] == i[None, :]] * (depth - 1)
+def _step_mask(t: int, depth: int, device, start: int = 0) -> torch.Tensor:
+    """[T', T + (depth-1)*T'] visibility for the depth-`depth` pass over anchors start..t-1 (T' of
+    them; all T at depth 1): the query of anchor i sees the depth-1 entries of anchors <= i
+    (drafted from true features) and, at each deeper level, only its own chain's entry, as a tree
+    node sees its real context and its ancestors at inference."""
+    q, keys = torch.arange(start, t, device=device), torch.arange(t, device=device)
+    blocks = [q[:, None] >= keys[None, :]] + [q[:, None] == q[None, :]] * (depth - 1)
     return torch.cat(blocks, 1)
 
 
-def unroll(head: DraftHead, tokens, feats, depths: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+@dataclass(slots=True)
+class Level:
+    """One depth of the unrolled draft: anchors start..T-1 (see unroll)."""
+
+    pred: torch.Tensor  # [B, T', H] predicted last-layer features
+    logits: torch.Tensor  # [B, T', V] draft logits, or [R, V] of the rows asked for
+    start: int  # the first anchor computed
+
+
+def unroll(head: DraftHead, tokens, feats, depths: int, start: int = 0, rows=None) -> list[Level]:
     """The draft unrolled as at inference (EAGLE-3's training-time test): per depth, the predicted
-    features [B, T, H] and draft logits [B, T, V] at every anchor i < T = n - depths - 1.
+    features and draft logits at the anchors i < T = n - depths - 1.
 
     Depth d at anchor i is the entry at position i+d-1, reading token x[i+d] and, for d = 1, the
     base feature F[i], deeper the head's own prediction from depth d-1; it predicts F[i+d] and
     x[i+d+1]. All depths share one attention context laid out as at inference (see _step_mask).
+    Depth 1 runs every anchor (later ones attend to its entries); deeper ones only anchors from
+    `start` on (earlier chains have nothing to predict: a prompt's tokens). `rows(depth, start,
+    T')`: the flattened rows (b * T' + j) whose logits to compute at a depth (None: all).
     """
     b, n = tokens.shape
     t = n - depths - 1
     if t <= 0:
         return []
+    start = min(start, t - 1)
     cache, out, inp = _StepCache(), [], feats[:, :t]
     for depth in range(1, depths + 1):
-        positions = torch.arange(depth - 1, depth - 1 + t, device=tokens.device).expand(b, t)
-        mask = _step_mask(t, depth, tokens.device).expand(b, t, depth * t)
-        pred, logits = head(tokens[:, depth : depth + t], inp, cache, Step(list(range(b)), [(depth - 1) * t] * b, positions, mask))
-        out.append((pred, logits))
-        inp = pred  # the next depth reads the head's own predictions
+        s = 0 if depth == 1 else start
+        width = t - s
+        positions = torch.arange(depth - 1 + s, depth - 1 + t, device=tokens.device).expand(b, width)
+        mask = _step_mask(t, depth, tokens.device, s).expand(b, width, -1)
+        written = 0 if depth == 1 else t + (depth - 2) * width
+        step = Step(list(range(b)), [written] * b, positions, mask, logit_rows=None if rows is None else rows(depth, s, width))
+        pred, logits = head(tokens[:, depth + s : depth + t], inp, cache, step)
+        out.append(Level(pred, logits, s))
+        inp = pred[:, start - s :]  # the next depth reads the head's own predictions
     return out
 
 
 def head_losses(head: DraftHead, tokens, feats, targets, generated, depths: int, noise: float = 0.0):
     """Per depth of `unroll`: (feature regression, cross-entropy, correct top-1 count, target
-    count), over the targets the base generated. noise: TrainConfig.feature_noise."""
+    count), over the targets the base generated. noise: TrainConfig.feature_noise. Only what
+    scores is computed: deeper chains from the first anchor with a generated target, and draft
+    logits at the rows with a target."""
+    n = tokens.shape[1]
+    first = int(generated.int().argmax(1).min()) if generated.any() else n  # the earliest generated token
+    start = max(0, first - depths - 1)  # an anchor before this predicts only prompt tokens at every depth
+
+    def scored(depth: int, s: int, width: int) -> torch.Tensor:  # valid rows of a depth's anchors s..s+width-1
+        lo = depth + 1 + s
+        return ((generated & (targets >= 0))[:, lo : lo + width]).flatten().nonzero().flatten()
+
     results = []
-    for depth, (pred, logits) in enumerate(unroll(head, tokens, noisy(feats, head, noise), depths), start=1):
-        t = pred.shape[1]
-        valid = generated[:, depth + 1 : depth + 1 + t]
-        target = feats[:, depth : depth + t, -pred.shape[-1] :]  # the last layer's feature
-        reg = (F.smooth_l1_loss(pred, target, reduction="none").mean(-1) * valid).sum()
+    for depth, level in enumerate(unroll(head, tokens, noisy(feats, head, noise), depths, start, scored), start=1):
+        s, width = level.start, level.pred.shape[1]
+        lo = depth + 1 + s
+        valid = generated[:, lo : lo + width]
+        target = feats[:, depth + s : depth + s + width, -level.pred.shape[-1] :]  # the last layer's feature
+        reg = (F.smooth_l1_loss(level.pred, target, reduction="none").mean(-1) * valid).sum()
         reg = reg / valid.sum().clamp(min=1)
-        tgt = targets[:, depth + 1 : depth + 1 + t]
+        tgt = targets[:, lo : lo + width]
         ok = valid & (tgt >= 0)
-        ce = F.cross_entropy(logits[ok], tgt[ok]) if ok.any() else logits.sum() * 0
-        correct = (logits[ok].argmax(-1) == tgt[ok]).sum()
+        logits = level.logits  # the rows of `ok`, in order
+        ce = F.cross_entropy(logits, tgt[ok]) if ok.any() else level.pred.sum() * 0
+        correct = (logits.argmax(-1) == tgt[ok]).sum()
         results.append((reg, ce, correct, ok.sum()))
     return results
 

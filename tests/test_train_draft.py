@@ -40,7 +40,7 @@ def test_losses_target_the_next_feature_and_the_token_after_it():
             depth = int(step.positions[0, 0]) + 1
             pred = f[:, depth : depth + t, -h:]
             logits = torch.nn.functional.one_hot(tokens[:, depth + 1 : depth + 1 + t], base.cfg.vocab_size).float() * 10
-            return pred, logits
+            return pred, logits.flatten(0, 1)[step.logit_rows]  # the rows asked for, as DraftHead does
 
     first, second = head_losses(Perfect(), tokens, f, targets, generated, depths=2)
     # 5 anchors (8 - 2 - 1); depth 1 targets x[2..6], of which x[3..6] were generated
@@ -81,12 +81,44 @@ def test_unrolled_training_forward_is_the_draft_chain_at_inference(layers):
             cache = head.new_cache(1, n + depths)
             pred, logits = head(tokens[:, 1 : i + 2], feats[:, : i + 1], cache, Step.fresh(torch.arange(i + 1)[None]))
             feature = pred[:, -1:]
-            torch.testing.assert_close(logits[:, -1], levels[0][1][:, i])
+            torch.testing.assert_close(logits[:, -1], levels[0].logits[:, i])
             for d in range(2, depths + 1):
                 pos = torch.tensor([[i + d - 1]])
                 feature, step_logits = head(tokens[:, i + d : i + d + 1], feature, cache, Step([0], [i + d - 1], pos))
-                torch.testing.assert_close(step_logits[:, 0], levels[d - 1][1][:, i])
-                torch.testing.assert_close(feature[:, 0], levels[d - 1][0][:, i])
+                torch.testing.assert_close(step_logits[:, 0], levels[d - 1].logits[:, i])
+                torch.testing.assert_close(feature[:, 0], levels[d - 1].pred[:, i])
+
+
+def test_losses_computed_only_where_they_score_equal_the_whole_unrolled_draft():
+    """head_losses runs deeper chains only from the first anchor with a generated target and
+    computes draft logits only at scored rows: the same losses and counts as the whole unroll
+    (every anchor at every depth, every row's logits) scored over the generated targets."""
+    base = ours_from_hf(tiny_hf("llama"))
+    torch.manual_seed(0)
+    vocab = 40
+    head = DraftHead(DraftConfig.for_base(base.cfg, vocab, (0, 2))).attach(base)
+    b, n, depths = 2, 20, 3
+    tokens = torch.randint(0, base.cfg.vocab_size, (b, n))
+    feats = torch.randn(b, n, 2 * base.cfg.hidden_size)
+    t2d = torch.full((base.cfg.vocab_size,), -1)
+    t2d[torch.randperm(base.cfg.vocab_size)[:vocab]] = torch.arange(vocab)
+    targets = t2d[tokens]
+    generated = torch.zeros(b, n, dtype=torch.bool)
+    generated[0, 9:], generated[1, 12:18] = True, True  # prompts of 9 and 12 tokens, the second row padded
+    trimmed = head_losses(head, tokens, feats, targets, generated, depths)
+    for depth, level in enumerate(unroll(head, tokens, feats, depths), start=1):
+        assert level.start == 0
+        t = level.pred.shape[1]
+        valid = generated[:, depth + 1 : depth + 1 + t]
+        target = feats[:, depth : depth + t, -base.cfg.hidden_size :]
+        reg = (torch.nn.functional.smooth_l1_loss(level.pred, target, reduction="none").mean(-1) * valid).sum() / valid.sum()
+        tgt = targets[:, depth + 1 : depth + 1 + t]
+        ok = valid & (tgt >= 0)
+        ce = torch.nn.functional.cross_entropy(level.logits[ok], tgt[ok])
+        got = trimmed[depth - 1]
+        torch.testing.assert_close(got[0], reg)
+        torch.testing.assert_close(got[1], ce)
+        assert got[2] == (level.logits[ok].argmax(-1) == tgt[ok]).sum() and got[3] == ok.sum() > 0
 
 
 @pytest.mark.parametrize("layers", [(1,), (0, 2, 1), (0, 0, 2), (1, 3)])
