@@ -400,29 +400,46 @@ def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...]
     """(token ids, features [L, F*H] in bf16, prompt length) per sequence, keeping only the last
     `context` prompt tokens (features are computed on the whole sequence first, so they are exact;
     the head trains on the part around what the base wrote). Features stay on a GPU, else on the
-    host."""
+    host. Sequences are taken in token order, so that a batch's prompts share their beginning (a
+    skeleton prompt's instructions and worked examples, a question's points' question and plan):
+    that is computed once, in one row, and copied to the others' cache slots."""
     out = [None] * len(rows)
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]) + len(rows[i]["output"]))
-    longest = max(len(r["prompt"]) + len(r["output"]) for r in rows)
-    cache = base.new_cache(batch, longest)
+    seqs = [r["prompt"] + r["output"] for r in rows]
+    order = sorted(range(len(rows)), key=lambda i: seqs[i])
+    cache = base.new_cache(batch, max(map(len, seqs)))
     with _progress() as bar:
         task = bar.add_task("base features", total=len(rows), info="")
         for k in range(0, len(order), batch):
             idx = order[k : k + batch]
-            seqs = [rows[i]["prompt"] + rows[i]["output"] for i in idx]
-            n = max(len(s) for s in seqs)
-            ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])  # right padding is never attended
-            step = Step.fresh(torch.arange(n).expand(len(idx), n), logit_rows=[], hidden_layers=layers)
-            res = base(ids, cache, step)
-            feats = torch.cat(res.hidden, dim=-1).to(torch.bfloat16)
-            for row, (i, s) in enumerate(zip(idx, seqs)):
+            group = [seqs[i] for i in idx]
+            shared = max(_common_length(group) - 1, 0)  # every row computes at least its last token
+            n = max(len(s) for s in group) - shared
+            parts = []
+            if shared:
+                step = Step.fresh(torch.arange(shared)[None], logit_rows=[], hidden_layers=layers)
+                parts.append(torch.cat(base(torch.tensor([group[0][:shared]]), cache, step).hidden, dim=-1).expand(len(idx), -1, -1))
+                cache.copy(0, range(1, len(idx)), shared)
+            ids = torch.tensor([s[shared:] + [0] * (n + shared - len(s)) for s in group])  # right padding is never attended
+            step = Step(list(range(len(idx))), [shared] * len(idx), torch.arange(shared, shared + n).expand(len(idx), n),
+                        logit_rows=[], hidden_layers=layers)  # fmt: skip
+            parts.append(torch.cat(base(ids, cache, step).hidden, dim=-1))
+            feats = torch.cat(parts, 1).to(torch.bfloat16)
+            for row, i in enumerate(idx):
                 cut = max(0, len(rows[i]["prompt"]) - context)
-                out[i] = (torch.tensor(s[cut:]), feats[row, cut : len(s)].clone(), len(rows[i]["prompt"]) - cut)
-            # Batches grow in length; without handing freed pages back, the heap kept their
+                out[i] = (torch.tensor(seqs[i][cut:]), feats[row, cut : len(seqs[i])].clone(), len(rows[i]["prompt"]) - cut)
+            # Batches differ in length; without handing freed pages back, the heap kept their
             # transients: 3,000 questions' 6.3 GB of features had the process past 22 GB.
             release_freed_memory()
             bar.advance(task, len(idx))
     return out
+
+
+def _common_length(seqs: list[list[int]]) -> int:
+    """How many first tokens all of them share."""
+    first, n = seqs[0], min(map(len, seqs))
+    for s in seqs[1:]:
+        n = next((j for j in range(n) if s[j] != first[j]), n)
+    return n
 
 
 def draft_vocabulary(samples, size: int, eos_ids) -> torch.Tensor:

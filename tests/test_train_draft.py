@@ -16,7 +16,7 @@ from specsot_mq.draft import DraftConfig, DraftHead
 from specsot_mq.loader import load_model
 from specsot_mq.model import Step
 from specsot_mq.errors import SpecSotError
-from specsot_mq.train_draft import (TrainConfig, _pad, feature_layers, generate_data, head_losses, load_base, noisy,
+from specsot_mq.train_draft import (TrainConfig, _pad, capture_features, feature_layers, generate_data, head_losses, load_base, noisy,
                                     template_questions, unroll, write_data)
 
 
@@ -119,6 +119,26 @@ def test_losses_computed_only_where_they_score_equal_the_whole_unrolled_draft():
         torch.testing.assert_close(got[0], reg)
         torch.testing.assert_close(got[1], ce)
         assert got[2] == (level.logits[ok].argmax(-1) == tgt[ok]).sum() and got[3] == ok.sum() > 0
+
+
+def test_features_of_prompts_sharing_a_beginning_equal_each_sequence_computed_alone():
+    """capture_features computes a batch's shared beginning once and copies it: every sequence's
+    features (its last `context` prompt tokens and its output) are those of its own forward."""
+    base = ours_from_hf(tiny_hf("llama"))
+    torch.manual_seed(0)
+    v = base.cfg.vocab_size
+    head, other = torch.randint(0, v, (12,)).tolist(), torch.randint(0, v, (5,)).tolist()
+    rows = [{"prompt": head + torch.randint(0, v, (k,)).tolist(), "output": torch.randint(0, v, (m,)).tolist()}
+            for k, m in ((3, 6), (5, 2), (1, 9), (4, 4))]  # fmt: skip
+    rows += [{"prompt": other + [1, 2], "output": [3, 4, 5]}, {"prompt": head[:4], "output": [7]}]
+    samples = capture_features(base, rows, (1, 2), context=6, batch=3)
+    for r, (ids, feats, plen) in zip(rows, samples):
+        seq = r["prompt"] + r["output"]
+        res = base(torch.tensor([seq]), base.new_cache(1, len(seq)), Step.fresh(torch.arange(len(seq))[None], logit_rows=[], hidden_layers=(1, 2)))
+        cut = max(0, len(r["prompt"]) - 6)
+        alone = torch.cat(res.hidden, -1)[0, cut:].to(torch.bfloat16)
+        assert ids.tolist() == seq[cut:] and plen == len(r["prompt"]) - cut
+        torch.testing.assert_close(feats.float(), alone.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("layers", [(1,), (0, 2, 1), (0, 0, 2), (1, 3)])
