@@ -104,7 +104,8 @@ def train_draft(
         help="Where the questions come from: self (the model writes them), templates (23k asking for advice and "
              "explanations, from templates over topics written for this project, "
              "specsot_mq/prompts/train_questions.json), families (8k, the same file's code, maths, writing, "
-             "rewriting, facts, estimates, roleplay and comparisons) or mixed (both, 31k).")] = "self",
+             "rewriting, facts, estimates, roleplay and comparisons), mixed (both, 31k) or all (every third "
+             "batch of questions templated as mixed, the others self-written).")] = "self",
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay after 50 warm-up steps).")] = 1e-3,
     workers: Annotated[int, typer.Option(
         help="Processes writing the data, each with its own copy of the model (on a GPU, 4 keep it busy).")] = 1,

@@ -3,7 +3,8 @@
 1. data: the base model writes its own user questions (Magpie-style: the chat template up to the
    user turn, sampled), or takes templated ones (`--prompts templates`: 23k questions from
    templates over topics written for this project, prompts/train_questions.json; `--prompts
-   families`: 8k of code, maths, writing and other kinds; `--prompts mixed`: both), answers them
+   families`: 8k of code, maths, writing and other kinds; `--prompts mixed`: both; `--prompts all`:
+   every third chunk of questions templated as mixed, the others self-written), answers them
    greedily, and also writes Skeleton-of-Thought skeletons and point expansions for them, since
    those are what the head will draft. Saved as JSONL, resumable.
 2. features: one base forward per sequence captures the hidden states the head reads (by default
@@ -78,7 +79,8 @@ class TrainConfig:
     seed: int = 0  # the self-written questions and the training order; another seed, other questions
     # Where the questions come from: "self" (the base writes them, Magpie-style), or
     # prompts/train_questions.json's "templates", "families" or both ("mixed"), shuffled by the
-    # seed (template_questions)
+    # seed (template_questions), or "all": every third chunk the next of mixed's questions, the
+    # others self-written (the base's own questions range over far more topics than templates do)
     prompts: str = "self"
     # A saved head to start from (fine-tuning: its draft vocabulary and feature layers are kept)
     # instead of the base's last layer.
@@ -110,7 +112,7 @@ def _magpie_prefix(tokenizer) -> list[int]:
     return tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
 
 
-PROMPT_SOURCES = ("self", "templates", "families", "mixed")
+PROMPT_SOURCES = ("self", "templates", "families", "mixed", "all")
 
 
 def _filled(templates: list[str], fills: dict[str, list]) -> list[str]:
@@ -146,8 +148,15 @@ def template_questions(seed: int, source: str = "templates") -> tuple[str, ...]:
 def _questions(gen: Generator, cfg: TrainConfig, done: int, n: int, prefix: list[int]) -> list[str]:
     """The next n questions after the first `done`, drawn from the position (a resumed run asks
     what an uninterrupted one would): the next templated ones, or ones the base writes itself."""
-    if cfg.prompts != "self":
-        return list(template_questions(cfg.seed, cfg.prompts)[done : done + n])
+    source = cfg.prompts
+    if source == "all":  # chunks 2, 5, 8, ... ask the next mixed questions, the others are self-written
+        chunk = done // cfg.batch
+        if chunk % 3 == 2:
+            asked = chunk // 3 * cfg.batch  # templated questions asked by the chunks before
+            return list(template_questions(cfg.seed, "mixed")[asked : asked + n])
+        source = "self"
+    if source != "self":
+        return list(template_questions(cfg.seed, source)[done : done + n])
     seed = random.Random(f"{cfg.seed}/{done}").randrange(1 << 30)
     ask = SamplingParams(max_tokens=64, temperature=1.0, top_p=0.95, seed=seed)
     qs = [c.text.strip() for c in gen.generate_many([prefix] * n, ask)]
@@ -156,7 +165,7 @@ def _questions(gen: Generator, cfg: TrainConfig, done: int, n: int, prefix: list
 
 def _source(cfg: TrainConfig) -> str:
     """What the data bars say they write."""
-    return "self-written data" if cfg.prompts == "self" else "templated questions"
+    return {"self": "self-written data", "all": "self-written and templated questions"}.get(cfg.prompts, "templated questions")
 
 
 def data_path(work: Path, writer: int) -> Path:

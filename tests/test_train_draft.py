@@ -286,6 +286,26 @@ def test_data_from_templates_asks_the_templated_questions_in_order(tmp_path, def
     assert [r["question"] for r in rows if r["kind"] == "answer"] == list(template_questions(0)[:3])
 
 
+def test_all_sources_ask_the_next_mixed_questions_every_third_chunk_and_self_written_ones_between():
+    """--prompts all: chunks 2, 5, 8, ... take mixed's questions in order (as many as each chunk
+    asks), the other chunks the base's own, sampled with a seed of the chunk's position."""
+    from specsot_mq.train_draft import _questions
+
+    seeds = []
+
+    class Writer:  # stands in for the generator: records each sampling seed, returns numbered questions
+        def generate_many(self, prompts, params):
+            seeds.append(params.seed)
+            return [SimpleNamespace(text=f" self-written question {params.seed} {i} ") for i in range(len(prompts))]
+
+    cfg = TrainConfig(batch=4, prompts="all")
+    mixed = template_questions(0, "mixed")
+    got = {c: _questions(Writer(), cfg, c * 4, 3 if c == 5 else 4, []) for c in range(6)}
+    assert got[2] == list(mixed[:4]) and got[5] == list(mixed[4:7])
+    assert all(q.startswith("self-written question") for c in (0, 1, 3, 4) for q in got[c])
+    assert len(set(seeds)) == 4 and got[0] == _questions(Writer(), cfg, 0, 4, [])  # seeded by position
+
+
 def test_a_work_folder_resumes_only_its_own_question_source(tmp_path, default_model_dir):
     """Resuming draws the next questions by position, so a folder written for one --prompts and
     --seed refuses another before writing anything; the same ones resume."""
