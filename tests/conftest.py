@@ -49,6 +49,19 @@ def ours_from_hf(hf_model, prepack: bool = False) -> LlamaModel:
     return model.prepack() if prepack else model
 
 
+def fresh_home(path):
+    """An empty $SPECSOT_HOME (no run files, models or routers) whose compiled kernels are the real
+    cache's: a process started there loads them, where building them again takes a minute."""
+    from specsot_mq.pull import specsot_home
+
+    kernels = specsot_home() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / "kernels").exists():
+        (path / "kernels").symlink_to(kernels, target_is_directory=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The real default model, pulled into the cache on first use."""

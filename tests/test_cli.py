@@ -6,11 +6,12 @@ import subprocess
 import sys
 
 import pytest
+from conftest import fresh_home
 
 
 def specsot(*args, stdin=None, home=None):
     cmd = [sys.executable, "-c", "from specsot_mq.cli.app import main; main()", *args]
-    env = None if home is None else {**os.environ, "SPECSOT_HOME": str(home)}
+    env = None if home is None else {**os.environ, "SPECSOT_HOME": str(fresh_home(home))}
     return subprocess.run(cmd, capture_output=True, text=True, input=stdin, timeout=600, env=env)
 
 
@@ -69,7 +70,7 @@ def test_serve_on_a_port_in_use_says_so_at_once_and_starts_nothing(tmp_path):
         out = specsot("serve", "--port", str(port), "--run", "taken", home=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip() == f"error: port {port} on 127.0.0.1 is in use (another server?): stop it or pick another with --port"
-    assert not any(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == ["kernels"]  # fresh_home's link alone
 
 
 def test_a_second_launch_under_a_live_ones_name_is_refused_and_its_run_file_kept(tmp_path):

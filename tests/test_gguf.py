@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_hf
+from conftest import fresh_home, tiny_hf
 from ggml_reference import quantize
 
 from specsot_mq import pull as pull_module
@@ -47,7 +47,7 @@ def tokenizer_fields(tmp_path_factory):
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECSOT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SPECSOT_HOME", str(fresh_home(tmp_path / "home")))
     return tmp_path / "home"
 
 

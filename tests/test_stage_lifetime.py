@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from conftest import fresh_home
 from pipeline_helpers import make_tiny_model
 from specsot_mq.stages.base import RunSpec
 
@@ -69,7 +70,7 @@ def test_serve_stops_its_local_launch_on_sigterm(tmp_path, default_model_dir):
     left running, a model loaded in two of them."""
     model, _ = make_tiny_model(tmp_path / "tiny", default_model_dir)
     port = _free_port()
-    env = {**os.environ, "SPECSOT_HOME": str(tmp_path / "home")}  # no run file of a launch to attach to
+    env = {**os.environ, "SPECSOT_HOME": str(fresh_home(tmp_path / "home"))}  # no run file of a launch to attach to
     cmd = [sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "serve", "--model", str(model),
            "--dtype", "fp32", "--draft", "none", "--devices", "127.0.0.1#cpu", "--port", str(port)]  # fmt: skip
     log = open(tmp_path / "serve.log", "wb")
@@ -138,7 +139,7 @@ def test_a_launch_with_a_host_that_cannot_be_reached_fails_by_name_and_leaves_no
     if shutil.which("ssh") is None:
         pytest.skip("needs the ssh client, which the default --remote runs")
     model, _ = make_tiny_model(tmp_path / "tiny", default_model_dir)
-    env = {**os.environ, "SPECSOT_HOME": str(tmp_path / "home")}
+    env = {**os.environ, "SPECSOT_HOME": str(fresh_home(tmp_path / "home"))}
     cmd = [sys.executable, "-c", "from specsot_mq.cli.app import main; main()", "launch", "--model", str(model),
            "--dtype", "fp32", "--draft", "none", "--devices", "192.0.2.1#0,127.0.0.1#cpu", "--run", "unreachable",
            "--base-port", str(_free_port())]  # fmt: skip
