@@ -19,7 +19,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -32,7 +31,7 @@ from specsot_mq.loader import load_model  # noqa: E402
 from specsot_mq.pull import resolve_model  # noqa: E402
 from specsot_mq.sampling import SamplingParams  # noqa: E402
 from specsot_mq.tokenizer import chat_prompt_ids, load_tokenizer  # noqa: E402
-from specsot_mq.train_draft import _decode, _float_view, capture_features, evaluate_head  # noqa: E402
+from specsot_mq.train_draft import _decode, _float_view, capture_features, evaluate_head, target_to_draft  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SHIPPED = HERE.parent / "specsot_mq" / "drafts" / "smollm2-135m-instruct.safetensors"
@@ -81,8 +80,7 @@ def main(argv=None) -> dict:
     float_base = _float_view(base)
     for path, head in zip(args.draft, heads):
         head = head.float().attach(float_base)
-        t2d = torch.full((base.cfg.vocab_size,), -1, dtype=torch.long)
-        t2d[head.d2t] = torch.arange(len(head.d2t))
+        t2d = target_to_draft(head.d2t, base.cfg.vocab_size)
         by_group = {}
         for g in names:
             mine = [s for s, (a, _) in zip(samples, asked) if a == g]

@@ -618,8 +618,7 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
             h = base.cfg.hidden_size
             torch.nn.init.zeros_(head.fuse.weight)
             head.fuse.weight.data[:, -h:] = torch.eye(h)
-    t2d = torch.full((base.cfg.vocab_size,), -1, dtype=torch.long)
-    t2d[d2t] = torch.arange(len(d2t))
+    t2d = target_to_draft(d2t, base.cfg.vocab_size)
     generated = sum(len(s[0]) - s[2] for s in train)
     covered = sum((t2d[s[0][s[2] :]] >= 0).sum().item() for s in train)
     head = head.float().to(base.device).attach(_float_view(base))  # trained where the base runs (a GPU: --device cuda)
@@ -676,6 +675,13 @@ def train_head(base: LlamaModel, train, evals, cfg: TrainConfig, work: Path) -> 
 
 
 @torch.no_grad()
+def target_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Each base token's index in the draft vocabulary `d2t`, -1 where it has none."""
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    return t2d
+
+
 def evaluate_head(head: DraftHead, samples, t2d, depths: int, tokens_per_batch: int = 1024) -> dict:
     """Teacher-forced top-1 accuracy per unrolled depth on held-out sequences."""
     sums = torch.zeros(depths, 2)
