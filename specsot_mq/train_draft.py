@@ -386,38 +386,55 @@ def _decode(gen: Generator, jobs: list[Job], finish: dict | None = None) -> dict
 
 
 def cached_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...], context: int, work: Path):
-    """capture_features, kept in `work` next to the data (about 1 KB per token per layer in bf16):
-    a resumed or repeated training run skips the base pass. The file name covers the rows, the
-    layers and the context, so other data or settings compute their own. On a GPU they stay in its
-    memory, never written: the pass takes seconds there, and 20,000 questions' features are tens
-    of GB."""
+    """capture_features, kept in `work` next to the data, one file per chunk of questions (about
+    1 KB per token per layer in bf16): a run stopped in the base pass keeps the chunks it finished,
+    and a resumed, repeated or larger (--questions) run computes only the chunks it has not. A
+    file's name covers its rows, the layers and the context, so other data or settings compute
+    their own. On a GPU they stay in its memory, never written: the pass takes seconds there, and
+    20,000 questions' features are tens of GB."""
     if base.device.type != "cpu":
         return capture_features(base, rows, layers, context, batch=64)
-    digest = hashlib.sha1(json.dumps([rows, layers, context]).encode()).hexdigest()[:12]
-    path = work / f"features-{digest}.pt"
-    if path.exists():
-        console.print(f"base features from {path}")
-        return torch.load(path, weights_only=True)
-    samples = capture_features(base, rows, layers, context)
-    torch.save(samples, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
-    return samples
+    chunks: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        chunks.setdefault(r["chunk"], []).append(i)
+    paths = {c: work / f"features-{hashlib.sha1(json.dumps([[rows[i] for i in idx], layers, context]).encode()).hexdigest()[:12]}.pt"
+             for c, idx in chunks.items()}  # fmt: skip
+    out = [None] * len(rows)
+    todo = [c for c in chunks if not paths[c].exists()]
+    if len(todo) < len(chunks):
+        console.print(f"base features of {len(chunks) - len(todo)} of {len(chunks)} chunks from {work}")
+    for c in chunks:
+        if c not in todo:
+            for i, s in zip(chunks[c], torch.load(paths[c], weights_only=True)):
+                out[i] = s
+    with _progress() as bar:
+        task = bar.add_task("base features", total=sum(len(chunks[c]) for c in todo), info="")
+        for c in todo:
+            samples = capture_features(base, [rows[i] for i in chunks[c]], layers, context, advance=lambda n: bar.advance(task, n))
+            torch.save(samples, paths[c].with_suffix(".tmp"))
+            paths[c].with_suffix(".tmp").rename(paths[c])
+            for i, s in zip(chunks[c], samples):
+                out[i] = s
+    return out
 
 
 @torch.inference_mode()
-def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...], context: int, batch: int = 8):
+def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...], context: int, batch: int = 8, advance=None):
     """(token ids, features [L, F*H] in bf16, prompt length) per sequence, keeping only the last
     `context` prompt tokens (features are computed on the whole sequence first, so they are exact;
     the head trains on the part around what the base wrote). Features stay on a GPU, else on the
     host. Sequences are taken in token order, so that a batch's prompts share their beginning (a
     skeleton prompt's instructions and worked examples, a question's points' question and plan):
-    that is computed once, in one row, and copied to the others' cache slots."""
+    that is computed once, in one row, and copied to the others' cache slots. `advance(n)`: told
+    of each batch's n sequences instead of a bar here."""
     out = [None] * len(rows)
     seqs = [r["prompt"] + r["output"] for r in rows]
     order = sorted(range(len(rows)), key=lambda i: seqs[i])
     cache = base.new_cache(batch, max(map(len, seqs)))
-    with _progress() as bar:
-        task = bar.add_task("base features", total=len(rows), info="")
+    with _progress() if advance is None else contextlib.nullcontext() as bar:
+        if advance is None:
+            task = bar.add_task("base features", total=len(rows), info="")
+            advance = lambda n: bar.advance(task, n)  # noqa: E731
         for k in range(0, len(order), batch):
             idx = order[k : k + batch]
             group = [seqs[i] for i in idx]
@@ -439,7 +456,7 @@ def capture_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...]
             # Batches differ in length; without handing freed pages back, the heap kept their
             # transients: 3,000 questions' 6.3 GB of features had the process past 22 GB.
             release_freed_memory()
-            bar.advance(task, len(idx))
+            advance(len(idx))
     return out
 
 

@@ -141,6 +141,31 @@ def test_features_of_prompts_sharing_a_beginning_equal_each_sequence_computed_al
         torch.testing.assert_close(feats.float(), alone.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_features_are_kept_per_chunk_and_a_larger_run_computes_only_its_new_chunks(tmp_path, monkeypatch):
+    """cached_features keeps a file per chunk: asked again with one more chunk, it computes only
+    that chunk's rows, and every row gets the features a pass over all of them gives."""
+    import specsot_mq.train_draft as td
+
+    base = ours_from_hf(tiny_hf("llama"))
+    torch.manual_seed(0)
+    v = base.cfg.vocab_size
+    rows = [{"prompt": torch.randint(0, v, (4,)).tolist(), "output": torch.randint(0, v, (3,)).tolist(), "chunk": c}
+            for c in (0, 0, 1, 2, 1, 2)]  # fmt: skip
+    asked = []
+    real = td.capture_features
+    monkeypatch.setattr(td, "capture_features", lambda b, rs, *a, **k: asked.append(len(rs)) or real(b, rs, *a, **k))
+    first = td.cached_features(base, rows[:5], (1, 2), 6, tmp_path)
+    assert asked == [2, 2, 1] and len(list(tmp_path.glob("features-*.pt"))) == 3
+    asked.clear()
+    again = td.cached_features(base, rows, (1, 2), 6, tmp_path)  # chunk 2 grew: only its rows are computed
+    assert asked == [2]
+    alone = real(base, rows, (1, 2), 6)
+    for got, want in zip(first + again, alone[:5] + alone):
+        assert got[0].tolist() == want[0].tolist() and got[2] == want[2]
+        torch.testing.assert_close(got[1].float(), want[1].float(), atol=2e-2, rtol=2e-2)
+    assert td.cached_features(base, rows, (2,), 6, tmp_path) and asked == [2, 2, 2, 2]  # other layers: their own files
+
+
 @pytest.mark.parametrize("layers", [(1,), (0, 2, 1), (0, 0, 2), (1, 3)])
 def test_feature_layers_must_end_with_the_final_hidden_state(layers):
     base = SimpleNamespace(cfg=SimpleNamespace(num_layers=2))
