@@ -231,7 +231,9 @@ def generate_data(gen: Generator, cfg: TrainConfig, path: Path, writer: int = 0,
         return min(cfg.batch, cfg.questions - c * cfg.batch)
 
     chunks = [c for c in range(math.ceil(cfg.questions / cfg.batch)) if c % cfg.workers == writer and (c, size(c)) not in done]
-    bar = counter is None
+    bar = counter is None and bool(chunks)
+    if counter is None and not chunks:
+        console.print(f"every question's answers are written in {path.parent}: no new ones to write")
     tokens = sum(len(r["output"]) for r in rows)
     with _progress() if bar else contextlib.nullcontext() as progress, path.open("a") as out:
 
