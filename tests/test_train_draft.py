@@ -142,8 +142,9 @@ def test_features_of_prompts_sharing_a_beginning_equal_each_sequence_computed_al
 
 
 def test_features_are_kept_per_chunk_and_a_larger_run_computes_only_its_new_chunks(tmp_path, monkeypatch):
-    """cached_features keeps a file per chunk: asked again with one more chunk, it computes only
-    that chunk's rows, and every row gets the features a pass over all of them gives."""
+    """cached_features keeps a file per chunk: asked again with one chunk grown (a last chunk
+    finished, or new chunks), it computes only that chunk's rows, and every row gets the features
+    a pass over all of them gives."""
     import specsot_mq.train_draft as td
 
     base = ours_from_hf(tiny_hf("llama"))
