@@ -401,22 +401,21 @@ def cached_features(base: LlamaModel, rows: list[dict], layers: tuple[int, ...],
         chunks.setdefault(r["chunk"], []).append(i)
     paths = {c: work / f"features-{hashlib.sha1(json.dumps([[rows[i] for i in idx], layers, context]).encode()).hexdigest()[:12]}.pt"
              for c, idx in chunks.items()}  # fmt: skip
-    out = [None] * len(rows)
-    todo = [c for c in chunks if not paths[c].exists()]
+    todo = {c for c in chunks if not paths[c].exists()}
     if len(todo) < len(chunks):
         console.print(f"base features of {len(chunks) - len(todo)} of {len(chunks)} chunks from {work}")
-    for c in chunks:
-        if c not in todo:
-            for i, s in zip(chunks[c], torch.load(paths[c], weights_only=True)):
-                out[i] = s
-    with _progress() as bar:
-        task = bar.add_task("base features", total=sum(len(chunks[c]) for c in todo), info="")
-        for c in todo:
-            samples = capture_features(base, [rows[i] for i in chunks[c]], layers, context, advance=lambda n: bar.advance(task, n))
-            torch.save(samples, paths[c].with_suffix(".tmp"))
-            paths[c].with_suffix(".tmp").rename(paths[c])
-            for i, s in zip(chunks[c], samples):
-                out[i] = s
+    out = [None] * len(rows)
+    with _progress() if todo else contextlib.nullcontext() as bar:
+        task = bar.add_task("base features", total=sum(len(chunks[c]) for c in todo), info="") if todo else None
+        for c, idx in chunks.items():
+            if c in todo:
+                samples = capture_features(base, [rows[i] for i in idx], layers, context, advance=lambda n: bar.advance(task, n))
+                torch.save(samples, paths[c].with_suffix(".tmp"))
+                paths[c].with_suffix(".tmp").rename(paths[c])
+            else:
+                samples = torch.load(paths[c], weights_only=True)
+            for i, sample in zip(idx, samples):
+                out[i] = sample
     return out
 
 
