@@ -2,7 +2,7 @@
 
 A message is a msgspec Struct below. On the wire it is a ZeroMQ multipart message:
 
-    frame 0   msgpack [PROTOCOL, kind, dst, src]   the envelope (a ring node forwards by it alone)
+    frame 0   msgpack [PROTOCOL, kind, dst, src, order]   the envelope (a ring node forwards by it alone)
     frame 1   msgpack {field: value}               the body
     frame 2…  raw token ids                        one frame per array, zero copy both ways
 
@@ -13,6 +13,10 @@ never import it. msgspec decodes each body into its Struct and checks every fiel
 (SamplingParams' values too); a frame that is malformed, of another protocol version, of an
 unknown kind, or whose fields do not have their declared types raises WireError, which a stage
 logs and drops.
+
+`order` is [epoch, n] on a message a ring routes (the sender's nth to that stage since its
+transport started, `epoch` naming that start), so that its destination takes a sender's messages
+in the order sent whichever way round the ring each went; null where a message has one way only.
 
 Requests are named by `rid` (the client's request id) in every message. Only deltas travel: a
 point's new tokens, never the whole sequence so far.
@@ -30,7 +34,7 @@ import numpy as np
 from specsot_mq.errors import SpecSotError
 from specsot_mq.sampling_params import SamplingParams
 
-PROTOCOL = 2
+PROTOCOL = 3
 BROADCAST = "*"  # dst of a message for every stage
 _FRAME = 1  # msgpack extension code: token ids in the frame whose number it holds
 TokenIds = np.ndarray  # 1-D int32 (see ids())
@@ -380,15 +384,15 @@ def _token_ids(kind: type, obj):
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_to_frame)
 _DECODERS = {kind: msgspec.msgpack.Decoder(cls, ext_hook=_from_frame, dec_hook=_token_ids) for kind, cls in KINDS.items()}
-_ENVELOPE = msgspec.msgpack.Decoder(tuple[int, str, str, str])
+_ENVELOPE = msgspec.msgpack.Decoder(tuple[int, str, str, str, tuple[int, int] | None])
 
 
-def encode(msg: Message, dst: str, src: str) -> list:
-    """The frames of one message (token ids as zero-copy buffers)."""
+def encode(msg: Message, dst: str, src: str, order: tuple[int, int] | None = None) -> list:
+    """The frames of one message (token ids as zero-copy buffers); `order`: see the module's note."""
     kind = type(msg).__name__
     if KINDS.get(kind) is not type(msg):
         raise TypeError(f"{kind} is not a wire message")
-    _frames.out = frames = [msgspec.msgpack.encode((PROTOCOL, kind, dst, src)), None]
+    _frames.out = frames = [msgspec.msgpack.encode((PROTOCOL, kind, dst, src, order)), None]
     try:
         frames[1] = _ENCODER.encode(msg)
     finally:
@@ -396,24 +400,29 @@ def encode(msg: Message, dst: str, src: str) -> list:
     return frames
 
 
-def peek(frames: list) -> tuple[str, str, str]:
-    """(kind, dst, src) from the envelope frame alone, without decoding the body."""
+def peek(frames: list) -> tuple[str, str, str, tuple[int, int] | None]:
+    """(kind, dst, src, order) from the envelope frame alone, without decoding the body."""
     try:
-        version, kind, dst, src = _ENVELOPE.decode(_bytes(frames[0]))
+        version, kind, dst, src, order = _ENVELOPE.decode(_bytes(frames[0]))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"bad envelope frame ({exc})") from None
+        try:  # another version's envelope may have another shape: say which version it is
+            version = msgspec.msgpack.decode(_bytes(frames[0]))[0]
+        except Exception:
+            version = PROTOCOL
+        if version == PROTOCOL or not isinstance(version, int):
+            raise WireError(f"bad envelope frame ({exc})") from None
     if version != PROTOCOL:
         raise WireError(f"protocol version {version}, this process speaks {PROTOCOL}: run one version everywhere")
     if kind not in KINDS:
         raise WireError(f"unknown message kind {kind!r}")
-    return kind, dst, src
+    return kind, dst, src, order
 
 
 def decode(frames: list) -> Envelope:
     """The message in these frames, or WireError naming what is wrong with them."""
     if len(frames) < 2:
         raise WireError(f"a message has at least 2 frames, got {len(frames)}")
-    kind, dst, src = peek(frames)
+    kind, dst, src, _ = peek(frames)
     _frames.received = frames
     try:
         msg = _DECODERS[kind].decode(_bytes(frames[1]))

@@ -65,7 +65,7 @@ def test_token_ids_of_another_kind_are_refused_when_sent(name):
     ({"rid": "r", "index": 2, "text": "x", "token_ids": [1, 2]}, "token ids"),
 ])  # fmt: skip
 def test_a_field_of_the_wrong_type_is_a_wire_error(body, complaint):
-    frames = [msgspec.msgpack.encode([PROTOCOL, "PointText", "g", "s"]), msgspec.msgpack.encode(body), ids([1]).tobytes()]
+    frames = [msgspec.msgpack.encode([PROTOCOL, "PointText", "g", "s", None]), msgspec.msgpack.encode(body), ids([1]).tobytes()]
     with pytest.raises(WireError, match=complaint):
         decode(frames)
 
@@ -123,13 +123,14 @@ MALFORMED = {
     "envelope not msgpack": [b"\xc1\xc1", GOOD[1]],
     "envelope of another shape": [msgspec.msgpack.encode([PROTOCOL, "Heartbeat", "g"]), GOOD[1]],
     "other protocol version": [msgspec.msgpack.encode([PROTOCOL + 1, "Heartbeat", "g", "s"]), GOOD[1]],
-    "unknown kind": [msgspec.msgpack.encode([PROTOCOL, "Pickle", "g", "s"]), GOOD[1]],
+    "unknown kind": [msgspec.msgpack.encode([PROTOCOL, "Pickle", "g", "s", None]), GOOD[1]],
+    "order not [epoch, n]": [msgspec.msgpack.encode([PROTOCOL, "Heartbeat", "g", "s", [1]]), GOOD[1]],
     "body not msgpack": [GOOD[0], b"\xc1"],
     "missing field": [GOOD[0], msgspec.msgpack.encode({"stage": "s"})],
     "extra field": [GOOD[0], msgspec.msgpack.encode({**msgspec.msgpack.decode(GOOD[1]), "x": 1})],
     "missing token-id frame": POINT[:2],
     "token-id frame of odd length": POINT[:2] + [b"\0" * 5],
-    "failure code not in its list": [msgspec.msgpack.encode([PROTOCOL, "Failed", "g", "s"]),
+    "failure code not in its list": [msgspec.msgpack.encode([PROTOCOL, "Failed", "g", "s", None]),
                                      msgspec.msgpack.encode({"rid": "r", "error": "e", "code": "oops"})],
     "unknown extension": [POINT[0], msgspec.msgpack.encode({"rid": "r", "index": 1, "text": "", "token_ids": msgspec.msgpack.Ext(7, b"")}),
                           b"1234"],
@@ -142,9 +143,17 @@ def test_malformed_frames_are_a_wire_error(name):
         decode(MALFORMED[name])
 
 
+def test_another_protocol_versions_envelope_is_named_by_its_version_whatever_its_shape():
+    """A process of another version: the error says to run one version, not that the frame is bad."""
+    for old in ([PROTOCOL - 1, "Heartbeat", "g", "s"], [PROTOCOL + 1, "Heartbeat", "g", "s", None, 7]):
+        with pytest.raises(WireError, match=f"protocol version {old[0]}, this process speaks {PROTOCOL}"):
+            decode([msgspec.msgpack.encode(old), GOOD[1]])
+
+
 def test_peek_reads_only_the_envelope():
     frames = encode(Answer("r", "a", "sot", "", "", [], {}), "gateway", "merge")
-    assert peek([frames[0], b"garbage"]) == ("Answer", "gateway", "merge")
+    assert peek([frames[0], b"garbage"]) == ("Answer", "gateway", "merge", None)
+    assert peek(encode(Answer("r", "a", "sot", "", "", [], {}), "gateway", "merge", (7, 3)))[3] == (7, 3)
 
 
 def test_fieldless_and_default_messages():

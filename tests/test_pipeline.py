@@ -78,6 +78,56 @@ async def test_fake_stages_reach_each_other_and_survive_malformed_frames(topolog
         ctx.term()
 
 
+async def test_a_ring_hands_on_a_senders_messages_in_order_when_the_way_round_changes():
+    """Ring a -> b -> c: a's message to c goes through b, which is slow to pass it on; a then holds
+    b down and sends two more, which go straight to c and arrive first. c takes the three in the
+    order sent. One that never comes (b stops with it) holds the later ones back for `patience`
+    seconds only; then they go on, in their order."""
+    from specsot_mq.transports import Ring
+
+    ctx = zmq.asyncio.Context()
+    table = {name: f"inproc://order-{name}" for name in "abc"}
+    a, b, c = (Ring(name, table, ctx, patience=0.5) for name in "abc")
+    got = asyncio.Queue()
+
+    async def pump(link, into=None):
+        while True:
+            env = await link.recv()
+            if into is not None:
+                into.put_nowait(env.msg.text)
+
+    def say(text):
+        return PointText("r", 1, text, ids([]))
+
+    receiver, forwarder = asyncio.create_task(pump(c, got)), asyncio.create_task(pump(b))
+    try:
+        await a.send("c", say("first"))  # through b, which passes it on
+        assert await asyncio.wait_for(got.get(), 5) == "first"
+        forwarder.cancel()  # b stops reading: what reaches it waits
+        await a.send("c", say("0"))
+        a.set_down(["b"])
+        await a.send("c", say("1"))
+        await a.send("c", say("2"))
+        await asyncio.sleep(0.2)
+        assert got.empty() and sorted(c.early[("a", a.epoch)]) == [2, 3]  # held: "0" is still in b
+        forwarder = asyncio.create_task(pump(b))  # b passes "0" on
+        assert [await asyncio.wait_for(got.get(), 5) for _ in range(3)] == ["0", "1", "2"]
+        forwarder.cancel()
+        a.set_down([])
+        await a.send("c", say("lost"))  # b never passes it on
+        a.set_down(["b"])
+        await a.send("c", say("3"))
+        await a.send("c", say("4"))
+        assert [await asyncio.wait_for(got.get(), 5) for _ in range(2)] == ["3", "4"]
+        assert not c.early and not c.waiting_since
+    finally:
+        for task in (receiver, forwarder):
+            task.cancel()
+        for link in (a, b, c):
+            link.close()
+        ctx.term()
+
+
 # -- real stage processes ---------------------------------------------------------------------
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -713,13 +763,13 @@ def hostile_frames(rng, count: int, vocab: int):
             frames[i] = frames[i][: rng.randrange(len(frames[i]) + 1)] if rng.random() < 0.5 else rng.randbytes(len(frames[i]))
             yield frames[: rng.randrange(1, len(frames) + 1)]
         elif choice == 2:
-            yield [msgspec.msgpack.encode([PROTOCOL, "NoSuchKind", "merge", "x"]), msgspec.msgpack.encode({})]
+            yield [msgspec.msgpack.encode([PROTOCOL, "NoSuchKind", "merge", "x", None]), msgspec.msgpack.encode({})]
         elif choice == 3:  # fields of the wrong type
-            yield [msgspec.msgpack.encode([PROTOCOL, "Ask", "skeleton", "x"]),
+            yield [msgspec.msgpack.encode([PROTOCOL, "Ask", "skeleton", "x", None]),
                    msgspec.msgpack.encode({"rid": 5, "question": ["q"], "params": "p", "sot": None, "history": {}})]  # fmt: skip
         elif choice == 4:  # token ids in a frame that is not there, of an odd length, or a bad reference
             ext = msgspec.msgpack.Ext(1, rng.choice([b"\2\0\0\0", b"\3\0\0\0", b"\2\0"]))
-            yield [msgspec.msgpack.encode([PROTOCOL, "PointText", "merge", "x"]),
+            yield [msgspec.msgpack.encode([PROTOCOL, "PointText", "merge", "x", None]),
                    msgspec.msgpack.encode({"rid": "fz", "index": 1, "text": "t", "token_ids": ext}), b"\0" * rng.choice([7, 8])]  # fmt: skip
         elif choice == 5:  # a prompt far longer than any cache, and token ids the model does not have
             big = np.random.default_rng(rng.randrange(1 << 32)).integers(0, vocab, 200_000, dtype=np.int32)

@@ -4,6 +4,9 @@ message is handed to: the destination itself (p2p) or the next stage of the ring
 from __future__ import annotations
 
 import logging
+import random
+import time
+from collections import deque
 
 import zmq
 import zmq.asyncio
@@ -34,6 +37,7 @@ class Transport:
         self._out: dict[str, zmq.asyncio.Socket] = {}
         self.dropped = 0  # malformed frames received and dropped
         self.down: set[str] = set()  # stages held to be down (the gateway's Down): a ring routes around them
+        self.ready: deque = deque()  # frames that arrived and may be taken now (a ring's, in their order)
 
     def set_down(self, stages) -> None:
         self.down = set(stages) - {self.me}
@@ -57,7 +61,12 @@ class Transport:
         """Send msg to the stage named dst (BROADCAST: every other stage)."""
         if dst != BROADCAST and dst not in self.table:
             raise ValueError(f"no stage named {dst!r} (known: {', '.join(self.table)})")
-        await self._route(dst, encode(msg, dst, self.me))
+        await self._route(dst, encode(msg, dst, self.me, self._number(dst)))
+
+    def _number(self, dst: str) -> tuple[int, int] | None:
+        """The envelope's `order` for a message to dst (messages.py): none where each sender has
+        one way to each stage."""
+        return None
 
     async def send_direct(self, dst: str, msg) -> None:
         """Send straight to dst's inbox whatever the topology: the control plane (Ready,
@@ -74,17 +83,19 @@ class Transport:
     async def recv(self) -> Envelope:
         """The next message for this stage; malformed frames are logged and dropped."""
         while True:
-            frames = await self._frames()
             try:
-                env = await self._arrived(frames)
-                if env is not None:
-                    return env
+                if self.ready:
+                    return decode(self.ready.popleft())
+                frames = await self._frames()
+                if frames is not None:
+                    await self._arrived(frames)
             except WireError as exc:
                 self.dropped += 1
                 log.warning("%s dropped a malformed message: %s", self.me, exc)
 
-    async def _arrived(self, frames: list) -> Envelope | None:
-        return decode(frames)
+    async def _arrived(self, frames: list) -> None:
+        """Frames that came in: for this stage (onto `ready`), or to pass on."""
+        self.ready.append(frames)
 
     def close(self) -> None:
         for sock in [self.inbox, *self._out.values()]:
@@ -104,12 +115,27 @@ class Ring(Transport):
     """Each stage sends only to its successor (the next name in the table, wrapping around, past
     the stages that are down); a stage forwards what is not for it without decoding the body. A
     broadcast goes once around. A message for a stage that is down is dropped (else it would
-    circle for ever)."""
+    circle for ever).
 
-    def __init__(self, me: str, table: dict[str, str], ctx: zmq.asyncio.Context | None = None, keys: dict | None = None):
+    The way round changes while messages travel (a stage is held down, or is back), so two
+    messages from one stage to another may take different ways and the later one arrive first. So
+    each carries its number among its sender's messages to that stage (messages.py's `order`),
+    and the destination holds one that comes early until those before it arrive: a stream's
+    pieces (a skeleton's, a point's) join in the order they were written. One before it that is
+    not there within `patience` seconds was lost (a dead stage held it): what is held then goes on
+    in its order, past the gap."""
+
+    def __init__(self, me: str, table: dict[str, str], ctx: zmq.asyncio.Context | None = None, keys: dict | None = None,
+                 patience: float = 1.0):  # fmt: skip
         super().__init__(me, table, ctx, keys)
         self.order = list(table)
         self.forwarded = 0
+        self.patience = patience
+        self.epoch = random.getrandbits(31)  # this start of the transport (a restarted sender counts afresh)
+        self.sent: dict[str, int] = {}  # dst -> messages sent to it
+        self.expected: dict[tuple[str, int], int] = {}  # (src, its epoch) -> the number of its next message
+        self.early: dict[tuple[str, int], dict[int, list]] = {}  # (src, epoch) -> number -> frames that came early
+        self.waiting_since: dict[tuple[str, int], float] = {}  # (src, epoch) -> when its oldest gap opened
 
     @property
     def successor(self) -> str:
@@ -117,23 +143,78 @@ class Ring(Transport):
         later = self.order[i + 1 :] + self.order[:i]
         return next((name for name in later if name not in self.down), self.me)
 
+    def _number(self, dst: str) -> tuple[int, int] | None:
+        if dst == BROADCAST or dst in self.down:  # a broadcast is not numbered; one for a stage that is down is dropped
+            return None
+        n = self.sent[dst] = self.sent.get(dst, -1) + 1
+        return self.epoch, n
+
     async def _route(self, dst: str, frames: list) -> None:
         if dst in self.down:
             log.warning("%s dropped a message for %s, which is down", self.me, dst)
             return
         await self._link(self.successor).send_multipart(frames, copy=False)
 
-    async def _arrived(self, frames: list) -> Envelope | None:
-        _, dst, src = peek(frames)
+    async def _frames(self) -> list | None:
+        """The next frames in, or None once the oldest gap has waited `patience` seconds."""
+        if not self.waiting_since:
+            return await super()._frames()
+        wait = min(self.waiting_since.values()) + self.patience - time.monotonic()
+        if wait > 0 and await self.inbox.poll(wait * 1000, zmq.POLLIN):
+            return await super()._frames()
+        self._skip_gaps()
+        return None
+
+    async def _arrived(self, frames: list) -> None:
+        _, dst, src, order = peek(frames)
         if dst == self.me:
-            return decode(frames)
-        if dst == BROADCAST:
+            self._in_order(src, order, frames)
+        elif dst == BROADCAST:
             if self.successor != src:
                 await self._route(dst, frames)
-            return decode(frames) if src != self.me else None
-        self.forwarded += 1
-        await self._route(dst, frames)
-        return None
+            if src != self.me:
+                self.ready.append(frames)
+        else:
+            self.forwarded += 1
+            await self._route(dst, frames)
+
+    def _in_order(self, src: str, order: tuple[int, int] | None, frames: list) -> None:
+        if order is None:  # sent straight (the control plane)
+            self.ready.append(frames)
+            return
+        key, n = (src, order[0]), order[1]
+        # The first message heard from a sender's start is where its count begins here (this stage
+        # may have started after it, or come back from a restart).
+        expected = self.expected.get(key, n)
+        if n > expected:
+            self.early.setdefault(key, {})[n] = frames
+            self.waiting_since.setdefault(key, time.monotonic())
+            return
+        self.ready.append(frames)  # the next one (or one given up for lost that came after all)
+        if n == expected:
+            self._release(key, n + 1)
+
+    def _release(self, key: tuple[str, int], n: int) -> None:
+        """Onto `ready`, the messages of `key` held from number n on that follow without a gap."""
+        early = self.early.get(key, {})
+        while n in early:
+            self.ready.append(early.pop(n))
+            n += 1
+        self.expected[key] = n
+        self.waiting_since.pop(key, None)
+        if early:
+            self.waiting_since[key] = time.monotonic()
+        else:
+            self.early.pop(key, None)
+
+    def _skip_gaps(self) -> None:
+        """The gaps that waited `patience` seconds are given up: what is held after each goes on."""
+        now = time.monotonic()
+        for key, since in list(self.waiting_since.items()):
+            if now - since >= self.patience:
+                log.warning("%s: %d messages from %s waited %.1f s for an earlier one that did not come: "
+                            "passing them on", self.me, len(self.early[key]), key[0], now - since)  # fmt: skip
+                self._release(key, min(self.early[key]))
 
 
 def make_transport(topology: str, me: str, table: dict[str, str], ctx=None, keys: dict | None = None) -> Transport:
