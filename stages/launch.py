@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -208,11 +209,14 @@ class StageProcess:
 
 
 class Launcher:
-    """Starts every stage of a RunSpec and keeps them running."""
+    """Starts every stage of a RunSpec and keeps them running. The run's folder (its sockets and
+    the stages' logs) goes when it stops, unless a stage died or would not start: then its logs
+    stay where the reports said."""
 
     def __init__(self, spec: RunSpec, run_dir: Path, remote: str = REMOTE, restart: bool = True):
         self.spec, self.run_dir, self.remote, self.restart = spec, Path(run_dir), remote, restart
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.keep_logs = False  # set once a stage died or would not start
         self.keys = None  # the run's CURVE keys when its links are tcp: given to stages on stdin, to clients in the run file
         if spec.curve:
             import zmq
@@ -293,6 +297,7 @@ class Launcher:
             else:
                 stage.proc = None
             reports.append(report)
+            self.keep_logs = True
         return reports
 
     def pids(self) -> dict[str, int | None]:
@@ -310,8 +315,10 @@ class Launcher:
         tmp.replace(path)
 
     def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM every stage, then SIGKILL what is still there after `grace` seconds."""
+        """SIGTERM every stage, then SIGKILL what is still there after `grace` seconds; the run's
+        folder goes too unless its logs are to stay (see the class)."""
         live = [s.proc for s in self.stages.values() if s.proc and s.proc.poll() is None]
+        self.keep_logs |= any(s.proc and s.proc.poll() not in (None, 0) for s in self.stages.values())
         for proc in live:
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -325,6 +332,8 @@ class Launcher:
             stage.proc = None
         for board in {self._range_board(name)[0] for name in self.spec.ranges}:  # (the stages remove their own)
             board.unlink(missing_ok=True)
+        if not self.keep_logs:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def tail(self, name: str, lines: int = 15) -> str:
         try:
@@ -359,9 +368,11 @@ async def wait_ready(launcher: Launcher, timeout: float = 300.0, say: Callable[[
                 due += 15.0
             for stage in launcher.stages.values():
                 if stage.proc is not None and stage.proc.poll() is not None:
-                    raise SpecSotError(f"stage {stage.name} exited while starting; its log ends with:\n"
+                    launcher.keep_logs = True
+                    raise SpecSotError(f"stage {stage.name} exited while starting; its log ({stage.log_path}) ends with:\n"
                                        f"{launcher.tail(stage.name)}")  # fmt: skip
             await asyncio.sleep(0.5)
+    launcher.keep_logs = True
     raise SpecSotError(f"the stages were not ready after {timeout:.0f} s; logs are in {launcher.run_dir}")
 
 

@@ -62,5 +62,9 @@ def launched(spec, run_dir, remote: str = REMOTE):
     try:
         asyncio.run(wait_ready(launcher, timeout=120))
         yield launcher
+        launcher.keep_logs = False  # a test that passed leaves nothing behind, even where it killed a stage
+    except BaseException:
+        launcher.keep_logs = True  # a failed test's logs stay for a look
+        raise
     finally:
         launcher.stop()

@@ -150,6 +150,7 @@ def tiny_spec(tiny_model, topology, devices="127.0.0.1#cpu0,127.0.0.1#cpu1", poi
 
     model, draft = tiny_model
     run_dir = Path(tempfile.mkdtemp(prefix="specsot-test-"))
+    run_dir.rmdir()  # a fresh name: a Launcher makes the folder, and removes it when it stops
     profiles = load_profiles(default_profiles_path())
     ranges = split_ranges(parse_devices(devices), profiles, Path(model), replicas) if split else None
     spec = plan_run(parse_devices(devices), profiles, topology, run_dir, ranges=ranges,

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from conftest import fresh_home
 from pipeline_helpers import make_tiny_model
@@ -148,6 +151,33 @@ def test_a_launch_with_a_host_that_cannot_be_reached_fails_by_name_and_leaves_no
     assert "exited while starting" in out.stderr, out.stderr  # then ssh's own words, which vary by network
     assert "Traceback" not in out.stderr
     assert _until(lambda: not _stages_of(str(model)), 30), _stages_of(str(model))
+    log = Path(re.search(r"its\s+log\s+\((\S+)\)\s+ends", out.stderr)[1])  # kept for a look, named
+    assert log.exists()
+    shutil.rmtree(log.parent)
+
+
+@pytest.mark.parametrize("died", [False, True])
+def test_a_run_leaves_no_folder_behind_unless_a_stage_died_then_its_logs_stay(tmp_path, died):
+    """The run's folder (sockets, logs) goes when the launcher stops; where a stage died, the
+    folder stays, and the report's log path names a file that is there."""
+    from specsot_mq.devices import parse_devices
+    from specsot_mq.sot.scheduler import default_profiles_path, load_profiles
+    from specsot_mq.stages.launch import Launcher, plan_run
+
+    run_dir = tmp_path / "run"
+    spec = plan_run(parse_devices("127.0.0.1#cpu"), load_profiles(default_profiles_path()), "p2p", run_dir)
+    launcher = Launcher(spec, run_dir, restart=False)
+    for stage in launcher.stages.values():  # stand-ins for the stages: one that lives, or one that dies
+        stage.command = ["sh", "-c", "echo dying; exit 3" if died and stage.name == "merge" else "sleep 30"]
+    launcher.start()
+    assert _until(lambda: launcher.stages["merge"].proc.poll() is not None, 10) if died else True
+    reports = launcher.check()
+    launcher.stop()
+    if died:
+        assert len(reports) == 1 and reports[0].endswith(f"log: {run_dir / 'merge.log'}"), reports
+        assert (run_dir / "merge.log").read_text() == "dying\n"
+    else:
+        assert not reports and not run_dir.exists()
 
 
 def test_waiting_for_stages_says_which_ones_it_waits_for(tmp_path):
@@ -204,3 +234,5 @@ def test_a_remote_stage_that_ends_before_its_keys_are_written_is_reported_by_nam
     finally:
         launcher.stop()
     assert not _stages_of(str(model))  # the local stages went with the launch
+    assert launcher.keep_logs and (launcher.run_dir / "gateway.log").exists()  # its logs stay for a look...
+    shutil.rmtree(launcher.run_dir)  # ...which this test does not need
