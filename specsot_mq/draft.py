@@ -56,7 +56,7 @@ class DraftConfig:
     def read(cls, path: str | Path) -> "DraftConfig":
         """The config of a saved head, without its weights."""
         try:
-            with safe_open(str(path), framework="pt") as f:
+            with safe_open(str(path), framework="numpy") as f:  # the header alone
                 return cls.from_json((f.metadata() or {}).get("config", "{}"))
         except (OSError, ValueError, SafetensorError) as e:  # (json's errors are ValueErrors)
             raise SpecSotError(f"draft head {path} cannot be read ({e}): pass a head that train-draft wrote, "

@@ -299,6 +299,9 @@ def resolve_draft(draft: str | None, model_folder: Path) -> Path | None:
     path = Path(draft).expanduser()
     if not path.is_file():
         raise SpecSotError(f"draft head {path} not found: pass a .safetensors head, 'auto' or 'none'")
+    from specsot_mq.draft import DraftConfig
+
+    DraftConfig.read(path)  # a file that is no head fails now, before a model is loaded
     return path
 
 

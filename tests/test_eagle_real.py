@@ -21,6 +21,18 @@ def test_shipped_head_is_small_and_found_by_default(default_model_dir):
     assert resolve_draft("none", default_model_dir) is None
 
 
+def test_a_draft_path_that_is_no_head_fails_before_any_model_is_loaded(default_model_dir, monkeypatch):
+    from specsot_mq import loader
+    from specsot_mq.errors import SpecSotError
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the draft head was checked")
+
+    monkeypatch.setattr(loader, "load_model", no_loading)
+    with pytest.raises(SpecSotError, match=f"draft head {__file__} cannot be read"):
+        loader.load_generator(str(default_model_dir), draft=__file__)
+
+
 def test_eagle_greedy_equals_plain_greedy_on_mt_bench(default_model_dir):
     tokenizer = load_tokenizer(default_model_dir)
     model = load_model(default_model_dir, dtype=torch.float32)
