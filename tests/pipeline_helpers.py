@@ -59,12 +59,12 @@ def launched(spec, run_dir, remote: str = REMOTE):
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
     launcher = Launcher(spec, run_dir, remote=remote)
     launcher.start()
+    passed = False
     try:
         asyncio.run(wait_ready(launcher, timeout=120))
         yield launcher
-        launcher.keep_logs = False  # a test that passed leaves nothing behind, even where it killed a stage
-    except BaseException:
-        launcher.keep_logs = True  # a failed test's logs stay for a look
-        raise
+        passed = True
     finally:
-        launcher.stop()
+        launcher.stop()  # keeps the logs where a stage died (a failed test's stay for a look)...
+        if passed:  # ...but a test that passed leaves nothing behind, even where it killed a stage
+            shutil.rmtree(run_dir, ignore_errors=True)

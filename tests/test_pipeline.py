@@ -108,7 +108,10 @@ async def test_a_ring_hands_on_a_senders_messages_in_order_when_the_way_round_ch
         a.set_down(["b"])
         await a.send("c", say("1"))
         await a.send("c", say("2"))
-        await asyncio.sleep(0.2)
+        for _ in range(500):  # until both reach c
+            if len(c.early.get(("a", a.epoch), {})) == 2:
+                break
+            await asyncio.sleep(0.01)
         assert got.empty() and sorted(c.early[("a", a.epoch)]) == [2, 3]  # held: "0" is still in b
         forwarder = asyncio.create_task(pump(b))  # b passes "0" on
         assert [await asyncio.wait_for(got.get(), 5) for _ in range(3)] == ["0", "1", "2"]
