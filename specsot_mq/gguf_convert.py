@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .errors import SpecSotError
 from .gguf_blocks import FORMATS, GROUP, pack_ggml
+from .gguf_tokenizer import byte_level_tokenizer
 
 # GGUF architecture -> (transformers class, model_type, whether llama.cpp permuted q/k for its rope)
 ARCHITECTURES = {
@@ -194,7 +195,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
     _write_json(out_dir / "generation_config.json", generation)
     console = Console(stderr=True, quiet=not progress)
     with console.status("Converting the tokenizer"):
-        save_tokenizer(gguf_path, out_dir)
+        save_tokenizer(reader, gguf_path, out_dir)
     write_weights(reader, gguf_path, config, out_dir / "model.safetensors", console)
 
 
@@ -297,8 +298,14 @@ def _llama3_rope(factors: np.ndarray, theta: float, head_dim: int, path: Path) -
     return rope
 
 
-def save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    """Save the GGUF's tokenizer and chat template as Hugging Face tokenizer files in `out_dir`."""
+def save_tokenizer(reader: GGUFFile, gguf_path: Path, out_dir: Path) -> None:
+    """Save the GGUF's tokenizer and chat template as Hugging Face tokenizer files in `out_dir`: a
+    byte-level BPE vocabulary built here (gguf_tokenizer), any other through transformers."""
+    if reader.fields.get("tokenizer.ggml.model") == "gpt2":
+        tokenizer, config = byte_level_tokenizer(reader.fields, gguf_path.name)
+        tokenizer.save(str(out_dir / "tokenizer.json"))
+        _write_json(out_dir / "tokenizer_config.json", config)
+        return
     from transformers import AutoTokenizer  # deferred: importing transformers takes seconds
 
     tokenizer = AutoTokenizer.from_pretrained(

@@ -150,11 +150,12 @@ def _staging(models: Path, name: str) -> Path:
 
 
 def convert_apart(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
-    """gguf_convert.convert_gguf in a process of its own, which ends with it: the conversion
-    imports transformers (its GGUF tokenizer reader) and with it torch and sympy, whose memory
-    would otherwise stay for the life of the process that asked (a launcher, which imports no
-    torch, a server, a stage). Its progress bars go to the same terminal; a user's error comes
-    back as it was raised, any other with the conversion's traceback."""
+    """gguf_convert.convert_gguf in a process of its own, which ends with it: the conversion's
+    buffers (a tensor at a time, the vocabulary's) and imports (gguf's; transformers with torch
+    and sympy for a sentencepiece vocabulary) would otherwise stay for the life of the process
+    that asked (a launcher, which imports no torch, a server, a stage). Its progress bars go to the
+    same terminal; a user's error comes back as it was raised, any other with the conversion's
+    traceback."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)

@@ -213,8 +213,9 @@ def test_the_conversion_is_cached_by_content_and_the_file_only_read(home, tmp_pa
 @pytest.mark.slow
 def test_the_conversion_runs_in_a_process_of_its_own(home, tmp_path, tokenizer_fields):
     """The process that names a new .gguf (a launcher, a server) gets the converted folder without
-    importing what the conversion needs (transformers' GGUF tokenizer reader, torch, sympy), which
-    would stay in its memory for its whole life; a failed conversion's error still reaches it."""
+    importing what the conversion may need (for a sentencepiece vocabulary transformers, torch,
+    sympy), which would stay in its memory for its whole life; a failed conversion's error still
+    reaches it."""
     hf = tiny_hf("llama", vocab_size=49152, **SHAPE)
     path = write_gguf(tmp_path / "tiny.gguf", hf, "llama", tokenizer_fields)
     script = ("import sys; from specsot_mq.pull import resolve_model; folder = resolve_model(sys.argv[1]); "
@@ -228,6 +229,77 @@ def test_the_conversion_runs_in_a_process_of_its_own(home, tmp_path, tokenizer_f
     bare = write_gguf(tmp_path / "bare.gguf", hf, "llama", {})  # no tokenizer: the child's error, as raised
     with pytest.raises(SpecSotError, match="has no tokenizer"):
         resolve_model(str(bare))
+
+
+def tokenizer_only_gguf(path: Path, tokenizer_fields: dict, **changes) -> Path:
+    """A GGUF holding only the default model's tokenizer, with `changes` to its fields (name without
+    the "tokenizer.ggml." prefix -> value; token_type as {token id: type})."""
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    for key, field in tokenizer_fields.items():
+        value, name = field.contents(), key.removeprefix("tokenizer.ggml.")
+        if name == "token_type":
+            value = [changes.get(name, {}).get(i, kind) for i, kind in enumerate(value)]
+        elif name in changes:
+            value = changes[name]
+        writer.add_key_value(key, value, field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+TOKENIZER_TEXTS = [
+    "Skeleton-of-Thought: outline first,\n then expand 3 points! ünïcödé 🚀", "  two spaces\t\ttabs\r\n\r\nCRLF  ",
+    "In 2024, 365.25 days; x=12345", "<|im_start|>user\nHi<|im_end|>\n<|endoftext|>", "def f(x):\n    return x**2  # ok\n",
+    "日本語のテキスト、中文文本。", "I'm sure WE'VE, they'll", "Ġloc and () inside", "hello\n\n\nworld", "end.\n\n- item",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("changes", [
+    {"pre": "qwen2", "add_bos_token": True, "token_type": {1000: 4, 1001: 4}},  # its own split, bos added, user tokens
+    {"pre": "llama-bpe"},
+    {"pre": "no-such-split"},  # split as GPT-2 splits, and one line says so
+], ids=["qwen2-bos-user-tokens", "llama-bpe", "unknown-split"])  # fmt: skip
+def test_a_byte_level_vocabulary_tokenizes_as_transformers_builds_it_from_the_file(tmp_path, tokenizer_fields, changes, capfd):
+    """The tokenizer a .gguf's byte-level vocabulary is converted to, built without transformers,
+    encodes (with and without special tokens) and decodes every text as the one transformers
+    builds from the same file."""
+    from transformers import AutoTokenizer
+
+    path = tokenizer_only_gguf(tmp_path / "vocab.gguf", tokenizer_fields, **changes)
+    ours = load_tokenizer_of(path, tmp_path / "ours")
+    warned = capfd.readouterr().err
+    assert ("not one this converter knows" in warned) == (changes["pre"] == "no-such-split")
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in TOKENIZER_TEXTS:
+        for special in (True, False):
+            assert ours.encode(text, special) == theirs.encode(text, add_special_tokens=special), (text, special)
+        ids = ours.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids) and ours.decode(ids, True) == theirs.decode(ids, skip_special_tokens=True)
+    assert (ours.encode("hi") == [1, *ours.encode("hi", False)]) == changes.get("add_bos_token", False)
+    # The texts see the split: a blank line before a list splits otherwise under GPT-2's regex.
+    gpt2_split = load_tokenizer_of(tokenizer_only_gguf(tmp_path / "gpt2.gguf", tokenizer_fields, pre="gpt-2"), tmp_path / "gpt2")
+    assert (ours.encode("end.\n\n- item") == gpt2_split.encode("end.\n\n- item")) == (changes["pre"] == "no-such-split")
+
+
+def test_a_byte_level_vocabulary_without_merges_is_one_clear_error(tmp_path, tokenizer_fields):
+    from specsot_mq.gguf_convert import open_gguf, save_tokenizer
+
+    path = tokenizer_only_gguf(tmp_path / "vocab.gguf", tokenizer_fields)
+    reader = open_gguf(path)
+    del reader.fields["tokenizer.ggml.merges"]
+    with pytest.raises(SpecSotError, match="vocab.gguf has a byte-level vocabulary without its merges"):
+        save_tokenizer(reader, path, tmp_path)
+    assert not (tmp_path / "tokenizer.json").exists()
+
+
+def load_tokenizer_of(path: Path, folder: Path):
+    from specsot_mq.gguf_convert import open_gguf, save_tokenizer
+    from specsot_mq.tokenizer import load_tokenizer
+
+    folder.mkdir()
+    save_tokenizer(open_gguf(path), path, folder)
+    return load_tokenizer(folder)
 
 
 def test_a_missing_or_foreign_file_is_one_clear_error(home, tmp_path):
