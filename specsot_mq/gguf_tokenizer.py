@@ -83,11 +83,13 @@ def byte_level_tokenizer(fields: dict, name: str) -> tuple[Tokenizer, dict]:
     # What encode(..., add_special_tokens=True) adds: the file's bos and eos where it says to.
     add = {end: bool(fields.get(f"tokenizer.ggml.add_{end}_token", False)) and f"{end}_token" in named for end in ("bos", "eos")}
     ends = [(named[f"{end}_token"], ids[f"{end}_token"]) for end in ("bos", "eos") if add[end]]
-    bos = f"{named['bos_token']}:0 " if add["bos"] else ""
-    eos = f" {named['eos_token']}:0" if add["eos"] else ""
+
+    def around(sequence: str, type_id: int) -> str:
+        return " ".join([*([f"{named['bos_token']}:{type_id}"] if add["bos"] else []), f"${sequence}:{type_id}",
+                         *([f"{named['eos_token']}:{type_id}"] if add["eos"] else [])])  # fmt: skip
+
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{bos}$A:0{eos}", pair=f"{bos}$A:0{eos} {bos.replace(':0', ':1')}$B:1{eos.replace(':0', ':1')}",
-        special_tokens=ends,
+        single=around("A", 0), pair=f"{around('A', 0)} {around('B', 1)}", special_tokens=ends
     )
     config = {**named, "add_bos_token": add["bos"], "add_eos_token": add["eos"], "tokenizer_class": "PreTrainedTokenizerFast"}
     if "tokenizer.chat_template" in fields:
