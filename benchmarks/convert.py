@@ -88,11 +88,13 @@ def main(argv=None) -> dict:
                                    capture_output=True, text=True)  # fmt: skip
             if added.returncode:
                 sys.exit(f"benchmarks/convert.py: --against {args.against}: {added.stderr.strip()}")
+        def folder(way: str, r: int) -> Path:  # round r's output of one way (a REV may hold "/")
+            return work / f"{way.replace('/', '_')}-{r}"
+
         runs = {way: [] for way in trees}
         for r in range(args.rounds):
             for way, tree in trees.items():
-                out = work / f"{way.replace('/', '_')}-{r}"
-                runs[way].append(convert(Path(gguf), out, tree))
+                runs[way].append(convert(Path(gguf), folder(way, r), tree))
                 print(f"round {r + 1}/{args.rounds} {way:>10}: {runs[way][-1]['process_s']:.2f} s", file=sys.stderr)
         result = {"gguf": Path(gguf).name, "size_mb": round(Path(gguf).stat().st_size / 2**20, 1), "rounds": args.rounds}
         print(f"\n{result['gguf']} ({result['size_mb']} MB), median of {args.rounds}:")
@@ -104,7 +106,7 @@ def main(argv=None) -> dict:
         if args.against:
             ratio = result[args.against]["process_s"] / result["this"]["process_s"]
             result["rev_over_this"] = round(ratio, 2)
-            result["same"] = same_folders(work / "this-0", work / f"{args.against.replace('/', '_')}-0")
+            result["same"] = same_folders(folder("this", 0), folder(args.against, 0))
             print(f"{args.against} / this: {ratio:.2f}x; the same folder: {result['same']}")
         print(json.dumps(result))
         return result

@@ -25,9 +25,11 @@ from ggml_reference import quantize
 
 from specsot_mq import pull as pull_module
 from specsot_mq.errors import SpecSotError
+from specsot_mq.gguf_convert import open_gguf, save_tokenizer
 from specsot_mq.loader import load_model
 from specsot_mq.model import Step
 from specsot_mq.pull import DEFAULT_MODEL, download_gguf, resolve_model
+from specsot_mq.tokenizer import load_tokenizer
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -68,6 +70,12 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_field(writer: gguf.GGUFWriter, key: str, field, value=None) -> None:
+    """A field gguf's GGUFReader read, written again (with `value` in place of its own, if given)."""
+    value = field.contents() if value is None else value
+    writer.add_key_value(key, value, field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+
+
 def write_gguf(path: Path, hf_model, arch: str, tokenizer_fields: dict, types=lambda name: "Q8_0") -> Path:
     """hf_model as a GGUF file of architecture `arch`, its 2-D weights of type types(gguf name)."""
     c = hf_model.config
@@ -84,8 +92,7 @@ def write_gguf(path: Path, hf_model, arch: str, tokenizer_fields: dict, types=la
     rope = c.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
     for key, field in tokenizer_fields.items():  # copied as they are
-        value = field.contents()
-        writer.add_key_value(key, value, field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+        add_field(writer, key, field)
     if rope.get("rope_type") == "llama3":  # llama.cpp keeps Llama 3's rope as a factor per frequency
         d, theta = c.head_dim, rope["rope_theta"]
         freqs = 1.0 / theta ** (np.arange(0, d, 2) / d)
@@ -236,15 +243,21 @@ def tokenizer_only_gguf(path: Path, tokenizer_fields: dict, **changes) -> Path:
     the "tokenizer.ggml." prefix -> value; token_type as {token id: type})."""
     writer = gguf.GGUFWriter(str(path), "qwen2")
     for key, field in tokenizer_fields.items():
-        value, name = field.contents(), key.removeprefix("tokenizer.ggml.")
-        if name == "token_type":
-            value = [changes.get(name, {}).get(i, kind) for i, kind in enumerate(value)]
-        elif name in changes:
-            value = changes[name]
-        writer.add_key_value(key, value, field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+        name = key.removeprefix("tokenizer.ggml.")
+        if name == "token_type" and name in changes:
+            add_field(writer, key, field, [changes[name].get(i, kind) for i, kind in enumerate(field.contents())])
+        else:
+            add_field(writer, key, field, changes.get(name))
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def load_tokenizer_of(path: Path, folder: Path):
+    """The tokenizer the conversion makes of `path`'s vocabulary, saved in `folder`."""
+    folder.mkdir()
+    save_tokenizer(open_gguf(path), path, folder)
+    return load_tokenizer(folder)
 
 
 TOKENIZER_TEXTS = [
@@ -283,23 +296,12 @@ def test_a_byte_level_vocabulary_tokenizes_as_transformers_builds_it_from_the_fi
 
 
 def test_a_byte_level_vocabulary_without_merges_is_one_clear_error(tmp_path, tokenizer_fields):
-    from specsot_mq.gguf_convert import open_gguf, save_tokenizer
-
     path = tokenizer_only_gguf(tmp_path / "vocab.gguf", tokenizer_fields)
     reader = open_gguf(path)
     del reader.fields["tokenizer.ggml.merges"]
     with pytest.raises(SpecSotError, match="vocab.gguf has a byte-level vocabulary without its merges"):
         save_tokenizer(reader, path, tmp_path)
     assert not (tmp_path / "tokenizer.json").exists()
-
-
-def load_tokenizer_of(path: Path, folder: Path):
-    from specsot_mq.gguf_convert import open_gguf, save_tokenizer
-    from specsot_mq.tokenizer import load_tokenizer
-
-    folder.mkdir()
-    save_tokenizer(open_gguf(path), path, folder)
-    return load_tokenizer(folder)
 
 
 def test_a_missing_or_foreign_file_is_one_clear_error(home, tmp_path):
@@ -325,8 +327,7 @@ def test_a_type_the_kernels_do_not_run_is_converted_with_one_line(home, tmp_path
     writer = gguf.GGUFWriter(str(tmp_path / "q3k.gguf"), "llama")
     for key, field in reader.fields.items():
         if not key.startswith("GGUF.") and key != "general.architecture":
-            writer.add_key_value(key, field.contents(), field.types[0],
-                                 field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)  # fmt: skip
+            add_field(writer, key, field)
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         if t.name == "blk.0.ffn_up.weight":
@@ -351,8 +352,6 @@ def test_the_header_reader_reads_what_ggufs_own_reader_reads(tmp_path):
     """gguf_convert.open_gguf walks the header with struct (gguf's GGUFReader took 7 s on the default
     model's tokenizer): every value type, arrays of numbers, strings and bools, tensors of float and
     block types, against GGUFReader on the same file; a file cut short is one error naming it."""
-    from specsot_mq.gguf_convert import open_gguf
-
     path = tmp_path / "all.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_uint8("t.u8", 7), writer.add_int8("t.i8", -7), writer.add_uint16("t.u16", 700)
